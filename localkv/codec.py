@@ -1,0 +1,265 @@
+"""Codec for llama.cpp's per-sequence KV state (llama-cpp-python 0.3.36).
+
+``llama_state_seq_get_data`` writes, little-endian (llama.cpp
+``llama_context::state_seq_get_data`` and ``llama_kv_cache::state_write``)::
+
+    u32 magic 0xaf143cd8, i32 seq_id
+    u32 n_stream                      (localkv: exactly 1)
+    per stream: u32 cell_count
+      per cell: i32 pos, u32 n_seq_id (=1), i32 seq_id
+      u32 v_trans, u32 n_layer
+      per layer: i32 k_type, u64 k_row_bytes, cell_count K rows
+      V, untransposed: per layer i32 v_type, u64 v_row_bytes, cell_count rows
+      V, transposed:   per layer i32 v_type, u32 elem_bytes, u32 n_embd_v,
+                       then for each of n_embd_v rows, the cells' elements
+
+The codec keeps K and V token-major (one row
+of bytes per token, V transposed back), so a state can be cut at any token and
+blocks concatenated. Anything it does not recognise raises ``StateFormatError``
+and the caller runs uncached.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["KVLayer", "KVState", "StateFormatError", "assemble", "concat", "parse"]
+
+# ggml types whose elements are whole numbers of bytes: only these can sit in a
+# transposed V cache (llama.cpp needs flash attention for quantized V).
+_ELEMENT_BYTES = {0: 4, 1: 2, 30: 2}
+_EXPECTED_ROW_TYPES = {0, 1, 2, 3, 6, 7, 8, 30}
+STATE_MAGIC = 0xAF143CD8
+
+
+class StateFormatError(ValueError):
+    """The state buffer is not a layout this codec knows."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayer:
+    """One layer's K and V, token-major: ``k[i]`` / ``v[i]`` are token i's rows."""
+
+    k_type: int
+    v_type: int
+    k: np.ndarray  # uint8 [n_tokens, k_row_bytes]
+    v: np.ndarray  # uint8 [n_tokens, v_row_bytes]
+    v_elem_bytes: int  # element size of V (used when V is stored transposed)
+
+    @property
+    def k_row_bytes(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def v_row_bytes(self) -> int:
+        return int(self.v.shape[1])
+
+
+@dataclass(frozen=True, slots=True)
+class KVState:
+    """A parsed sequence state: positions plus per-layer token-major K/V rows."""
+
+    positions: np.ndarray  # int32 [n_tokens]
+    v_trans: bool
+    layers: tuple[KVLayer, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+
+    def layout(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Per layer (k_type, k_row_bytes, v_type, v_row_bytes): the representation."""
+        return tuple((x.k_type, x.k_row_bytes, x.v_type, x.v_row_bytes) for x in self.layers)
+
+    def slice(self, start: int, stop: int) -> KVState:
+        """Tokens ``start..stop-1`` (views, no copy)."""
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise ValueError(f"slice {start}:{stop} outside 0:{self.n_tokens}")
+        layers = tuple(
+            KVLayer(x.k_type, x.v_type, x.k[start:stop], x.v[start:stop], x.v_elem_bytes)
+            for x in self.layers
+        )
+        return KVState(self.positions[start:stop], self.v_trans, layers)
+
+
+class _Reader:
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
+        self.buf = memoryview(buf).cast("B")
+        self.off = 0
+
+    def take(self, fmt: str) -> int:
+        size = struct.calcsize(fmt)
+        if self.off + size > len(self.buf):
+            raise StateFormatError(f"state truncated at byte {self.off}")
+        (value,) = struct.unpack_from(fmt, self.buf, self.off)
+        self.off += size
+        return int(value)
+
+    def rows(self, n: int, row_bytes: int) -> np.ndarray:
+        size = n * row_bytes
+        if self.off + size > len(self.buf):
+            raise StateFormatError(f"state truncated at byte {self.off} (need {size} bytes)")
+        arr = np.frombuffer(self.buf, dtype=np.uint8, count=size, offset=self.off)
+        self.off += size
+        return arr.reshape(n, row_bytes)
+
+
+def parse(buf: bytes | bytearray | memoryview, *, copy: bool = True) -> KVState:
+    """Parse a ``llama_state_seq_get_data`` buffer of one sequence.
+
+    With ``copy=False`` the arrays are views into ``buf`` (keep it alive).
+    """
+    r = _Reader(buf)
+    magic = r.take("<I")
+    if magic != STATE_MAGIC:
+        raise StateFormatError(f"not a llama.cpp sequence state (magic {magic:#010x})")
+    r.take("<i")  # the sequence it was taken from; set_data takes the target id
+    n_stream = r.take("<I")
+    if n_stream != 1:
+        raise StateFormatError(f"{n_stream} KV streams (localkv handles exactly 1)")
+    n = r.take("<I")
+    if n == 0:
+        raise StateFormatError("empty sequence state")
+    cells = r.rows(n, 12).view("<i4")  # per cell: pos, n_seq_id, seq_id
+    if not np.all(cells[:, 1] == 1):
+        raise StateFormatError("a KV cell belongs to several sequences (or has cell extras)")
+    positions = cells[:, 0].astype(np.int32)
+    v_trans = r.take("<I")
+    if v_trans not in (0, 1):
+        raise StateFormatError(f"v_trans flag {v_trans}")
+    n_layer = r.take("<I")
+    if not 0 < n_layer <= 4096:
+        raise StateFormatError(f"{n_layer} layers")
+    ks = []
+    for _ in range(n_layer):
+        k_type = _known_type(r.take("<i"))
+        ks.append((k_type, r.rows(n, r.take("<Q"))))
+    layers = []
+    for k_type, k in ks:
+        v_type = _known_type(r.take("<i"))
+        if v_trans:
+            elem = r.take("<I")
+            if _ELEMENT_BYTES.get(v_type) != elem:
+                raise StateFormatError(f"transposed V of type {v_type} with {elem}-byte elements")
+            n_embd_v = r.take("<I")
+            v = _untranspose(r.rows(n_embd_v, n * elem), n, elem)
+        else:
+            v = r.rows(n, r.take("<Q"))
+            elem = _ELEMENT_BYTES.get(v_type, 1)
+        if copy:
+            k = k.copy()
+            v = v if v_trans else v.copy()
+        layers.append(KVLayer(k_type, v_type, k, v, elem))
+    if r.off != len(r.buf):
+        raise StateFormatError(f"{len(r.buf) - r.off} unexpected trailing bytes")
+    return KVState(positions, bool(v_trans), tuple(layers))
+
+
+def _known_type(type_id: int) -> int:
+    if type_id not in _EXPECTED_ROW_TYPES:
+        raise StateFormatError(f"unknown ggml type {type_id} in KV state")
+    return type_id
+
+
+_ELEM_DTYPES: dict[int, np.dtype[np.unsignedinteger]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+}
+
+
+def _elem_dtype(elem: int) -> np.dtype[np.unsignedinteger]:
+    return _ELEM_DTYPES[elem]
+
+
+def _untranspose(rows: np.ndarray, n: int, elem: int) -> np.ndarray:
+    """[n_embd_v, n*elem] bytes (dimension-major) -> [n, n_embd_v*elem] token-major."""
+    as_elems = rows.view(_elem_dtype(elem))  # [n_embd_v, n]
+    return np.ascontiguousarray(as_elems.T).view(np.uint8).reshape(n, -1)
+
+
+def concat(parts: Sequence[KVState]) -> KVState:
+    """Join consecutive pieces of one sequence (block after block)."""
+    if not parts:
+        raise ValueError("nothing to concatenate")
+    first = parts[0]
+    for p in parts[1:]:
+        if p.v_trans != first.v_trans or p.layout() != first.layout():
+            raise StateFormatError("blocks of different KV layouts cannot be joined")
+    if len(parts) == 1:
+        return first
+    layers = tuple(
+        KVLayer(
+            x.k_type,
+            x.v_type,
+            np.concatenate([p.layers[i].k for p in parts]),
+            np.concatenate([p.layers[i].v for p in parts]),
+            x.v_elem_bytes,
+        )
+        for i, x in enumerate(first.layers)
+    )
+    positions = np.concatenate([p.positions for p in parts])
+    return KVState(positions, first.v_trans, layers)
+
+
+def assembled_size(state: KVState) -> int:
+    n = state.n_tokens
+    size = 4 + 4 + 4 + 4 + n * 12 + 8
+    for x in state.layers:
+        size += 4 + 8 + x.k.nbytes
+        size += (4 + 4 + 4) if state.v_trans else (4 + 8)
+        size += x.v.nbytes
+    return size
+
+
+def assemble(state: KVState, seq_id: int = 0) -> bytearray:
+    """Build the ``llama_state_seq_set_data`` buffer for ``state``."""
+    n = state.n_tokens
+    out = bytearray(assembled_size(state))
+    view = memoryview(out)
+    off = 0
+
+    def put(fmt: str, *values: int) -> None:
+        nonlocal off
+        struct.pack_into(fmt, out, off, *values)
+        off += struct.calcsize(fmt)
+
+    def put_rows(arr: np.ndarray) -> None:
+        nonlocal off
+        dst = np.frombuffer(view[off : off + arr.nbytes], dtype=np.uint8).reshape(arr.shape)
+        np.copyto(dst, arr, casting="no")
+        off += arr.nbytes
+
+    put("<IiII", STATE_MAGIC, seq_id, 1, n)
+    cells = np.empty((n, 3), dtype="<i4")
+    cells[:, 0] = state.positions
+    cells[:, 1] = 1
+    cells[:, 2] = seq_id
+    put_rows(cells.view(np.uint8).reshape(n, 12))
+    put("<II", 1 if state.v_trans else 0, len(state.layers))
+    for x in state.layers:
+        put("<iQ", x.k_type, x.k_row_bytes)
+        put_rows(x.k)
+    for x in state.layers:
+        if state.v_trans:
+            elem = x.v_elem_bytes
+            n_embd_v = x.v_row_bytes // elem
+            put("<iII", x.v_type, elem, n_embd_v)
+            dim_major = x.v.view(_elem_dtype(elem)).reshape(n, n_embd_v).T
+            dst = np.frombuffer(view[off : off + x.v.nbytes], dtype=_elem_dtype(elem))
+            np.copyto(dst.reshape(n_embd_v, n), dim_major, casting="no")
+            off += x.v.nbytes
+        else:
+            put("<iQ", x.v_type, x.v_row_bytes)
+            put_rows(x.v)
+    if off != len(out):
+        raise RuntimeError(f"assembled {off} of {len(out)} bytes")
+    return out

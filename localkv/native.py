@@ -1,0 +1,97 @@
+"""The one place that loads llama.cpp: backend start-up, log routing, type names.
+
+llama-cpp-python prints llama.cpp's log to stderr by default; localkv routes it
+to the ``localkv.llama`` logger instead (DEBUG for info lines, WARNING/ERROR
+as llama.cpp rates them), so nothing is printed behind the user's back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Any
+
+import llama_cpp
+
+__all__ = [
+    "GGML_TYPES",
+    "ggml_type_id",
+    "ggml_type_name",
+    "llama_cpp",
+    "llama_cpp_version",
+    "system_info",
+]
+
+log = logging.getLogger("localkv.llama")
+
+# ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the last)
+_LEVELS = {
+    0: logging.DEBUG,
+    1: logging.DEBUG,
+    2: logging.DEBUG,  # llama.cpp's "info" is chatty: keep it at debug
+    3: logging.WARNING,
+    4: logging.ERROR,
+}
+
+# KV cache types a user may ask for, by llama.cpp's ggml type ids.
+GGML_TYPES: dict[str, int] = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "bf16": 30,
+}
+_TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
+
+_state_lock = threading.Lock()
+_started = False
+_last_level = logging.DEBUG
+
+
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+def _route_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    global _last_level
+    py_level = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
+    _last_level = py_level
+    if log.isEnabledFor(py_level):
+        log.log(py_level, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
+
+
+def ensure_backend() -> None:
+    """Start llama.cpp's backend once per process and route its log."""
+    global _started
+    with _state_lock:
+        if _started:
+            return
+        llama_cpp.llama_log_set(_route_log, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _started = True
+
+
+def ggml_type_id(name: str) -> int:
+    """The ggml type id of a KV cache type name such as ``"q8_0"``."""
+    try:
+        return GGML_TYPES[name.lower()]
+    except KeyError:
+        known = ", ".join(sorted(GGML_TYPES))
+        raise ValueError(f"unknown KV cache type {name!r} (known: {known})") from None
+
+
+def ggml_type_name(type_id: int) -> str:
+    """The name of a ggml type id, or ``"type<N>"`` for one localkv does not name."""
+    return _TYPE_NAMES.get(type_id, f"type{type_id}")
+
+
+def llama_cpp_version() -> str:
+    return str(getattr(llama_cpp, "__version__", "unknown"))
+
+
+def system_info() -> str:
+    """llama.cpp's description of the compute backend (CPU features, GPU backends)."""
+    ensure_backend()
+    raw: Any = llama_cpp.llama_print_system_info()
+    return raw.decode("utf-8", errors="replace").strip() if isinstance(raw, bytes) else str(raw)

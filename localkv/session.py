@@ -1,0 +1,462 @@
+"""A loaded model with one KV sequence: tokenize, prefill, generate, capture, restore.
+
+The session owns its native handles (model, context, batch, LoRA adapters)
+through an ``ExitStack``; ``close()`` frees them once and is safe to repeat.
+
+Prefill is *block-aligned* (DESIGN §6): positions are 0..n-1 of sequence 0;
+inside each block of ``block_size`` tokens the tokens before the block's last
+are decoded in batches and the block's last token is decoded alone. Any extra
+boundary (a snapshot tip, the end of the request) is decoded alone too. The
+logits of every token decoded alone are returned as that position's probe:
+restoring the state of the tokens before it and decoding it alone reproduces
+them bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from localkv import codec
+from localkv.native import ensure_backend, ggml_type_id, llama_cpp
+from localkv.sampling import Sampler, SamplingParams
+
+__all__ = [
+    "LoraSpec",
+    "ModelLoadError",
+    "ModelSession",
+    "PrefillCancelled",
+    "SessionConfig",
+]
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+CancelFn = Callable[[], bool]
+
+_FLASH = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """The model, a LoRA adapter or the context could not be created."""
+
+
+class PrefillCancelled(Exception):
+    """Prefill stopped on request; ``done`` tokens are in the KV sequence."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(f"prefill cancelled after {done} tokens")
+        self.done = done
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    path: Path
+    scale: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """``PATH`` or ``PATH:SCALE``."""
+        head, sep, tail = text.rpartition(":")
+        if sep and head and _is_float(tail):
+            return cls(Path(head), float(tail))
+        return cls(Path(text), 1.0)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """How to load a model. ``n_ctx``, ``n_batch`` and threads do not change KV values."""
+
+    model_path: Path
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int = -1  # -1: all layers (a no-op on a CPU build)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"  # "on" | "off" | "auto"
+    loras: tuple[LoraSpec, ...] = ()
+    rope_freq_base: float = 0.0  # 0: the model's own
+    rope_freq_scale: float = 0.0  # 0: the model's own
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 16:
+            raise ValueError(f"n_ctx must be at least 16, got {self.n_ctx}")
+        if self.n_batch < 1:
+            raise ValueError(f"n_batch must be positive, got {self.n_batch}")
+        if self.flash_attn not in _FLASH:
+            raise ValueError(f"flash_attn must be on, off or auto, got {self.flash_attn!r}")
+        ggml_type_id(self.type_k)
+        ggml_type_id(self.type_v)
+        if self.n_threads is not None and self.n_threads < 1:
+            raise ValueError(f"n_threads must be positive, got {self.n_threads}")
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill did: probe logits by absolute position of tokens decoded alone."""
+
+    start: int
+    end: int
+    probes: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class ModelSession:
+    """One model, one context, one KV sequence (id 0)."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        ensure_backend()
+        self.config = config
+        self._stack = contextlib.ExitStack()
+        self.tokens: list[int] = []
+        self._last_logits: np.ndarray | None = None
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # ----------------------------------------------------------------- setup
+    def _open(self) -> None:
+        cfg = self.config
+        path = Path(cfg.model_path)
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 2**31 - 1 if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {path} (not a supported GGUF?)")
+        self._stack.callback(llama_cpp.llama_model_free, model)
+        self.model = model
+        self.vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            log.warning("recurrent/hybrid memory: the KV cache codec will refuse this model")
+
+        self._check_kv_types()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = cfg.n_batch
+        cparams.n_seq_max = 1
+        threads = cfg.n_threads or max(1, os.cpu_count() or 1)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.type_k = ggml_type_id(cfg.type_k)
+        cparams.type_v = ggml_type_id(cfg.type_v)
+        cparams.flash_attn_type = _FLASH[cfg.flash_attn]
+        cparams.rope_freq_base = cfg.rope_freq_base
+        cparams.rope_freq_scale = cfg.rope_freq_scale
+        cparams.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not create a context (n_ctx={cfg.n_ctx}, type_k={cfg.type_k}, "
+                f"type_v={cfg.type_v}, flash_attn={cfg.flash_attn}); a quantized type_v "
+                "needs flash attention on"
+            )
+        self._stack.callback(llama_cpp.llama_free, ctx)
+        self.ctx = ctx
+        self.memory = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        self._attach_loras(cfg.loras)
+        self.n_batch = cfg.n_batch
+        batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._stack.callback(llama_cpp.llama_batch_free, batch)
+        self._batch = batch
+
+    def _check_kv_types(self) -> None:
+        # llama.cpp does not always check this itself: with flash attention off a
+        # quantized K cache on a head size its block does not divide gives wrong
+        # logits or aborts the process.
+        cfg = self.config
+        head = int(llama_cpp.llama_model_n_embd(self.model)) // max(
+            1, int(llama_cpp.llama_model_n_head(self.model))
+        )
+        for name, kind in (("type_k", cfg.type_k), ("type_v", cfg.type_v)):
+            block = 32 if kind.startswith("q") else 1
+            if head % block:
+                raise ModelLoadError(
+                    f"{name}={kind} needs a head size divisible by {block}; this model's is {head}"
+                )
+
+    def _attach_loras(self, loras: tuple[LoraSpec, ...]) -> None:
+        if not loras:
+            return
+        handles = []
+        for spec in loras:
+            if not Path(spec.path).is_file():
+                raise ModelLoadError(f"LoRA adapter not found: {spec.path}")
+            adapter = llama_cpp.llama_adapter_lora_init(self.model, str(spec.path).encode())
+            if not adapter:
+                raise ModelLoadError(f"llama.cpp could not load LoRA adapter {spec.path}")
+            self._stack.callback(llama_cpp.llama_adapter_lora_free, adapter)
+            handles.append(adapter)
+        arr = (llama_cpp.llama_adapter_lora_p_ctypes * len(handles))(*handles)
+        scales = (ctypes.c_float * len(handles))(*(s.scale for s in loras))
+        if llama_cpp.llama_set_adapters_lora(self.ctx, arr, len(handles), scales) != 0:
+            raise ModelLoadError("llama.cpp refused the LoRA adapters")
+
+    def close(self) -> None:
+        """Free the native handles (idempotent)."""
+        self._stack.close()
+
+    def __enter__(self) -> ModelSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- metadata
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None when the model lacks it."""
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    def n_layer(self) -> int:
+        return int(llama_cpp.llama_model_n_layer(self.model))
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self.model, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    # ---------------------------------------------------------- tokenization
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(
+            self.vocab, data, len(data), buf, cap, add_special, parse_special
+        )
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(
+                self.vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+        if n < 0:
+            raise ValueError("tokenization failed")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(128)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        data = b"".join(self.token_bytes(t, special=special) for t in tokens)
+        return data.decode("utf-8", errors="replace")
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def bos_token(self) -> int | None:
+        tok = int(llama_cpp.llama_vocab_bos(self.vocab))
+        return tok if tok >= 0 else None
+
+    # --------------------------------------------------------------- decoding
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def last_logits(self) -> np.ndarray | None:
+        """Logits after the last token decoded (None after a restore or reset)."""
+        return self._last_logits
+
+    def _decode(self, tokens: list[int], want_last: bool) -> np.ndarray | None:
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens (limit {self.n_batch})")
+        start = len(self.tokens)
+        if start + n > self.n_ctx:
+            raise ContextFullError(start + n, self.n_ctx)
+        b = self._batch
+        b.n_tokens = n
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 0
+        if want_last:
+            b.logits[n - 1] = 1
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with status {rc}")
+        self.tokens.extend(tokens)
+        if not want_last:
+            self._last_logits = None
+            return None
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, n - 1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        self._last_logits = logits
+        return logits
+
+    def decode_one(self, token: int) -> np.ndarray:
+        """Decode one token alone at the next position and return its logits."""
+        logits = self._decode([token], want_last=True)
+        if logits is None:  # pragma: no cover - want_last guarantees logits
+            raise RuntimeError("no logits")
+        return logits
+
+    def prefill(
+        self,
+        tokens: list[int],
+        *,
+        block_size: int,
+        boundaries: Iterable[int] = (),
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> PrefillResult:
+        """Append ``tokens`` to the sequence, block-aligned.
+
+        ``boundaries`` are absolute token counts (a snapshot tip after k tokens
+        means token k-1 is decoded alone). The end of ``tokens`` is always one.
+        ``progress(done, total)`` is called after each batch; when ``cancel()``
+        turns true, prefill stops between batches and raises ``PrefillCancelled``.
+        """
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
+        start = len(self.tokens)
+        end = start + len(tokens)
+        if end > self.n_ctx:
+            raise ContextFullError(end, self.n_ctx)
+        alone = {p for p in range(start, end) if (p + 1) % block_size == 0}
+        alone.update(b - 1 for b in boundaries if start < b <= end)
+        if end > start:
+            alone.add(end - 1)
+        result = PrefillResult(start, end)
+        pos = start
+        while pos < end:
+            if cancel is not None and cancel():
+                raise PrefillCancelled(pos - start)
+            if pos in alone:
+                result.probes[pos] = self.decode_one(tokens[pos - start])
+                pos += 1
+            else:
+                stop = min(end, pos + self.n_batch, min((a for a in alone if a > pos), default=end))
+                self._decode(tokens[pos - start : stop - start], want_last=False)
+                pos = stop
+            if progress is not None:
+                progress(pos - start, end - start)
+        return result
+
+    def generate(
+        self,
+        params: SamplingParams,
+        *,
+        cancel: CancelFn | None = None,
+    ) -> Iterator[int]:
+        """Sample tokens after the current sequence until end of generation.
+
+        Yields each token id as sampled; the token is in the sequence when the
+        next one is requested. Stops at an end-of-generation token (not yielded),
+        ``params.max_tokens``, a full context or ``cancel()``.
+        """
+        logits = self._last_logits
+        if logits is None:
+            raise RuntimeError("generate needs the logits of the last token: prefill first")
+        sampler = Sampler(params)
+        for _ in range(params.max_tokens):
+            if cancel is not None and cancel():
+                return
+            token = sampler.sample(logits)
+            if self.is_end_of_generation(token):
+                return
+            yield token
+            if len(self.tokens) >= self.n_ctx:
+                return
+            logits = self.decode_one(token)
+
+    # ------------------------------------------------------------------ state
+    def capture_state(self) -> bytes:
+        """The raw llama.cpp state of sequence 0."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, 0)
+        if written != size:
+            raise RuntimeError(f"state capture wrote {written} of {size} bytes")
+        return bytes(buf)
+
+    def capture(self) -> codec.KVState:
+        """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown)."""
+        return codec.parse(self.capture_state())
+
+    def load_state(self, data: bytes | bytearray, tokens: list[int]) -> None:
+        """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
+        self.reset()
+        if len(tokens) > self.n_ctx:
+            raise ContextFullError(len(tokens), self.n_ctx)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(
+            data if isinstance(data, bytearray) else bytearray(data)
+        )
+        read = llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), 0)
+        if read != len(data):
+            self.reset()
+            raise codec.StateFormatError(f"llama.cpp accepted {read} of {len(data)} state bytes")
+        self.tokens = list(tokens)
+
+    def restore(self, state: codec.KVState, tokens: list[int]) -> None:
+        """Load a parsed state (positions must be 0..n-1 and match ``tokens``)."""
+        if state.n_tokens != len(tokens):
+            raise ValueError(f"state holds {state.n_tokens} tokens, {len(tokens)} given")
+        if not np.array_equal(state.positions, np.arange(state.n_tokens, dtype=np.int32)):
+            raise codec.StateFormatError("state positions are not 0..n-1")
+        self.load_state(codec.assemble(state), tokens)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the sequence."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"cannot keep {n} of {len(self.tokens)} tokens")
+        if n == len(self.tokens):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1):
+            raise RuntimeError("llama.cpp could not trim the sequence")
+        del self.tokens[n:]
+        self._last_logits = None
+
+    def reset(self) -> None:
+        """Empty the sequence."""
+        llama_cpp.llama_memory_clear(self.memory, True)
+        self.tokens = []
+        self._last_logits = None
+
+
+class ContextFullError(ValueError):
+    """The request does not fit in the context window."""
+
+    def __init__(self, needed: int, n_ctx: int) -> None:
+        super().__init__(
+            f"{needed} tokens do not fit in the context of {n_ctx} tokens "
+            "(raise it with --ctx, or shorten the input)"
+        )
+        self.needed = needed
+        self.n_ctx = n_ctx

@@ -1,0 +1,1 @@
+"""The snapshot store: block files, the SQLite index, eviction and gc."""

@@ -1,0 +1,1 @@
+"""The Textual chat app; it talks only to the runtime API."""
