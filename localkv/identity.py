@@ -8,7 +8,8 @@ policy:
 - representation: architecture, layer count, per-layer K/V types and row sizes,
   V layout (transposed or not), memory kind, state format version;
 - execution: llama-cpp-python version, backend, effective flash attention,
-  llama.cpp's system description.
+  llama.cpp's system description, and the thread count when flash attention is on
+  (its numerics depend on it).
 
 ``n_ctx``, ``n_batch`` and thread count do not change KV values and are not
 part of identity.
@@ -56,7 +57,7 @@ _REPRESENTATION = (
     "memory_kind",
     "state_format",
 )
-_EXECUTION = ("llama_cpp_python", "backend", "flash_attn", "system_info")
+_EXECUTION = ("llama_cpp_python", "backend", "flash_attn", "attn_threads", "system_info")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class Identity:
     llama_cpp_python: str
     backend: str
     flash_attn: bool
+    attn_threads: int  # flash attention's numerics depend on the thread count; 0 when off
     system_info: str
 
     def tiers(self) -> dict[str, dict[str, Any]]:
@@ -196,5 +198,6 @@ def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:
         llama_cpp_python=llama_cpp_version(),
         backend="gpu-offload" if gpu else "cpu",
         flash_attn=not kv.v_trans,
+        attn_threads=0 if kv.v_trans else session.n_threads,
         system_info=system_info(),
     )

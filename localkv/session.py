@@ -93,7 +93,7 @@ class SessionConfig:
     n_gpu_layers: int = -1  # -1: all layers (a no-op on a CPU build)
     type_k: str = "f16"
     type_v: str = "f16"
-    flash_attn: str = "auto"  # "on" | "off" | "auto"
+    flash_attn: str = "auto"  # "on" | "off" | "auto" (off unless type_v is quantized)
     loras: tuple[LoraSpec, ...] = ()
     rope_freq_base: float = 0.0  # 0: the model's own
     rope_freq_scale: float = 0.0  # 0: the model's own
@@ -160,11 +160,12 @@ class ModelSession:
         cparams.n_ubatch = cfg.n_batch
         cparams.n_seq_max = 1
         threads = cfg.n_threads or max(1, os.cpu_count() or 1)
+        self.n_threads = threads
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.type_k = ggml_type_id(cfg.type_k)
         cparams.type_v = ggml_type_id(cfg.type_v)
-        cparams.flash_attn_type = _FLASH[cfg.flash_attn]
+        cparams.flash_attn_type = _FLASH[self.flash_attn_setting()]
         cparams.rope_freq_base = cfg.rope_freq_base
         cparams.rope_freq_scale = cfg.rope_freq_scale
         cparams.no_perf = True
@@ -184,6 +185,18 @@ class ModelSession:
         batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._stack.callback(llama_cpp.llama_batch_free, batch)
         self._batch = batch
+
+    def flash_attn_setting(self) -> str:
+        """``auto`` resolves to off unless a quantized V cache needs flash attention.
+
+        Measured with llama.cpp 0.3.36 on CPU: with flash attention on, a token's
+        logits depend on the thread count (0.05-0.4 apart between 1 and 2 threads),
+        so a state saved by one process would not verify in another; with it off
+        they are bit-identical across thread counts, n_ctx and n_batch.
+        """
+        if self.config.flash_attn != "auto":
+            return self.config.flash_attn
+        return "on" if self.config.type_v.startswith("q") else "off"
 
     def _check_kv_types(self) -> None:
         # llama.cpp does not always check this itself: with flash attention off a
