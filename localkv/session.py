@@ -97,8 +97,11 @@ class SessionConfig:
     loras: tuple[LoraSpec, ...] = ()
     rope_freq_base: float = 0.0  # 0: the model's own
     rope_freq_scale: float = 0.0  # 0: the model's own
+    block_size: int = 256  # prefill alignment; a block's last token is decoded alone
 
     def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.n_ctx < 16:
             raise ValueError(f"n_ctx must be at least 16, got {self.n_ctx}")
         if self.n_batch < 1:
@@ -129,6 +132,11 @@ class ModelSession:
         self._stack = contextlib.ExitStack()
         self.tokens: list[int] = []
         self._last_logits: np.ndarray | None = None
+        # logits of tokens decoded alone at block ends and boundaries: the probes
+        self.probes: dict[int, np.ndarray] = {}
+        # token counts after each llama_decode call: how the sequence was batched.
+        # Numerics depend on batching, so a faithful recomputation replays it.
+        self.batch_ends: list[int] = []
         try:
             self._open()
         except BaseException:
@@ -325,6 +333,7 @@ class ModelSession:
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with status {rc}")
         self.tokens.extend(tokens)
+        self.batch_ends.append(len(self.tokens))
         if not want_last:
             self._last_logits = None
             return None
@@ -333,18 +342,24 @@ class ModelSession:
         self._last_logits = logits
         return logits
 
-    def decode_one(self, token: int) -> np.ndarray:
-        """Decode one token alone at the next position and return its logits."""
+    def decode_one(self, token: int, *, probe: bool = False) -> np.ndarray:
+        """Decode one token alone at the next position and return its logits.
+
+        The logits are kept as a probe when ``probe`` is set or the token ends a block.
+        """
+        pos = len(self.tokens)
         logits = self._decode([token], want_last=True)
         if logits is None:  # pragma: no cover - want_last guarantees logits
             raise RuntimeError("no logits")
+        if probe or (pos + 1) % self.config.block_size == 0:
+            self.probes[pos] = logits
         return logits
 
     def prefill(
         self,
         tokens: list[int],
         *,
-        block_size: int,
+        block_size: int | None = None,
         boundaries: Iterable[int] = (),
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
@@ -356,8 +371,7 @@ class ModelSession:
         ``progress(done, total)`` is called after each batch; when ``cancel()``
         turns true, prefill stops between batches and raises ``PrefillCancelled``.
         """
-        if block_size < 1:
-            raise ValueError("block_size must be positive")
+        block_size = block_size or self.config.block_size
         start = len(self.tokens)
         end = start + len(tokens)
         if end > self.n_ctx:
@@ -372,7 +386,7 @@ class ModelSession:
             if cancel is not None and cancel():
                 raise PrefillCancelled(pos - start)
             if pos in alone:
-                result.probes[pos] = self.decode_one(tokens[pos - start])
+                result.probes[pos] = self.decode_one(tokens[pos - start], probe=True)
                 pos += 1
             else:
                 stop = min(end, pos + self.n_batch, min((a for a in alone if a > pos), default=end))
@@ -381,6 +395,24 @@ class ModelSession:
             if progress is not None:
                 progress(pos - start, end - start)
         return result
+
+    def replay(self, tokens: list[int], batch_ends: Iterable[int]) -> dict[int, np.ndarray]:
+        """Decode ``tokens`` from an empty sequence in exactly the given batches.
+
+        Returns the logits of every single-token batch (the probes), by position.
+        """
+        self.reset()
+        ends = sorted({e for e in batch_ends if 0 < e <= len(tokens)} | {len(tokens)})
+        probes: dict[int, np.ndarray] = {}
+        start = 0
+        for end in ends:
+            while start < end:
+                stop = min(end, start + self.n_batch)
+                logits = self._decode(tokens[start:stop], want_last=stop - start == 1)
+                if logits is not None:
+                    probes[stop - 1] = logits
+                start = stop
+        return probes
 
     def generate(
         self,
@@ -436,6 +468,7 @@ class ModelSession:
             self.reset()
             raise codec.StateFormatError(f"llama.cpp accepted {read} of {len(data)} state bytes")
         self.tokens = list(tokens)
+        self.batch_ends = [len(tokens)]  # as far as this process knows
 
     def restore(self, state: codec.KVState, tokens: list[int]) -> None:
         """Load a parsed state (positions must be 0..n-1 and match ``tokens``)."""
@@ -454,12 +487,16 @@ class ModelSession:
         if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1):
             raise RuntimeError("llama.cpp could not trim the sequence")
         del self.tokens[n:]
+        self.probes = {p: x for p, x in self.probes.items() if p < n}
+        self.batch_ends = [e for e in self.batch_ends if e < n] + [n]
         self._last_logits = None
 
     def reset(self) -> None:
         """Empty the sequence."""
         llama_cpp.llama_memory_clear(self.memory, True)
         self.tokens = []
+        self.probes = {}
+        self.batch_ends = []
         self._last_logits = None
 
 

@@ -1,1 +1,34 @@
-"""The snapshot store: block files, the SQLite index, eviction and gc."""
+"""The snapshot store: block files, the SQLite index, eviction and gc.
+
+A self-contained bottom layer: it imports nothing from the rest of localkv.
+"""
+
+from .blockfile import decode, encode
+from .budget import default_budget, parse_size
+from .chain import ROOT_TAG, chain_hashes, chain_next, chain_root, tokens_sha
+from .paths import CacheDirError, CacheLayout, default_root
+from .store import SnapshotStore
+from .values import Block, BlockCorrupt, BlockRow, GcReport, Probe, SnapshotRow, StoreStats
+
+__all__ = [
+    "ROOT_TAG",
+    "Block",
+    "BlockCorrupt",
+    "BlockRow",
+    "CacheDirError",
+    "CacheLayout",
+    "GcReport",
+    "Probe",
+    "SnapshotRow",
+    "SnapshotStore",
+    "StoreStats",
+    "chain_hashes",
+    "chain_next",
+    "chain_root",
+    "decode",
+    "default_budget",
+    "default_root",
+    "encode",
+    "parse_size",
+    "tokens_sha",
+]

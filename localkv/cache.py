@@ -1,0 +1,279 @@
+"""The verified prefix cache: find, restore (with the probe) and save KV blocks.
+
+Restore (DESIGN §6): the longest stored chain for the request's tokens is
+found in the index; its blocks are read and checked; the state is loaded up to
+the last block's final token *minus one*; that token is decoded alone and its
+logits must equal the block's stored probe bit for bit. Only then is the
+sequence trimmed to the common prefix and used. Any failure leaves the session
+empty, records a miss reason, quarantines what was bad, and the caller
+prefills normally.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from localkv import codec
+from localkv.identity import Identity
+from localkv.kvblocks import state_to_tensors, tensors_to_state
+from localkv.session import ModelSession
+from localkv.storage.chain import chain_hashes, chain_next, chain_root, tokens_sha
+from localkv.storage.store import SnapshotStore
+from localkv.storage.values import Block, BlockCorrupt, BlockRow, Probe
+
+__all__ = ["PrefixCache", "RestoreResult", "SaveResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """What a restore did. ``reused`` tokens are in the session when it is positive."""
+
+    reused: int
+    verified: bool | None  # None: nothing was restored
+    miss_reason: str | None
+    seconds: float
+    tip: str | None = None  # hash of the last block used
+    saved_seconds: float = 0.0  # estimated prefill time the restore replaced
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    blocks: int  # blocks in the saved chain
+    new_blocks: int  # of which written now
+    new_bytes: int  # bytes on disk written now
+    tip: str | None  # hash of the chain's last block
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    chain: list[BlockRow]
+    reuse: int  # tokens of the request the chain holds
+
+
+def _common_prefix(a: np.ndarray, b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n], dtype=np.int64))[0]
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixCache:
+    """A session's view of the store: one identity, one namespace, one block size."""
+
+    def __init__(
+        self, store: SnapshotStore, identity: Identity, namespace: str, block_size: int
+    ) -> None:
+        self.store = store
+        self.identity = identity
+        self.namespace = namespace
+        self.block_size = block_size
+        self.root = chain_root(identity.digest, namespace)
+        store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
+
+    # ---------------------------------------------------------------- lookup
+    def plan(self, tokens: Sequence[int]) -> _Plan:
+        """The longest stored chain sharing a prefix with ``tokens``."""
+        hashes = chain_hashes(self.root, tokens, self.block_size)
+        chain = list(self.store.match_chain(hashes))
+        start = len(chain) * self.block_size
+        parent = chain[-1].hash if chain else None
+        best: BlockRow | None = None
+        best_len = 0
+        if start < len(tokens):
+            for child in self.store.children(parent, self.identity.digest, self.namespace):
+                n = _common_prefix(child.tokens, tokens[start:])
+                if n > best_len:
+                    best, best_len = child, n
+        if best is not None:
+            chain.append(best)
+        return _Plan(chain, start + best_len)
+
+    def miss_reason(self, tokens: Sequence[int]) -> str:
+        """Why nothing was found: the identity field that differs, or no stored prefix."""
+        first = tokens_sha(list(tokens[: self.block_size]))
+        others = self.store.same_first_block_elsewhere(first, self.identity.digest, self.namespace)
+        for digest in others:
+            text = self.store.get_identity(digest)
+            if text is None:
+                continue
+            diff = Identity.from_dict(json.loads(text)).diff(self.identity)
+            if diff:
+                return "identity differs: " + "; ".join(diff)
+        # other namespaces are never looked at: not even their existence leaks
+        return f"no stored prefix in namespace {self.namespace!r}"
+
+    # --------------------------------------------------------------- restore
+    def restore(self, session: ModelSession, tokens: Sequence[int]) -> RestoreResult:
+        """Restore the longest verified prefix of ``tokens`` into the (emptied) session.
+
+        At most ``len(tokens) - 1`` tokens are reused unless the stored chain ends
+        exactly at the request's end, so the caller always has the last token's logits.
+        A damaged block is quarantined and the chain before it is tried again.
+        """
+        t0 = time.perf_counter()
+        reasons: list[str] = []
+        for _ in range(3):
+            result = self._restore_once(session, tokens, t0, reasons)
+            if result is not None:
+                return result
+        return self._miss(tokens, reasons[-1], t0)
+
+    def _restore_once(
+        self, session: ModelSession, tokens: Sequence[int], t0: float, reasons: list[str]
+    ) -> RestoreResult | None:
+        session.reset()
+        plan = self.plan(tokens)
+        reuse = plan.reuse
+        if not plan.chain or reuse == 0:
+            return self._miss(tokens, reasons[0] if reasons else self.miss_reason(tokens), t0)
+        last = plan.chain[-1]
+        end = last.start + last.n_tokens
+        if reuse == len(tokens) and reuse < end:
+            reuse -= 1  # the last token's logits are needed: prefill it
+        if reuse == 0:
+            return self._miss(tokens, "no stored prefix", t0)
+        if end > session.n_ctx:
+            return self._miss(tokens, f"stored chain of {end} tokens exceeds n_ctx", t0)
+        try:
+            stored_tokens = self._load(session, plan.chain)
+        except BlockCorrupt as exc:
+            session.reset()
+            self.store.quarantine(exc.block_hash or last.hash, exc.reason)
+            reasons.append(f"corrupt block: {exc.reason}")
+            return None
+        except codec.StateFormatError as exc:
+            session.reset()
+            self.store.quarantine(last.hash, str(exc))
+            reasons.append(f"unreadable state: {exc}")
+            return None
+        logits = session.decode_one(int(stored_tokens[end - 1]), probe=True)
+        if not last.probe.matches(logits):
+            session.reset()
+            self.store.quarantine(plan.chain[0].hash, "probe mismatch")
+            return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
+        session.truncate(reuse)
+        seconds = time.perf_counter() - t0
+        saved = sum(
+            row.prefill_seconds * min(row.n_tokens, max(0, reuse - row.start)) / row.n_tokens
+            for row in plan.chain
+        )
+        self.store.touch([row.hash for row in plan.chain])
+        self.store.record_event("hit", None, reuse, saved)
+        return RestoreResult(reuse, True, None, seconds, last.hash, saved)
+
+    def _miss(self, tokens: Sequence[int], reason: str, t0: float) -> RestoreResult:
+        self.store.record_event("miss", reason, len(tokens), 0.0)
+        log.info("cache miss: %s", reason)
+        return RestoreResult(0, None, reason, time.perf_counter() - t0)
+
+    def _load(self, session: ModelSession, chain: list[BlockRow]) -> np.ndarray:
+        """Read, check and load the chain minus its final token; return the stored tokens."""
+        blocks = self.store.read_blocks(chain)
+        parent: str | None = None
+        pieces = []
+        for row, block in zip(chain, blocks, strict=True):
+            expected = chain_next(parent if parent is not None else self.root, block.tokens)
+            if block.hash != expected or block.hash != row.hash:
+                raise BlockCorrupt("tokens do not match the chain hash", row.hash)
+            pieces.append(tensors_to_state(block.tensors, block.meta, block.start))
+            parent = block.hash
+        state = codec.concat(pieces)
+        tokens = np.concatenate([b.tokens for b in blocks])
+        n = state.n_tokens - 1
+        session.restore(state.slice(0, n), [int(t) for t in tokens[:n]])
+        session.batch_ends = sorted(
+            {e for b in blocks for e in json.loads(b.meta.get("batch_ends", "[]")) if e < n} | {n}
+        )
+        return tokens
+
+    # ------------------------------------------------------------------ save
+    def prepare(
+        self, session: ModelSession, tips: Sequence[int], prefill_seconds_per_token: float
+    ) -> list[Block]:
+        """Blocks for the session's sequence up to its last tip (captured now, written later).
+
+        Full blocks end at multiples of the block size; each tip that is not a
+        block end gets a shorter block. Every block needs the probe of its last
+        token; a chain stops where one is missing.
+        """
+        n_max = max((t for t in tips if 0 < t <= session.n_tokens), default=0)
+        if n_max == 0:
+            return []
+        ends = sorted({*range(self.block_size, n_max + 1, self.block_size), *tips})
+        ends = [e for e in ends if 0 < e <= n_max]
+        state = session.capture()
+        tokens = session.tokens
+        out: list[Block] = []
+        full_hash_at = {0: self.root}
+        for end in ends:
+            start = (end - 1) // self.block_size * self.block_size
+            full = end - start == self.block_size
+            parent = full_hash_at.get(start)
+            if parent is None:
+                break  # the block before this one could not be saved
+            block_tokens = np.asarray(tokens[start:end], dtype=np.int32)
+            block_hash = chain_next(parent, block_tokens)
+            if self.store.has_block(block_hash):
+                if full:
+                    full_hash_at[end] = block_hash
+                out.append(self._stub(block_hash, parent, start, block_tokens))
+                continue
+            probe = session.probes.get(end - 1)
+            if probe is None:
+                log.debug("no probe for token %d: not saved", end - 1)
+                continue
+            if full:
+                full_hash_at[end] = block_hash
+            tensors, meta = state_to_tensors(state.slice(start, end))
+            meta["batch_ends"] = json.dumps([e for e in session.batch_ends if start < e <= end])
+            out.append(
+                Block(
+                    hash=block_hash,
+                    parent=None if parent == self.root else parent,
+                    identity=self.identity.digest,
+                    namespace=self.namespace,
+                    start=start,
+                    tokens=block_tokens,
+                    tensors=tensors,
+                    probe=Probe.from_logits(probe),
+                    meta=meta,
+                    prefill_seconds=prefill_seconds_per_token * (end - start),
+                )
+            )
+        return out
+
+    def _stub(self, block_hash: str, parent: str, start: int, tokens: np.ndarray) -> Block:
+        """A stand-in for a block already stored (nothing to write)."""
+        return Block(
+            hash=block_hash,
+            parent=None if parent == self.root else parent,
+            identity=self.identity.digest,
+            namespace=self.namespace,
+            start=start,
+            tokens=tokens,
+            tensors={},
+            probe=Probe.from_logits(np.zeros(1, dtype=np.float32)),
+            meta={},
+            prefill_seconds=0.0,
+        )
+
+    def write(self, blocks: Sequence[Block]) -> SaveResult:
+        """Write the prepared blocks that are not stored yet (background-safe)."""
+        new_blocks = new_bytes = 0
+        for block in blocks:
+            if not block.tensors:
+                continue
+            if self.store.put_block(block):
+                new_blocks += 1
+                new_bytes += sum(r.stored_bytes for r in self.store.match_chain([block.hash]))
+        tip = blocks[-1].hash if blocks else None
+        return SaveResult(len(blocks), new_blocks, new_bytes, tip)

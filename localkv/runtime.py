@@ -1,0 +1,472 @@
+"""The runtime API: one model, its verified cache, documents, questions and chats.
+
+The CLI and the chat app use this module and nothing lower. Example::
+
+    import localkv
+
+    with localkv.Runtime.open() as rt:                  # default model, default cache
+        doc = localkv.read_document("notes.txt")
+        rt.prefill([doc], system="Answer from the document.")   # once
+        answer = rt.ask([doc], "What is due on Friday?",
+                        system="Answer from the document.",
+                        params=localkv.SamplingParams(temperature=0))
+        print(answer.text, answer.cache.reused)         # restored, verified
+
+A later process that asks about the same document restores its KV state from
+disk instead of prefilling it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from localkv import codec
+from localkv.cache import PrefixCache, RestoreResult, SaveResult
+from localkv.identity import identity_of
+from localkv.models import resolve_model
+from localkv.prompt import ChatTemplate
+from localkv.request import Document, Request, build_request
+from localkv.sampling import SamplingParams
+from localkv.session import (
+    CancelFn,
+    ContextFullError,
+    ModelSession,
+    ProgressFn,
+    SessionConfig,
+)
+from localkv.storage.filehash import FileHasher
+from localkv.storage.paths import CacheDirError
+from localkv.storage.store import SnapshotStore
+
+__all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "TokenCounts"]
+
+log = logging.getLogger(__name__)
+
+TextFn = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReport:
+    hit: bool
+    verified: bool | None
+    snapshot: str | None
+    miss_reason: str | None
+    reused: int
+    restore_s: float
+    saved_s: float  # estimated prefill seconds the restore replaced
+
+    def line(self, prompt_tokens: int) -> str:
+        """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in 41 ms``."""
+        if not self.hit:
+            return f"cache miss ({self.miss_reason}); prefilled {prompt_tokens:,} tokens"
+        return (
+            f"reused {self.reused:,} of {prompt_tokens:,} tokens (verified) in "
+            f"{self.restore_s * 1000:.0f} ms; saved ≈ {self.saved_s:.1f} s"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    prompt: int
+    reused: int
+    prefilled: int
+    generated: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    restore_s: float
+    prefill_s: float
+    ttft_s: float
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    text: str
+    tokens: TokenCounts
+    cache: CacheReport
+    timing: Timing
+
+    def as_json(self) -> dict[str, object]:
+        c = self.cache
+        return {
+            "answer": self.text,
+            "tokens": {
+                "prompt": self.tokens.prompt,
+                "reused": self.tokens.reused,
+                "prefilled": self.tokens.prefilled,
+                "generated": self.tokens.generated,
+            },
+            "cache": {
+                "hit": c.hit,
+                "verified": c.verified,
+                "snapshot": c.snapshot,
+                "miss_reason": c.miss_reason,
+            },
+            "timing": {
+                "restore_s": round(self.timing.restore_s, 6),
+                "prefill_s": round(self.timing.prefill_s, 6),
+                "ttft_s": round(self.timing.ttft_s, 6),
+                "total_s": round(self.timing.total_s, 6),
+            },
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReport:
+    snapshot: str | None
+    tokens: int
+    reused: int
+    prefilled: int
+    blocks: int
+    new_blocks: int
+    bytes_on_disk: int
+    seconds: float
+    cancelled: bool
+    cache: CacheReport
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "snapshot": self.snapshot,
+            "tokens": self.tokens,
+            "reused": self.reused,
+            "prefilled": self.prefilled,
+            "blocks": self.blocks,
+            "new_blocks": self.new_blocks,
+            "bytes_on_disk": self.bytes_on_disk,
+            "seconds": round(self.seconds, 6),
+            "cancelled": self.cancelled,
+        }
+
+
+_NO_CACHE = CacheReport(False, None, None, "cache disabled", 0, 0.0, 0.0)
+
+
+class Runtime:
+    """A model session plus its verified prefix cache."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        cache_dir: str | Path | None = None,
+        namespace: str = "default",
+        use_cache: bool = True,
+    ) -> None:
+        self.session = ModelSession(config)
+        self.template = ChatTemplate(self.session)
+        self.namespace = namespace
+        self.cache: PrefixCache | None = None
+        self.cache_error: str | None = None if use_cache else "cache disabled"
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localkv-save")
+        self._pending: list[Future[SaveResult]] = []
+        self._seconds_per_token = 1 / 240  # updated from measured prefills
+        if use_cache:
+            self._open_cache(cache_dir)
+
+    @classmethod
+    def open(
+        cls,
+        model: str | Path | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        namespace: str = "default",
+        use_cache: bool = True,
+        **options: object,
+    ) -> Runtime:
+        """Open ``model`` (default: ``LOCALKV_MODEL``, then the default model package)."""
+        config = SessionConfig(model_path=resolve_model(model), **options)  # type: ignore[arg-type]
+        return cls(config, cache_dir=cache_dir, namespace=namespace, use_cache=use_cache)
+
+    def _open_cache(self, cache_dir: str | Path | None) -> None:
+        try:
+            store = SnapshotStore.open(Path(cache_dir) if cache_dir else None)
+        except (CacheDirError, sqlite3.Error, OSError) as exc:
+            self.cache_error = f"cache unavailable: {exc}"
+            log.warning("%s; continuing without the cache", self.cache_error)
+            return
+        try:
+            hasher = FileHasher(store.root / "filehashes.db")
+            identity = identity_of(self.session, hasher)
+            self.cache = PrefixCache(
+                store, identity, self.namespace, self.session.config.block_size
+            )
+        except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
+            store.close()
+            self.cache_error = f"cache unavailable: {exc}"
+            log.warning("%s; continuing without the cache", self.cache_error)
+
+    # -------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Finish pending saves, then free the store and the model (idempotent)."""
+        self.wait_for_saves()
+        self._saver.shutdown(wait=True)
+        if self.cache is not None:
+            self.cache.store.close()
+            self.cache = None
+        self.session.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_for_saves(self) -> list[SaveResult]:
+        done = []
+        for fut in self._pending:
+            try:
+                done.append(fut.result())
+            except Exception:
+                log.warning("saving cache blocks failed", exc_info=True)
+        self._pending.clear()
+        return done
+
+    # ------------------------------------------------------------ information
+    def model_info(self) -> dict[str, object]:
+        """Name, quantization, file size, GPU layers and KV types, for display."""
+        cfg = self.session.config
+        path = Path(cfg.model_path)
+        return {
+            "name": self.session.meta("general.name") or path.stem,
+            "description": self.session.describe(),
+            "path": str(path),
+            "file_bytes": path.stat().st_size,
+            "n_gpu_layers": cfg.n_gpu_layers,
+            "type_k": cfg.type_k,
+            "type_v": cfg.type_v,
+            "flash_attn": self.session.flash_attn_setting(),
+            "n_ctx": self.session.n_ctx,
+        }
+
+    def snapshots(self) -> list[dict[str, object]]:
+        """This namespace's snapshots (label, tokens, bytes, hits, last used, pinned)."""
+        if self.cache is None:
+            return []
+        store = self.cache.store
+        out: list[dict[str, object]] = []
+        for snap in store.snapshots(self.namespace):
+            chain = store.chain_of(snap.tip)
+            out.append(
+                {
+                    "id": snap.id,
+                    "label": snap.label,
+                    "tokens": snap.n_tokens,
+                    "bytes_on_disk": sum(r.stored_bytes for r in chain),
+                    "hits": snap.hits,
+                    "last_used": snap.last_used,
+                    "pinned": snap.pinned,
+                }
+            )
+        return out
+
+    def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
+        if self.cache is None:
+            raise RuntimeError(self.cache_error or "cache disabled")
+        if pinned:
+            self.cache.store.pin(snapshot_id)
+        else:
+            self.cache.store.unpin(snapshot_id)
+
+    def remove_snapshot(self, snapshot_id: str) -> int:
+        """Remove a snapshot and the blocks only it needs; returns bytes freed."""
+        if self.cache is None:
+            raise RuntimeError(self.cache_error or "cache disabled")
+        self.wait_for_saves()
+        return self.cache.store.remove_snapshot(snapshot_id)
+
+    # ---------------------------------------------------------------- helpers
+    def build(
+        self, documents: Sequence[Document], *, system: str | None, question: str | None = None
+    ) -> Request:
+        return build_request(self.template, system=system, documents=documents, question=question)
+
+    def restore(self, tokens: list[int]) -> tuple[RestoreResult | None, CacheReport]:
+        self.session.reset()
+        if self.cache is None:
+            reason = self.cache_error or "cache disabled"
+            return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
+        result = self.cache.restore(self.session, tokens)
+        snapshot = None
+        if result.tip is not None:
+            tips = [s.id for s in self.cache.store.snapshots(self.namespace) if s.tip == result.tip]
+            snapshot = tips[0] if tips else None
+        report = CacheReport(
+            hit=result.reused > 0,
+            verified=result.verified,
+            snapshot=snapshot,
+            miss_reason=result.miss_reason,
+            reused=result.reused,
+            restore_s=result.seconds,
+            saved_s=result.saved_seconds,
+        )
+        return result, report
+
+    def _check_fits(self, request: Request, room: int) -> None:
+        if len(request.tokens) + room > self.session.n_ctx:
+            raise ContextFullError(len(request.tokens) + room, self.session.n_ctx)
+
+    # ---------------------------------------------------------------- prefill
+    def prefill(
+        self,
+        documents: Sequence[Document],
+        *,
+        system: str | None = None,
+        label: str | None = None,
+        pin: bool = False,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> PrefillReport:
+        """Prefill ``[system][documents...]`` and save it as a snapshot.
+
+        Cancelling (``cancel()`` true) keeps every block already completed.
+        """
+        t0 = time.perf_counter()
+        request = self.build(documents, system=system)
+        self._check_fits(request, 0)
+        _, report = self.restore(request.tokens)
+        reused = self.session.n_tokens
+        cancelled = False
+        t1 = time.perf_counter()
+        try:
+            self.session.prefill(
+                request.tokens[reused:],
+                boundaries=request.boundaries,
+                progress=progress,
+                cancel=cancel,
+            )
+        except Exception as exc:  # PrefillCancelled or an error: keep what is complete
+            from localkv.session import PrefillCancelled
+
+            if not isinstance(exc, PrefillCancelled):
+                raise
+            cancelled = True
+        prefilled = self.session.n_tokens - reused
+        self._note_rate(time.perf_counter() - t1, prefilled)
+        per_token = self._seconds_per_token
+        done = self.session.n_tokens
+        tips = [b for b in request.boundaries if b <= done] + [done]
+        saved = SaveResult(0, 0, 0, None)
+        snapshot = None
+        bytes_on_disk = 0
+        if self.cache is not None:
+            blocks = self.cache.prepare(self.session, tips, per_token)
+            saved = self.cache.write(blocks)
+            if saved.tip is not None and not cancelled:
+                snapshot = self.cache.store.put_snapshot(
+                    tip=saved.tip,
+                    label=label or ", ".join(d.name for d in documents) or "(system prompt)",
+                    source_path=_source_path(documents),
+                    source_sha256=_source_sha(documents),
+                    n_tokens=done,
+                    identity=self.cache.identity.digest,
+                    namespace=self.namespace,
+                    pinned=pin,
+                )
+            if saved.tip is not None:
+                bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
+        return PrefillReport(
+            snapshot=snapshot,
+            tokens=len(request.tokens),
+            reused=reused,
+            prefilled=prefilled,
+            blocks=saved.blocks,
+            new_blocks=saved.new_blocks,
+            bytes_on_disk=bytes_on_disk,
+            seconds=time.perf_counter() - t0,
+            cancelled=cancelled,
+            cache=report,
+        )
+
+    # -------------------------------------------------------------------- ask
+    def ask(
+        self,
+        documents: Sequence[Document],
+        question: str,
+        *,
+        system: str | None = None,
+        params: SamplingParams | None = None,
+        on_text: TextFn | None = None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> Answer:
+        """Answer ``question`` about ``documents``, restoring what the cache holds.
+
+        Text pieces stream to ``on_text``; the prompt's new blocks are saved in the
+        background after the answer, never before its first token.
+        """
+        from localkv.conversation import TokenStream
+
+        params = params or SamplingParams()
+        t0 = time.perf_counter()
+        request = self.build(documents, system=system, question=question)
+        self._check_fits(request, 1)
+        _, report = self.restore(request.tokens)
+        reused = self.session.n_tokens
+        t1 = time.perf_counter()
+        self.session.prefill(
+            request.tokens[reused:], boundaries=request.boundaries, progress=progress
+        )
+        prefill_s = time.perf_counter() - t1
+        stream = TokenStream(self.session)
+        ttft = 0.0
+        for token in self.session.generate(params, cancel=cancel):
+            if not stream.ids:
+                ttft = time.perf_counter() - t0
+            piece = stream.push(token)
+            if piece and on_text is not None:
+                on_text(piece)
+        tail = stream.flush()
+        if tail and on_text is not None:
+            on_text(tail)
+        total = time.perf_counter() - t0
+        if not stream.ids:
+            ttft = total
+        self._note_rate(prefill_s, len(request.tokens) - reused)
+        self.save_prefix(request.boundaries)
+        return Answer(
+            text=stream.text,
+            tokens=TokenCounts(
+                len(request.tokens), reused, len(request.tokens) - reused, len(stream.ids)
+            ),
+            cache=report,
+            timing=Timing(report.restore_s, prefill_s, ttft, total),
+        )
+
+    def _note_rate(self, seconds: float, tokens: int) -> None:
+        if tokens >= 32 and seconds > 0:
+            self._seconds_per_token = seconds / tokens
+
+    def save_prefix(self, tips: Sequence[int]) -> None:
+        """Save the session's sequence up to its last tip, in the background.
+
+        The state is captured now (a few ms); compressing and writing happen on a
+        worker thread. ``close()`` and ``wait_for_saves()`` wait for them.
+        """
+        if self.cache is None:
+            return
+        cache = self.cache
+        blocks = cache.prepare(self.session, tips, self._seconds_per_token)
+        if blocks:
+            self._pending.append(self._saver.submit(cache.write, blocks))
+
+
+def _source_path(documents: Sequence[Document]) -> str | None:
+    paths = [str(d.path.resolve()) for d in documents if d.path is not None]
+    return paths[0] if len(paths) == 1 else ("; ".join(paths) or None)
+
+
+def _source_sha(documents: Sequence[Document]) -> str | None:
+    if not documents:
+        return None
+    if len(documents) == 1:
+        return documents[0].sha256
+    return hashlib.sha256("".join(d.sha256 for d in documents).encode()).hexdigest()

@@ -1,0 +1,113 @@
+"""Chain hashes: a block's hash names its identity, namespace and whole token prefix.
+
+``chain_root`` hashes a tag, the identity digest and the namespace;
+``chain_next`` hashes the parent hash with the block's tokens. Because every
+hash covers its parent, two token lists share exactly the hashes of the blocks
+before their first difference: equal tokens after a mismatch never match.
+
+Encodings are canonical and fixed (changing them invalidates every cache):
+
+- root: ``ROOT_TAG``, identity, namespace, each as u32 little-endian byte
+  length followed by its UTF-8 bytes;
+- next: the parent's 32-byte digest, the token count as u32 little-endian,
+  then the tokens as int32 little-endian.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "HASH_PREFIX",
+    "ROOT_TAG",
+    "chain_hashes",
+    "chain_next",
+    "chain_root",
+    "digest_bytes",
+    "tokens_array",
+    "tokens_sha",
+]
+
+ROOT_TAG = "lkv-chain1"
+HASH_PREFIX = "sha256:"
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+
+Tokens = Sequence[int] | np.ndarray
+
+
+def _field(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<I", len(data)) + data
+
+
+def digest_bytes(chain_hash: str) -> bytes:
+    """The 32 raw bytes of a ``sha256:<hex>`` hash (ValueError if malformed)."""
+    if not chain_hash.startswith(HASH_PREFIX):
+        raise ValueError(f"not a {HASH_PREFIX} hash: {chain_hash!r}")
+    hex_part = chain_hash[len(HASH_PREFIX) :]
+    if len(hex_part) != 64:
+        raise ValueError(f"hash must have 64 hex digits: {chain_hash!r}")
+    try:
+        return bytes.fromhex(hex_part)
+    except ValueError as exc:
+        raise ValueError(f"hash is not hexadecimal: {chain_hash!r}") from exc
+
+
+def tokens_array(tokens: Tokens) -> np.ndarray:
+    """Tokens as a 1-D little-endian int32 array (ValueError if out of range)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype == np.dtype("<i4"):
+            return tokens
+        if tokens.size and tokens.dtype.kind not in "iu":
+            raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+        values = tokens.astype(np.int64)
+    else:
+        values = np.asarray(list(tokens), dtype=np.int64)
+        if values.ndim != 1:
+            raise ValueError("tokens must be a flat sequence of integers")
+    if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
+        raise ValueError("token ids must fit in int32")
+    return values.astype("<i4")
+
+
+def tokens_sha(tokens: Tokens) -> str:
+    """SHA-256 hex of a block's own tokens (int32 little-endian), without its prefix."""
+    return hashlib.sha256(tokens_array(tokens).tobytes()).hexdigest()
+
+
+def chain_root(identity_digest: str, namespace: str) -> str:
+    """The hash before the first block, for one identity and namespace."""
+    h = hashlib.sha256()
+    for part in (ROOT_TAG, identity_digest, namespace):
+        h.update(_field(part))
+    return HASH_PREFIX + h.hexdigest()
+
+
+def chain_next(parent: str, tokens: Tokens) -> str:
+    """The hash of a block of ``tokens`` following ``parent`` (a root or block hash)."""
+    arr = tokens_array(tokens)
+    h = hashlib.sha256()
+    h.update(digest_bytes(parent))
+    h.update(struct.pack("<I", arr.shape[0]))
+    h.update(arr.tobytes())
+    return HASH_PREFIX + h.hexdigest()
+
+
+def chain_hashes(root: str, tokens: Tokens, block_size: int) -> list[str]:
+    """Hashes of the full blocks of ``tokens`` (a shorter tail block is left out)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    arr = tokens_array(tokens)
+    hashes: list[str] = []
+    parent = root
+    for start in range(0, arr.shape[0] - block_size + 1, block_size):
+        parent = chain_next(parent, arr[start : start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,126 @@
+"""Block files on disk: atomic writes, reads that never follow links, removal.
+
+Write: a 0600 temp file in ``root/tmp`` -> fsync -> ``os.replace`` into
+``blocks/ab/`` -> fsync the directory. Read: refuse anything that is not a
+regular file at the expected place (a symlinked file or fan-out directory
+included) and any size other than the index's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from .paths import CacheLayout, create_private_file, ensure_private_dir, fsync_dir
+from .values import BlockCorrupt
+
+__all__ = ["move_to_quarantine", "read_block_file", "remove_file", "write_block_file"]
+
+logger = logging.getLogger(__name__)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+
+
+def write_block_file(layout: CacheLayout, relpath: str, data: bytes) -> None:
+    """Write ``data`` durably and atomically at ``relpath``."""
+    final = layout.resolve(relpath)
+    fanout = final.parent
+    new_dir = not fanout.exists()
+    ensure_private_dir(fanout)
+    tmp = layout.tmp / f"{final.name}.{secrets.token_hex(6)}.tmp"
+    fd = create_private_file(tmp)
+    try:
+        with os.fdopen(fd, "wb", closefd=True) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_file(tmp)
+        raise
+    fsync_dir(fanout)
+    if new_dir:
+        fsync_dir(fanout.parent)
+
+
+def read_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> bytearray:
+    """The stored bytes of a block file, or ``BlockCorrupt`` saying what is wrong."""
+    try:
+        path = layout.resolve(relpath)
+    except ValueError as exc:
+        raise BlockCorrupt(str(exc)) from exc
+    try:
+        dir_st = os.lstat(path.parent)
+    except FileNotFoundError:
+        raise BlockCorrupt("file is missing (no fan-out directory)") from None
+    if not stat.S_ISDIR(dir_st.st_mode):
+        raise BlockCorrupt("fan-out directory is a symlink or not a directory")
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
+    except FileNotFoundError:
+        raise BlockCorrupt("file is missing") from None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise BlockCorrupt("file is a symlink") from None
+        raise BlockCorrupt(f"cannot open file: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BlockCorrupt("not a regular file")
+        if st.st_size != expected_size:
+            raise BlockCorrupt(f"file has {st.st_size} bytes, the index expects {expected_size}")
+        buf = bytearray(expected_size)
+        view = memoryview(buf)
+        got = 0
+        while got < expected_size:
+            n = os.readv(fd, [view[got:]]) if hasattr(os, "readv") else _read_into(fd, view[got:])
+            if n == 0:
+                raise BlockCorrupt(f"file ended after {got} of {expected_size} bytes")
+            got += n
+        return buf
+    finally:
+        os.close(fd)
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    chunk = os.read(fd, len(view))
+    view[: len(chunk)] = chunk
+    return len(chunk)
+
+
+def remove_file(path: Path) -> int:
+    """Unlink ``path`` (a link itself, never its target); return the bytes freed."""
+    try:
+        size = os.lstat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return size
+
+
+def move_to_quarantine(layout: CacheLayout, relpath: str, reason: str) -> Path | None:
+    """Move a block file into ``quarantine/`` with a ``.reason`` note; None if it is gone."""
+    try:
+        src = layout.resolve(relpath)
+    except ValueError:
+        return None
+    if not os.path.lexists(src):
+        return None
+    dest = layout.quarantine / f"{src.name}.{secrets.token_hex(4)}"
+    try:
+        os.replace(src, dest)
+    except OSError as exc:
+        logger.warning("could not quarantine %s (%s); removing it", src, exc)
+        remove_file(src)
+        return None
+    note = dest.with_name(dest.name + ".reason")
+    try:
+        fd = create_private_file(note)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(reason + "\n")
+    except OSError as exc:
+        logger.warning("could not write %s: %s", note, exc)
+    return dest

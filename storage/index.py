@@ -1,0 +1,254 @@
+"""The SQLite index of blocks and snapshots (sqlite-utils, WAL, ``BEGIN IMMEDIATE``).
+
+``BlockIndex`` owns one connection, shared by the store's threads under a
+lock. It knows rows and queries, never files. Writes run inside ``write()``,
+a ``BEGIN IMMEDIATE`` transaction, so two processes never interleave a
+read-check-write sequence; ``busy_timeout`` makes the other one wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import sqlite_utils
+
+from .migrations import MIGRATIONS, migrate
+from .values import BlockRow, Probe, SnapshotRow
+
+__all__ = ["BlockIndex"]
+
+_IN_CHUNK = 500
+_BLOCK_COLUMNS = (
+    "hash, parent, identity, namespace, start, tokens, tokens_sha, file, raw_bytes, "
+    "stored_bytes, checksum, probe_digest, probe_top, prefill_seconds, created, last_used, hits"
+)
+_SNAPSHOT_COLUMNS = (
+    "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
+    "last_used, hits, pinned"
+)
+_DESCENDANTS = (
+    "WITH RECURSIVE d(hash) AS (SELECT hash FROM blocks WHERE hash IN ({marks}) "
+    "UNION SELECT b.hash FROM blocks b JOIN d ON b.parent = d.hash) SELECT hash FROM d"
+)
+
+
+def block_row(r: Sequence[Any]) -> BlockRow:
+    """A ``blocks`` row (in ``_BLOCK_COLUMNS`` order) as a ``BlockRow``."""
+    tokens = np.frombuffer(r[5], dtype="<i4")
+    return BlockRow(
+        hash=r[0],
+        parent=r[1],
+        identity=r[2],
+        namespace=r[3],
+        start=int(r[4]),
+        tokens=tokens,
+        tokens_sha=r[6],
+        file=r[7],
+        raw_bytes=int(r[8]),
+        stored_bytes=int(r[9]),
+        checksum=r[10],
+        probe=Probe.from_row(r[11], r[12]),
+        prefill_seconds=float(r[13]),
+        created=float(r[14]),
+        last_used=float(r[15]),
+        hits=int(r[16]),
+    )
+
+
+def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
+    """A ``snapshots`` row (in ``_SNAPSHOT_COLUMNS`` order) as a ``SnapshotRow``."""
+    return SnapshotRow(
+        id=r[0],
+        tip=r[1],
+        label=r[2],
+        source_path=r[3],
+        source_sha256=r[4],
+        n_tokens=int(r[5]),
+        identity=r[6],
+        namespace=r[7],
+        created=float(r[8]),
+        last_used=float(r[9]),
+        hits=int(r[10]),
+        pinned=bool(r[11]),
+    )
+
+
+def _chunks(items: Sequence[str]) -> Iterator[Sequence[str]]:
+    for i in range(0, len(items), _IN_CHUNK):
+        yield items[i : i + _IN_CHUNK]
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
+
+
+class BlockIndex:
+    """Rows of ``index.db``; every method takes the connection lock."""
+
+    def __init__(self, path: Path | None) -> None:
+        if path is None:
+            conn = sqlite3.connect(":memory:", check_same_thread=False)
+        else:
+            conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
+        self.lock = threading.RLock()
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA busy_timeout = 30000")
+        if path is not None:
+            self.db.execute("PRAGMA journal_mode = WAL")
+            self.db.execute("PRAGMA synchronous = NORMAL")
+        applied: set[str] = set()
+        if self.db["_migrations"].exists():
+            applied = {r[0] for r in self.db.execute("SELECT name FROM _migrations")}
+        if any(fn.__name__ not in applied for fn in MIGRATIONS):
+            with self.write():
+                migrate(self.db)
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite_utils.Database]:
+        """A ``BEGIN IMMEDIATE`` transaction: committed on success, rolled back on error."""
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.rollback()
+                raise
+            self.db.execute("COMMIT")
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """All rows of a read query."""
+        with self.lock:
+            return list(self.db.execute(sql, params).fetchall())
+
+    # ------------------------------------------------------------------ blocks
+    def has_block(self, block_hash: str) -> bool:
+        return bool(self.query("SELECT 1 FROM blocks WHERE hash = ?", (block_hash,)))
+
+    def get_blocks(self, hashes: Sequence[str]) -> dict[str, BlockRow]:
+        """The stored rows among ``hashes``, by hash (one indexed query per 500)."""
+        found: dict[str, BlockRow] = {}
+        for chunk in _chunks(list(dict.fromkeys(hashes))):
+            sql = f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE hash IN ({_marks(len(chunk))})"
+            for r in self.query(sql, chunk):
+                found[r[0]] = block_row(r)
+        return found
+
+    def get_block(self, block_hash: str) -> BlockRow | None:
+        return self.get_blocks([block_hash]).get(block_hash)
+
+    def all_blocks(self) -> list[BlockRow]:
+        return [block_row(r) for r in self.query(f"SELECT {_BLOCK_COLUMNS} FROM blocks")]
+
+    def insert_block(self, db: sqlite_utils.Database, row: BlockRow) -> None:
+        """Insert a row inside a ``write()`` transaction (ignored if the hash exists)."""
+        db.execute(
+            f"INSERT INTO blocks ({_BLOCK_COLUMNS}, n_tokens) "
+            f"VALUES ({_marks(_BLOCK_COLUMNS.count(',') + 2)}) ON CONFLICT(hash) DO NOTHING",
+            (
+                row.hash,
+                row.parent,
+                row.identity,
+                row.namespace,
+                row.start,
+                row.tokens.astype("<i4").tobytes(),
+                row.tokens_sha,
+                row.file,
+                row.raw_bytes,
+                row.stored_bytes,
+                row.checksum,
+                row.probe.digest,
+                row.probe.top_bytes(),
+                row.prefill_seconds,
+                row.created,
+                row.last_used,
+                row.hits,
+                row.n_tokens,
+            ),
+        )
+
+    def children(self, parent: str | None, identity: str, namespace: str) -> list[BlockRow]:
+        cond = "parent IS NULL" if parent is None else "parent = ?"
+        params: tuple[str, ...] = (identity, namespace)
+        if parent is not None:
+            params = (parent, *params)
+        sql = (
+            f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE {cond} AND identity = ? "
+            "AND namespace = ? ORDER BY start, hash"
+        )
+        return [block_row(r) for r in self.query(sql, params)]
+
+    def chain_of(self, tip: str) -> list[BlockRow]:
+        """The chain ending at ``tip``, root first (empty if ``tip`` is not stored)."""
+        sql = (
+            "WITH RECURSIVE c(hash, depth) AS (SELECT ?, 0 UNION ALL "
+            "SELECT b.parent, c.depth + 1 FROM blocks b JOIN c ON b.hash = c.hash "
+            "WHERE b.parent IS NOT NULL) "
+            f"SELECT {', '.join('b.' + c for c in _BLOCK_COLUMNS.split(', '))} "
+            "FROM c JOIN blocks b ON b.hash = c.hash ORDER BY c.depth DESC"
+        )
+        return [block_row(r) for r in self.query(sql, (tip,))]
+
+    def descendants(self, db: sqlite_utils.Database, hashes: Sequence[str]) -> set[str]:
+        """``hashes`` that are stored, and every block below them."""
+        found: set[str] = set()
+        for chunk in _chunks(list(hashes)):
+            sql = _DESCENDANTS.format(marks=_marks(len(chunk)))
+            found.update(r[0] for r in db.execute(sql, chunk).fetchall())
+        return found
+
+    def delete_blocks(self, db: sqlite_utils.Database, hashes: Iterable[str]) -> list[str]:
+        """Delete rows inside ``write()``; return their files. Unpinned snapshots on them go."""
+        files: list[str] = []
+        items = list(hashes)
+        for chunk in _chunks(items):
+            marks = _marks(len(chunk))
+            files.extend(
+                r[0] for r in db.execute(f"SELECT file FROM blocks WHERE hash IN ({marks})", chunk)
+            )
+            db.execute(f"DELETE FROM snapshots WHERE tip IN ({marks})", chunk)
+            db.execute(f"DELETE FROM blocks WHERE hash IN ({marks})", chunk)
+        return files
+
+    def touch(self, hashes: Sequence[str], now: float) -> None:
+        with self.write() as db:
+            for chunk in _chunks(list(hashes)):
+                marks = _marks(len(chunk))
+                db.execute(
+                    f"UPDATE blocks SET last_used = ?, hits = hits + 1 WHERE hash IN ({marks})",
+                    (now, *chunk),
+                )
+                db.execute(
+                    f"UPDATE snapshots SET last_used = ?, hits = hits + 1 WHERE tip IN ({marks})",
+                    (now, *chunk),
+                )
+
+    # --------------------------------------------------------------- snapshots
+    def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
+        where, params = ("", ()) if namespace is None else ("WHERE namespace = ?", (namespace,))
+        sql = f"SELECT {_SNAPSHOT_COLUMNS} FROM snapshots {where} ORDER BY created, id"
+        return [snapshot_row(r) for r in self.query(sql, params)]
+
+    def snapshots_by_prefix(self, prefix: str) -> list[SnapshotRow]:
+        escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        sql = f"SELECT {_SNAPSHOT_COLUMNS} FROM snapshots WHERE id LIKE ? ESCAPE '\\'"
+        return [snapshot_row(r) for r in self.query(sql, (escaped + "%",))]
+
+    def protected(self, db: sqlite_utils.Database, *, pinned_only: bool) -> set[str]:
+        """Blocks in the chain of any (pinned) snapshot."""
+        where = "WHERE pinned = 1" if pinned_only else ""
+        sql = (
+            f"WITH RECURSIVE c(hash) AS (SELECT tip FROM snapshots {where} UNION "
+            "SELECT b.parent FROM blocks b JOIN c ON b.hash = c.hash "
+            "WHERE b.parent IS NOT NULL) SELECT c.hash FROM c JOIN blocks b ON b.hash = c.hash"
+        )
+        return {r[0] for r in db.execute(sql).fetchall()}

@@ -1,0 +1,99 @@
+"""Garbage collection: make the index and the files agree again.
+
+After a crash or a manual deletion the two can disagree three ways: temp files
+left in ``tmp/``, block files no row names, rows whose file is gone. ``gc``
+removes the first two (past a grace period, since a writer in another process
+may be between its ``os.replace`` and its ``INSERT``) and drops the third with
+their descendants: a chain without its middle is useless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+from .files import remove_file
+from .index import BlockIndex
+from .paths import CacheLayout
+from .values import GcReport
+
+__all__ = ["gc"]
+
+logger = logging.getLogger(__name__)
+
+
+def _old(path: Path, cutoff: float) -> bool:
+    try:
+        return os.lstat(path).st_mtime <= cutoff
+    except FileNotFoundError:
+        return False
+
+
+def _remove_old_temp_files(layout: CacheLayout, cutoff: float) -> tuple[int, int]:
+    count = freed = 0
+    for entry in os.scandir(layout.tmp):
+        path = Path(entry.path)
+        if _old(path, cutoff) and not entry.is_dir(follow_symlinks=False):
+            freed += remove_file(path)
+            count += 1
+    return count, freed
+
+
+def _rows_without_files(layout: CacheLayout, index: BlockIndex) -> tuple[int, int]:
+    missing: list[str] = []
+    for block_hash, relpath in index.query("SELECT hash, file FROM blocks"):
+        try:
+            st = os.lstat(layout.resolve(relpath))
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            missing.append(block_hash)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            missing.append(block_hash)
+    if not missing:
+        return 0, 0
+    with index.write() as db:
+        gone = index.descendants(db, missing)
+        files = index.delete_blocks(db, gone)
+    freed = sum(remove_file(layout.resolve(f)) for f in files)
+    logger.warning("gc: %d row(s) had no file; dropped %d row(s)", len(missing), len(gone))
+    return len(gone), freed
+
+
+def _files_without_rows(layout: CacheLayout, index: BlockIndex, cutoff: float) -> tuple[int, int]:
+    known = {str(r[0]) for r in index.query("SELECT file FROM blocks")}
+    count = freed = 0
+    for fan in os.scandir(layout.blocks):
+        if not fan.is_dir(follow_symlinks=False):
+            if _old(Path(fan.path), cutoff):
+                freed += remove_file(Path(fan.path))
+                count += 1
+            continue
+        for entry in os.scandir(fan.path):
+            relpath = f"blocks/{fan.name}/{entry.name}"
+            if relpath in known and entry.is_file(follow_symlinks=False):
+                continue
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False) or not _old(path, cutoff):
+                continue
+            freed += remove_file(path)
+            count += 1
+    if count:
+        logger.warning("gc: removed %d file(s) without an index row", count)
+    return count, freed
+
+
+def gc(layout: CacheLayout, index: BlockIndex, grace_seconds: float) -> GcReport:
+    """Remove temp files, orphan block files and rows without files."""
+    cutoff = time.time() - grace_seconds
+    temp, temp_bytes = _remove_old_temp_files(layout, cutoff)
+    missing, missing_bytes = _rows_without_files(layout, index)
+    orphans, orphan_bytes = _files_without_rows(layout, index, cutoff)
+    return GcReport(
+        temp_files=temp,
+        orphan_files=orphans,
+        missing_files=missing,
+        bytes_freed=temp_bytes + missing_bytes + orphan_bytes,
+    )

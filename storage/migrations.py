@@ -1,0 +1,138 @@
+"""Schema migrations as data: registered in order, recorded once applied.
+
+Each migration is a function of a ``sqlite_utils.Database`` registered with
+``@migration``; ``migrate`` applies those not yet named in ``_migrations``.
+Never edit a migration that has shipped: add a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import sqlite_utils
+
+__all__ = ["MIGRATIONS", "migrate", "migration"]
+
+logger = logging.getLogger(__name__)
+
+Migration = Callable[[sqlite_utils.Database], None]
+MIGRATIONS: list[Migration] = []
+
+
+def migration(fn: Migration) -> Migration:
+    """Register ``fn`` as the next migration."""
+    MIGRATIONS.append(fn)
+    return fn
+
+
+def migrate(db: sqlite_utils.Database) -> list[str]:
+    """Apply pending migrations, each in its own transaction; return their names.
+
+    The caller may already hold a write transaction (the store opens one with
+    ``BEGIN IMMEDIATE`` so two processes cannot migrate at once); otherwise
+    each migration runs in ``db.atomic()``.
+    """
+    db.table("_migrations").create(
+        {"name": str, "applied_at": float}, pk="name", if_not_exists=True
+    )
+    applied = {row["name"] for row in db.table("_migrations").rows}
+    done: list[str] = []
+    for fn in MIGRATIONS:
+        name = fn.__name__
+        if name in applied:
+            continue
+        with db.atomic():
+            fn(db)
+            db.table("_migrations").insert({"name": name, "applied_at": time.time()})
+        logger.info("applied migration %s", name)
+        done.append(name)
+    return done
+
+
+@migration
+def m001_initial(db: sqlite_utils.Database) -> None:
+    db.table("identities").create(
+        {"digest": str, "json": str, "created": float},
+        pk="digest",
+        not_null={"json", "created"},
+    )
+    db.table("blocks").create(
+        {
+            "hash": str,
+            "parent": str,
+            "identity": str,
+            "namespace": str,
+            "start": int,
+            "n_tokens": int,
+            "tokens": bytes,
+            "tokens_sha": str,
+            "file": str,
+            "raw_bytes": int,
+            "stored_bytes": int,
+            "checksum": str,
+            "probe_digest": str,
+            "probe_top": bytes,
+            "prefill_seconds": float,
+            "created": float,
+            "last_used": float,
+            "hits": int,
+        },
+        pk="hash",
+        not_null={
+            "identity",
+            "namespace",
+            "start",
+            "n_tokens",
+            "tokens",
+            "tokens_sha",
+            "file",
+            "raw_bytes",
+            "stored_bytes",
+            "checksum",
+            "probe_digest",
+            "probe_top",
+            "prefill_seconds",
+            "created",
+            "last_used",
+            "hits",
+        },
+        defaults={"hits": 0},
+    )
+    db.table("blocks").create_index(["parent"])
+    db.table("blocks").create_index(["tokens_sha"])
+    db.table("snapshots").create(
+        {
+            "id": str,
+            "tip": str,
+            "label": str,
+            "source_path": str,
+            "source_sha256": str,
+            "n_tokens": int,
+            "identity": str,
+            "namespace": str,
+            "created": float,
+            "last_used": float,
+            "hits": int,
+            "pinned": int,
+        },
+        pk="id",
+        not_null={
+            "tip",
+            "label",
+            "n_tokens",
+            "identity",
+            "namespace",
+            "created",
+            "last_used",
+            "hits",
+            "pinned",
+        },
+        defaults={"hits": 0, "pinned": 0},
+    )
+    db.table("snapshots").create_index(["tip"])
+    db.table("events").create(
+        {"kind": str, "reason": str, "tokens": int, "seconds": float, "at": float},
+        not_null={"kind", "tokens", "seconds", "at"},
+    )

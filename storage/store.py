@@ -1,0 +1,487 @@
+"""``SnapshotStore``: content-addressed blocks on disk, indexed in SQLite.
+
+The store keeps generic blocks (tokens, named token-major tensors, a probe,
+string metadata) chained by hash (``chain.py``), and snapshots that name chain
+tips. It never interprets tensors: the engine converts KV state to and from
+blocks. Reading never deletes; a block that fails a check raises
+``BlockCorrupt`` and the caller decides to ``quarantine`` it.
+
+Deleting is row first, then file: a crash leaves an orphan file that ``gc``
+removes, never a row that points at nothing it did not check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+import sqlite_utils
+
+from . import budget, maintenance
+from .blockfile import check_against, checksum, decode, encode, frame_content_size
+from .chain import chain_next, chain_root, tokens_sha
+from .files import move_to_quarantine, read_block_file, remove_file, write_block_file
+from .index import BlockIndex
+from .paths import CacheLayout, default_root, prepare_root
+from .values import Block, BlockCorrupt, BlockRow, GcReport, Probe, SnapshotRow, StoreStats
+
+__all__ = [
+    "MAX_RAW_BLOCK_BYTES",
+    "Block",
+    "BlockCorrupt",
+    "BlockRow",
+    "GcReport",
+    "Probe",
+    "SnapshotRow",
+    "SnapshotStore",
+    "StoreStats",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_RAW_BLOCK_BYTES = 4 << 30
+_SNAPSHOT_ID_HEX = 12
+_EVENT_KINDS = frozenset({"hit", "miss"})
+
+
+class SnapshotStore:
+    """The on-disk prefix cache. Open with ``SnapshotStore.open(root)``; thread-safe."""
+
+    def __init__(self, layout: CacheLayout, index: BlockIndex, workers: int | None = None) -> None:
+        self.layout = layout
+        self._index = index
+        self._workers = workers or min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @classmethod
+    def open(cls, root: Path | None = None) -> SnapshotStore:
+        """Open (creating if needed) the store at ``root``, ``$LOCALKV_HOME`` or the default."""
+        layout = prepare_root(default_root(root))
+        return cls(layout, BlockIndex(layout.index))
+
+    @property
+    def root(self) -> Path:
+        return self.layout.root
+
+    def close(self) -> None:
+        """Release the index connection and reader threads (safe to call twice)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._index.close()
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """The index database (for inspection and tests; write through the store)."""
+        return self._index.db
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="localkv-read")
+        return self._pool
+
+    # ------------------------------------------------------------- identities
+    def put_identity(self, digest: str, json_text: str) -> None:
+        """Record an identity's JSON under its digest (ValueError if it differs)."""
+        with self._index.write() as db:
+            found = db.execute("SELECT json FROM identities WHERE digest = ?", (digest,)).fetchone()
+            if found is None:
+                db.execute(
+                    "INSERT INTO identities (digest, json, created) VALUES (?, ?, ?)",
+                    (digest, json_text, time.time()),
+                )
+            elif found[0] != json_text:
+                raise ValueError(f"identity {digest} is already stored with other JSON")
+
+    def get_identity(self, digest: str) -> str | None:
+        rows = self._index.query("SELECT json FROM identities WHERE digest = ?", (digest,))
+        return str(rows[0][0]) if rows else None
+
+    # ----------------------------------------------------------------- blocks
+    def has_block(self, block_hash: str) -> bool:
+        return self._index.has_block(block_hash)
+
+    def put_block(self, block: Block) -> bool:
+        """Store a block; False (and nothing written) if it is already stored.
+
+        The hash must be ``chain_next(parent or chain_root(identity, namespace),
+        tokens)`` and the parent must be stored, under the same identity and
+        namespace, ending where this block starts (ValueError otherwise).
+        """
+        expected = chain_next(
+            block.parent or chain_root(block.identity, block.namespace), block.tokens
+        )
+        if block.hash != expected:
+            raise ValueError(f"block hash {block.hash} is not its chain hash {expected}")
+        if self.has_block(block.hash):
+            return False
+        self._check_parent(block)
+        data = encode(block)
+        raw_bytes = frame_content_size(data)
+        if raw_bytes > MAX_RAW_BLOCK_BYTES:
+            raise ValueError(f"block of {raw_bytes} bytes is over {MAX_RAW_BLOCK_BYTES}")
+        relpath = self.layout.block_relpath(block.hash)
+        now = time.time()
+        row = BlockRow(
+            hash=block.hash,
+            parent=block.parent,
+            identity=block.identity,
+            namespace=block.namespace,
+            start=block.start,
+            tokens=block.tokens,
+            tokens_sha=tokens_sha(block.tokens),
+            file=relpath,
+            raw_bytes=raw_bytes,
+            stored_bytes=len(data),
+            checksum=checksum(data),
+            probe=block.probe,
+            prefill_seconds=block.prefill_seconds,
+            created=now,
+            last_used=now,
+            hits=0,
+        )
+        write_block_file(self.layout, relpath, data)
+        with self._index.write() as db:
+            if (
+                block.parent is not None
+                and not db.execute(
+                    "SELECT 1 FROM blocks WHERE hash = ?", (block.parent,)
+                ).fetchone()
+            ):
+                parent_gone = True
+            else:
+                parent_gone = False
+                before = db.conn.total_changes
+                self._index.insert_block(db, row)
+                inserted = db.conn.total_changes > before
+        if parent_gone:
+            logger.info("parent of %s was removed while saving it; not stored", block.hash)
+            remove_file(self.layout.resolve(relpath))
+            return False
+        return inserted
+
+    def _check_parent(self, block: Block) -> None:
+        if block.parent is None:
+            return
+        parent = self._index.get_block(block.parent)
+        if parent is None:
+            raise ValueError(f"parent {block.parent} of {block.hash} is not stored")
+        if (parent.identity, parent.namespace, parent.end) != (
+            block.identity,
+            block.namespace,
+            block.start,
+        ):
+            raise ValueError(
+                f"block {block.hash} (start {block.start}) does not continue its parent "
+                f"(end {parent.end}) under the same identity and namespace"
+            )
+
+    def match_chain(self, hashes: Sequence[str]) -> list[BlockRow]:
+        """The longest run of stored blocks from the start of ``hashes``."""
+        found = self._index.get_blocks(hashes)
+        run: list[BlockRow] = []
+        for h in hashes:
+            row = found.get(h)
+            if row is None or row.parent != (run[-1].hash if run else row.parent):
+                break
+            run.append(row)
+        return run
+
+    def children(self, parent: str | None, identity: str, namespace: str) -> list[BlockRow]:
+        """Blocks that follow ``parent`` (None: first blocks) under identity and namespace."""
+        return self._index.children(parent, identity, namespace)
+
+    def same_first_block_elsewhere(
+        self, tokens_sha: str, identity: str, namespace: str
+    ) -> list[str]:
+        """Identities (other than ``identity``) with a first block of the same tokens."""
+        sql = (
+            "SELECT DISTINCT identity FROM blocks WHERE tokens_sha = ? AND parent IS NULL "
+            "AND namespace = ? AND identity != ? ORDER BY identity"
+        )
+        return [str(r[0]) for r in self._index.query(sql, (tokens_sha, namespace, identity))]
+
+    def chain_of(self, tip: str) -> list[BlockRow]:
+        """The stored chain ending at ``tip``, root first (empty if ``tip`` is not stored)."""
+        return self._index.chain_of(tip)
+
+    def read_blocks(self, rows: Sequence[BlockRow]) -> list[Block]:
+        """Read, decompress and check blocks in parallel, in order.
+
+        Raises ``BlockCorrupt`` naming the first bad block (in ``rows`` order).
+        """
+        if len(rows) <= 1:
+            return [self._read_one(row) for row in rows]
+        return list(self._executor().map(self._read_one, rows))
+
+    def _read_one(self, row: BlockRow) -> Block:
+        try:
+            if row.file != self.layout.block_relpath(row.hash):
+                raise BlockCorrupt(f"index points at {row.file!r}, not the block's own path")
+            data = read_block_file(self.layout, row.file, row.stored_bytes)
+            actual = checksum(data)
+            if actual != row.checksum:
+                raise BlockCorrupt(f"checksum {actual} differs from the index's {row.checksum}")
+            return check_against(decode(data, row.raw_bytes, MAX_RAW_BLOCK_BYTES), row)
+        except BlockCorrupt as exc:
+            raise BlockCorrupt(exc.reason, row.hash) from None
+        except (ValueError, OSError, MemoryError) as exc:
+            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", row.hash) from None
+
+    def quarantine(self, block_hash: str, reason: str) -> list[str]:
+        """Drop a bad block and its descendants from the index; move its file aside.
+
+        Returns the hashes removed. The bad block's file goes to ``quarantine/``
+        with the reason; its descendants' files (fine but unreachable) are deleted.
+        """
+        with self._index.write() as db:
+            row = self._index.get_block(block_hash)
+            gone = self._index.descendants(db, [block_hash])
+            below = gone - {block_hash}
+            files = self._index.delete_blocks(db, below)
+            self._index.delete_blocks(db, [block_hash])
+        moved = move_to_quarantine(
+            self.layout, row.file if row else self.layout.block_relpath(block_hash), reason
+        )
+        for f in files:
+            remove_file(self.layout.resolve(f))
+        logger.warning(
+            "quarantined block %s (%s) to %s; dropped %d descendant(s)",
+            block_hash,
+            reason,
+            moved,
+            len(below),
+        )
+        return sorted(gone)
+
+    def touch(self, hashes: Sequence[str]) -> None:
+        """Mark blocks (and snapshots whose tip is among them) as used now."""
+        if hashes:
+            self._index.touch(hashes, time.time())
+
+    # ------------------------------------------------------------- statistics
+    def record_event(self, kind: str, reason: str | None, tokens: int, seconds: float) -> None:
+        """Record a cache ``hit`` (tokens reused) or ``miss`` (with its reason)."""
+        if kind not in _EVENT_KINDS:
+            raise ValueError(f"event kind must be hit or miss, got {kind!r}")
+        with self._index.write() as db:
+            db.execute(
+                "INSERT INTO events (kind, reason, tokens, seconds, at) VALUES (?, ?, ?, ?, ?)",
+                (kind, reason, int(tokens), float(seconds), time.time()),
+            )
+
+    def stats(self) -> StoreStats:
+        """Hits, misses by reason, sizes, and an estimate of prefill seconds saved."""
+        q = self._index.query
+        blocks, stored, raw, seconds, tokens = q(
+            "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
+            "COALESCE(SUM(prefill_seconds), 0.0), "
+            "COALESCE(SUM(length(tokens) / 4), 0) FROM blocks"
+        )[0]
+        hits, hit_tokens, hit_seconds = q(
+            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(seconds), 0.0) "
+            "FROM events WHERE kind = 'hit'"
+        )[0]
+        misses = {
+            str(r[0]): int(r[1])
+            for r in q(
+                "SELECT COALESCE(reason, 'unknown'), COUNT(*) FROM events WHERE kind = 'miss' "
+                "GROUP BY 1 ORDER BY 2 DESC"
+            )
+        }
+        per_token = float(seconds) / tokens if tokens else 0.0
+        return StoreStats(
+            hits=int(hits),
+            misses=sum(misses.values()),
+            misses_by_reason=misses,
+            blocks=int(blocks),
+            snapshots=int(q("SELECT COUNT(*) FROM snapshots")[0][0]),
+            stored_bytes=int(stored),
+            raw_bytes=int(raw),
+            saved_prefill_seconds=max(0.0, hit_tokens * per_token - float(hit_seconds)),
+        )
+
+    # -------------------------------------------------------------- snapshots
+    def put_snapshot(
+        self,
+        tip: str,
+        label: str,
+        source_path: str | None,
+        source_sha256: str | None,
+        n_tokens: int,
+        identity: str,
+        namespace: str,
+        pinned: bool = False,
+    ) -> str:
+        """Name the chain ending at ``tip``; the same tip, label and namespace keep one id."""
+        h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
+        snap_id = h[:_SNAPSHOT_ID_HEX]
+        now = time.time()
+        with self._index.write() as db:
+            if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
+                if pinned:
+                    db.execute("UPDATE snapshots SET pinned = 1 WHERE id = ?", (snap_id,))
+                return snap_id
+            row = self._index.get_block(tip)
+            if row is None:
+                raise ValueError(f"snapshot tip {tip} is not stored")
+            if (row.identity, row.namespace, row.end) != (identity, namespace, n_tokens):
+                raise ValueError(
+                    f"snapshot says {n_tokens} tokens of {identity}/{namespace!r}, tip block "
+                    f"ends at {row.end} under {row.identity}/{row.namespace!r}"
+                )
+            values = {
+                "id": snap_id,
+                "tip": tip,
+                "label": label,
+                "source_path": source_path,
+                "source_sha256": source_sha256,
+                "n_tokens": n_tokens,
+                "identity": identity,
+                "namespace": namespace,
+                "created": now,
+                "last_used": now,
+                "hits": 0,
+                "pinned": int(pinned),
+            }
+            columns = ", ".join(values)
+            marks = ", ".join(f":{k}" for k in values)
+            db.execute(f"INSERT INTO snapshots ({columns}) VALUES ({marks})", values)
+        return snap_id
+
+    def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
+        """All snapshots (of one namespace), oldest first."""
+        return self._index.snapshots(namespace)
+
+    def get_snapshot(self, id_or_prefix: str) -> SnapshotRow:
+        """The snapshot with this id or unique id prefix (KeyError otherwise)."""
+        found = self._index.snapshots_by_prefix(id_or_prefix) if id_or_prefix else []
+        exact = [s for s in found if s.id == id_or_prefix]
+        if exact:
+            return exact[0]
+        if not found:
+            raise KeyError(f"no snapshot {id_or_prefix!r}")
+        if len(found) > 1:
+            ids = ", ".join(s.id for s in found[:5])
+            raise KeyError(f"snapshot prefix {id_or_prefix!r} is ambiguous: {ids}")
+        return found[0]
+
+    def pin(self, snapshot_id: str) -> None:
+        """Protect a snapshot's chain from eviction."""
+        self._set_pinned(snapshot_id, True)
+
+    def unpin(self, snapshot_id: str) -> None:
+        self._set_pinned(snapshot_id, False)
+
+    def _set_pinned(self, snapshot_id: str, pinned: bool) -> None:
+        snap = self.get_snapshot(snapshot_id)
+        with self._index.write() as db:
+            db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snap.id))
+
+    def remove_snapshot(self, snapshot_id: str) -> int:
+        """Delete a snapshot and the blocks only it needed; return the bytes freed."""
+        snap = self.get_snapshot(snapshot_id)
+        with self._index.write() as db:
+            db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
+            needed = self._index.protected(db, pinned_only=False)
+            own = [r.hash for r in self._index.chain_of(snap.tip) if r.hash not in needed]
+            victims = self._index.descendants(db, own) - needed
+            freed = self._bytes_of(victims)
+            files = self._index.delete_blocks(db, victims)
+        self._remove_files(files)
+        logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
+        return freed
+
+    # ---------------------------------------------------------------- budget
+    def evict(self, budget_bytes: int) -> int:
+        """Evict unpinned leaf blocks, least valuable first, until within budget.
+
+        Never touches a pinned snapshot's chain or the middle of a chain;
+        snapshots whose tip goes are dropped. Returns the bytes freed.
+        """
+        with self._index.write() as db:
+            total = int(
+                db.execute("SELECT COALESCE(SUM(stored_bytes), 0) FROM blocks").fetchone()[0]
+            )
+            if total <= budget_bytes:
+                return 0
+            protected = self._index.protected(db, pinned_only=True)
+            infos = [
+                budget.LeafInfo(*r)
+                for r in db.execute(
+                    "SELECT hash, parent, stored_bytes, prefill_seconds, last_used FROM blocks"
+                ).fetchall()
+            ]
+            victims = budget.plan_eviction(infos, protected, total - budget_bytes, time.time())
+            freed = self._bytes_of(victims)
+            files = self._index.delete_blocks(db, victims)
+        self._remove_files(files)
+        logger.info("evicted %d block(s), %d bytes, budget %d", len(victims), freed, budget_bytes)
+        return freed
+
+    def default_budget(self) -> int:
+        """``$LOCALKV_BUDGET``, else 10% of free disk space at the root, at most 20 GiB."""
+        return budget.default_budget(self.root)
+
+    def _bytes_of(self, hashes: set[str] | list[str]) -> int:
+        rows = self._index.get_blocks(list(hashes))
+        return sum(r.stored_bytes for r in rows.values())
+
+    def _remove_files(self, files: Sequence[str]) -> None:
+        for f in files:
+            try:
+                remove_file(self.layout.resolve(f))
+            except (OSError, ValueError) as exc:
+                logger.warning("could not remove %s: %s", f, exc)
+
+    # ----------------------------------------------------------- maintenance
+    def gc(self, grace_seconds: float = 3600.0) -> GcReport:
+        """Remove temp files, files without rows, rows without files (and descendants).
+
+        Files younger than ``grace_seconds`` are kept: another process may be
+        between writing a block file and inserting its row.
+        """
+        return maintenance.gc(self.layout, self._index, grace_seconds)
+
+    def verify(self, repair: bool = False) -> list[tuple[str, str]]:
+        """Recheck every block file and chain hash; ``repair`` quarantines the bad ones."""
+        rows = self._index.all_blocks()
+        bad: list[tuple[str, str]] = []
+        for row, reason in zip(rows, self._executor().map(self._check_row, rows), strict=True):
+            if reason is not None:
+                bad.append((row.hash, reason))
+        if repair:
+            for block_hash, reason in bad:
+                if self.has_block(block_hash):
+                    self.quarantine(block_hash, reason)
+        return bad
+
+    def _check_row(self, row: BlockRow) -> str | None:
+        parent = row.parent or chain_root(row.identity, row.namespace)
+        if chain_next(parent, row.tokens) != row.hash:
+            return "hash does not match parent and tokens"
+        try:
+            self._read_one(row)
+        except BlockCorrupt as exc:
+            return exc.reason
+        return None
