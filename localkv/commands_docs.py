@@ -41,9 +41,13 @@ def _documents(files: tuple[str, ...]) -> list[Document]:
     if list(files).count("-") > 1:
         raise click.BadParameter("standard input (-) can be given once")
     try:
-        return [read_document(f) for f in files]
+        docs = [read_document(f) for f in files]
     except DocumentError as exc:
         raise click.ClickException(str(exc)) from None
+    for doc in docs:
+        if doc.encoding != "utf-8":
+            click.echo(f"warning: {doc.name} is not valid UTF-8: read as Latin-1", err=True)
+    return docs
 
 
 def _open_runtime(opts: dict[str, Any]) -> Runtime:

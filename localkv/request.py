@@ -66,7 +66,7 @@ def read_document(source: str | Path) -> Document:
     except UnicodeDecodeError:
         encoding = "latin-1"
         text = data.decode("latin-1")
-        log.warning("%s is not valid UTF-8: read as Latin-1", name)
+        log.info("%s is not valid UTF-8: read as Latin-1", name)
     if not text.strip():
         raise DocumentError(f"{name}: the document is empty")
     return Document(text, name, hashlib.sha256(data).hexdigest(), path, encoding)

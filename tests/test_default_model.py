@@ -1,0 +1,47 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct): across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.default_model
+
+
+def _cli(env: dict[str, str], *args: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-m", "localkv", *args, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_restore_in_another_process_continues_exactly(
+    tmp_path: Path, default_model_path: Path, long_text: str
+) -> None:
+    """A prefills ~2,000 tokens and exits; B restores them verified; 64 greedy tokens match."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(long_text[:9000], encoding="utf-8")
+    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache")}
+    env.pop("LOCALKV_MODEL", None)
+    system = "You are a careful reader. Answer from the document."
+    pre = _cli(env, "prefill", "--system", system, str(doc))
+    assert 1900 <= int(pre["tokens"]) <= 2300  # type: ignore[call-overload]
+    ask = ["ask", "--system", system, "--temperature", "0", "--max-tokens", "64"]
+    question = "Who is the story about, and what does she do?"
+    cached = _cli(env, *ask, str(doc), question)
+    uncached = _cli(env, *ask, "--no-cache", str(doc), question)
+    assert cached["cache"]["verified"] is True  # type: ignore[index]
+    assert cached["tokens"]["reused"] == pre["tokens"]  # type: ignore[index]
+    assert cached["tokens"]["generated"] == uncached["tokens"]["generated"]  # type: ignore[index]
+    assert cached["tokens"]["generated"] > 8  # type: ignore[index]
+    assert cached["answer"] == uncached["answer"]
