@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,9 @@ class RestoreResult:
     seconds: float
     tip: str | None = None  # hash of the last block used
     saved_seconds: float = 0.0  # estimated prefill time the restore replaced
+    # seconds by step: lookup, read (read + decompress + checks), load (assemble +
+    # llama_state_seq_set_data), probe (the verifying single-token decode)
+    breakdown: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +73,15 @@ class PrefixCache:
     """A session's view of the store: one identity, one namespace, one block size."""
 
     def __init__(
-        self, store: SnapshotStore, identity: Identity, namespace: str, block_size: int
+        self,
+        store: SnapshotStore,
+        identity: Identity,
+        namespace: str,
+        block_size: int,
+        defer: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
+        """``defer(fn)`` runs index bookkeeping (hit counts, stats) off the restore path."""
+        self.defer = defer or (lambda fn: fn())
         self.store = store
         self.identity = identity
         self.namespace = namespace
@@ -131,7 +141,9 @@ class PrefixCache:
         self, session: ModelSession, tokens: Sequence[int], t0: float, reasons: list[str]
     ) -> RestoreResult | None:
         session.reset()
+        marks = [time.perf_counter()]
         plan = self.plan(tokens)
+        marks.append(time.perf_counter())
         reuse = plan.reuse
         if not plan.chain or reuse == 0:
             return self._miss(tokens, reasons[0] if reasons else self.miss_reason(tokens), t0)
@@ -144,7 +156,7 @@ class PrefixCache:
         if end > session.n_ctx:
             return self._miss(tokens, f"stored chain of {end} tokens exceeds n_ctx", t0)
         try:
-            stored_tokens = self._load(session, plan.chain)
+            stored_tokens = self._load(session, plan.chain, marks)
         except BlockCorrupt as exc:
             session.reset()
             self.store.quarantine(exc.block_hash or last.hash, exc.reason)
@@ -161,23 +173,32 @@ class PrefixCache:
             self.store.quarantine(plan.chain[0].hash, "probe mismatch")
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         session.truncate(reuse)
-        seconds = time.perf_counter() - t0
+        marks.append(time.perf_counter())
+        seconds = marks[-1] - t0
         saved = sum(
             row.prefill_seconds * min(row.n_tokens, max(0, reuse - row.start)) / row.n_tokens
             for row in plan.chain
         )
-        self.store.touch([row.hash for row in plan.chain])
-        self.store.record_event("hit", None, reuse, saved)
-        return RestoreResult(reuse, True, None, seconds, last.hash, saved)
+        hashes = [row.hash for row in plan.chain]
+
+        def bookkeeping() -> None:
+            self.store.touch(hashes)
+            self.store.record_event("hit", None, reuse, saved)
+
+        self.defer(bookkeeping)
+        steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
+        return RestoreResult(reuse, True, None, seconds, last.hash, saved, steps)
 
     def _miss(self, tokens: Sequence[int], reason: str, t0: float) -> RestoreResult:
-        self.store.record_event("miss", reason, len(tokens), 0.0)
+        n = len(tokens)
+        self.defer(lambda: self.store.record_event("miss", reason, n, 0.0))
         log.info("cache miss: %s", reason)
         return RestoreResult(0, None, reason, time.perf_counter() - t0)
 
-    def _load(self, session: ModelSession, chain: list[BlockRow]) -> np.ndarray:
+    def _load(self, session: ModelSession, chain: list[BlockRow], marks: list[float]) -> np.ndarray:
         """Read, check and load the chain minus its final token; return the stored tokens."""
         blocks = self.store.read_blocks(chain)
+        marks.append(time.perf_counter())
         parent: str | None = None
         pieces = []
         for row, block in zip(chain, blocks, strict=True):
@@ -186,10 +207,11 @@ class PrefixCache:
                 raise BlockCorrupt("tokens do not match the chain hash", row.hash)
             pieces.append(tensors_to_state(block.tensors, block.meta, block.start))
             parent = block.hash
-        state = codec.concat(pieces)
         tokens = np.concatenate([b.tokens for b in blocks])
-        n = state.n_tokens - 1
-        session.restore(state.slice(0, n), [int(t) for t in tokens[:n]])
+        n = int(tokens.shape[0]) - 1
+        if n > 0:
+            session.restore(pieces, [int(t) for t in tokens[:n]])
+        marks.append(time.perf_counter())
         session.batch_ends = sorted(
             {e for b in blocks for e in json.loads(b.meta.get("batch_ends", "[]")) if e < n} | {n}
         )

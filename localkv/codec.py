@@ -210,56 +210,82 @@ def concat(parts: Sequence[KVState]) -> KVState:
     return KVState(positions, first.v_trans, layers)
 
 
-def assembled_size(state: KVState) -> int:
-    n = state.n_tokens
+def assembled_size(parts: Sequence[KVState], n: int) -> int:
+    first = parts[0]
     size = 4 + 4 + 4 + 4 + n * 12 + 8
-    for x in state.layers:
-        size += 4 + 8 + x.k.nbytes
-        size += (4 + 4 + 4) if state.v_trans else (4 + 8)
-        size += x.v.nbytes
+    for layer in range(len(first.layers)):
+        size += 4 + 8 + n * first.layers[layer].k_row_bytes
+        size += (4 + 4 + 4) if first.v_trans else (4 + 8)
+        size += n * first.layers[layer].v_row_bytes
     return size
 
 
-def assemble(state: KVState, seq_id: int = 0) -> bytearray:
-    """Build the ``llama_state_seq_set_data`` buffer for ``state``."""
-    n = state.n_tokens
-    out = bytearray(assembled_size(state))
-    view = memoryview(out)
+def assemble(
+    state: KVState | Sequence[KVState], seq_id: int = 0, n_tokens: int | None = None
+) -> np.ndarray:
+    """Build the ``llama_state_seq_set_data`` buffer (uint8 array).
+
+    ``state`` may be consecutive pieces (blocks); they are written straight
+    into the buffer, cut after ``n_tokens`` tokens, without joining them first.
+    """
+    parts = [state] if isinstance(state, KVState) else list(state)
+    if not parts:
+        raise ValueError("nothing to assemble")
+    first = parts[0]
+    for p in parts[1:]:
+        if p.v_trans != first.v_trans or p.layout() != first.layout():
+            raise StateFormatError("blocks of different KV layouts cannot be joined")
+    total = sum(p.n_tokens for p in parts)
+    n = total if n_tokens is None else n_tokens
+    if not 0 < n <= total:
+        raise ValueError(f"cannot assemble {n} of {total} tokens")
+    spans: list[tuple[KVState, int, int]] = []  # (part, offset in sequence, rows used)
+    at = 0
+    for p in parts:
+        rows = min(p.n_tokens, n - at)
+        if rows <= 0:
+            break
+        spans.append((p, at, rows))
+        at += rows
+    out = np.empty(assembled_size(parts, n), dtype=np.uint8)
     off = 0
 
     def put(fmt: str, *values: int) -> None:
         nonlocal off
-        struct.pack_into(fmt, out, off, *values)
+        struct.pack_into(fmt, out, off, *values)  # type: ignore[arg-type]
         off += struct.calcsize(fmt)
 
-    def put_rows(arr: np.ndarray) -> None:
+    def put_rows(get: str, layer: int, row_bytes: int) -> None:
         nonlocal off
-        dst = np.frombuffer(view[off : off + arr.nbytes], dtype=np.uint8).reshape(arr.shape)
-        np.copyto(dst, arr, casting="no")
-        off += arr.nbytes
+        dst = out[off : off + n * row_bytes].reshape(n, row_bytes)
+        for p, at, rows in spans:
+            dst[at : at + rows] = getattr(p.layers[layer], get)[:rows]
+        off += n * row_bytes
 
     put("<IiII", STATE_MAGIC, seq_id, 1, n)
-    cells = np.empty((n, 3), dtype="<i4")
-    cells[:, 0] = state.positions
+    cells = out[off : off + 12 * n].view("<i4").reshape(n, 3)
+    cells[:, 0] = np.concatenate([p.positions[:rows] for p, _, rows in spans])
     cells[:, 1] = 1
     cells[:, 2] = seq_id
-    put_rows(cells.view(np.uint8).reshape(n, 12))
-    put("<II", 1 if state.v_trans else 0, len(state.layers))
-    for x in state.layers:
+    off += 12 * n
+    put("<II", 1 if first.v_trans else 0, len(first.layers))
+    for i, x in enumerate(first.layers):
         put("<iQ", x.k_type, x.k_row_bytes)
-        put_rows(x.k)
-    for x in state.layers:
-        if state.v_trans:
+        put_rows("k", i, x.k_row_bytes)
+    for i, x in enumerate(first.layers):
+        if first.v_trans:
             elem = x.v_elem_bytes
             n_embd_v = x.v_row_bytes // elem
             put("<iII", x.v_type, elem, n_embd_v)
-            dim_major = x.v.view(_elem_dtype(elem)).reshape(n, n_embd_v).T
-            dst = np.frombuffer(view[off : off + x.v.nbytes], dtype=_elem_dtype(elem))
-            np.copyto(dst.reshape(n_embd_v, n), dim_major, casting="no")
-            off += x.v.nbytes
+            dtype = _elem_dtype(elem)
+            dst = out[off : off + n * x.v_row_bytes].view(dtype).reshape(n_embd_v, n)
+            for p, at, rows in spans:
+                src = p.layers[i].v[:rows].view(dtype).reshape(rows, n_embd_v)
+                dst[:, at : at + rows] = src.T
+            off += n * x.v_row_bytes
         else:
             put("<iQ", x.v_type, x.v_row_bytes)
-            put_rows(x.v)
-    if off != len(out):
-        raise RuntimeError(f"assembled {off} of {len(out)} bytes")
+            put_rows("v", i, x.v_row_bytes)
+    if off != out.shape[0]:
+        raise RuntimeError(f"assembled {off} of {out.shape[0]} bytes")
     return out

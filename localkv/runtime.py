@@ -441,6 +441,24 @@ class Runtime:
             timing=Timing(report.restore_s, prefill_s, ttft, total),
         )
 
+    def _defer(self, fn: Callable[[], None]) -> None:
+        def run() -> SaveResult:
+            fn()
+            return SaveResult(0, 0, 0, None)
+
+        self._submit(run)
+
+    def _submit(self, fn: Callable[[], SaveResult]) -> None:
+        """Queue background work; finished jobs are dropped (their errors logged)."""
+        keep = []
+        for fut in self._pending:
+            if not fut.done():
+                keep.append(fut)
+            elif fut.exception() is not None:
+                log.warning("background cache work failed: %s", fut.exception())
+        keep.append(self._saver.submit(fn))
+        self._pending = keep
+
     def _note_rate(self, seconds: float, tokens: int) -> None:
         if tokens >= 32 and seconds > 0:
             self._seconds_per_token = seconds / tokens
@@ -456,7 +474,7 @@ class Runtime:
         cache = self.cache
         blocks = cache.prepare(self.session, tips, self._seconds_per_token)
         if blocks:
-            self._pending.append(self._saver.submit(cache.write, blocks))
+            self._submit(lambda: cache.write(blocks))
 
 
 def _source_path(documents: Sequence[Document]) -> str | None:

@@ -18,7 +18,7 @@ import contextlib
 import ctypes
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -455,28 +455,35 @@ class ModelSession:
         """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown)."""
         return codec.parse(self.capture_state())
 
-    def load_state(self, data: bytes | bytearray, tokens: list[int]) -> None:
+    def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
         self.reset()
         if len(tokens) > self.n_ctx:
             raise ContextFullError(len(tokens), self.n_ctx)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer(
-            data if isinstance(data, bytearray) else bytearray(data)
-        )
-        read = llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), 0)
-        if read != len(data):
+        if isinstance(data, np.ndarray):
+            arr = np.ascontiguousarray(data, dtype=np.uint8)
+        else:
+            arr = np.frombuffer(bytes(data), dtype=np.uint8)
+        size = int(arr.shape[0])
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        read = llama_cpp.llama_state_seq_set_data(self.ctx, ptr, size, 0)
+        if read != size:
             self.reset()
-            raise codec.StateFormatError(f"llama.cpp accepted {read} of {len(data)} state bytes")
+            raise codec.StateFormatError(f"llama.cpp accepted {read} of {size} state bytes")
         self.tokens = list(tokens)
         self.batch_ends = [len(tokens)]  # as far as this process knows
 
-    def restore(self, state: codec.KVState, tokens: list[int]) -> None:
-        """Load a parsed state (positions must be 0..n-1 and match ``tokens``)."""
-        if state.n_tokens != len(tokens):
-            raise ValueError(f"state holds {state.n_tokens} tokens, {len(tokens)} given")
-        if not np.array_equal(state.positions, np.arange(state.n_tokens, dtype=np.int32)):
+    def restore(self, state: codec.KVState | Sequence[codec.KVState], tokens: list[int]) -> None:
+        """Load a parsed state, or consecutive pieces of one, holding exactly ``tokens``.
+
+        Positions must be 0..n-1: a prefix cache never moves state elsewhere.
+        """
+        parts = [state] if isinstance(state, codec.KVState) else list(state)
+        n = len(tokens)
+        positions = np.concatenate([p.positions for p in parts])[:n]
+        if positions.shape[0] != n or not np.array_equal(positions, np.arange(n)):
             raise codec.StateFormatError("state positions are not 0..n-1")
-        self.load_state(codec.assemble(state), tokens)
+        self.load_state(codec.assemble(parts, n_tokens=n), tokens)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens of the sequence."""
