@@ -1,9 +1,34 @@
-"""localkv: a local LLM runtime with a persistent, verified, on-disk prefix KV cache."""
+"""localkv: a local LLM runtime with a persistent, verified, on-disk prefix KV cache.
+
+    import localkv
+
+    with localkv.Runtime.open() as rt:           # default model and cache
+        doc = localkv.read_document("notes.txt")
+        answer = rt.ask([doc], "What is due on Friday?")
+        print(answer.text, answer.cache.line(answer.tokens.prompt))
+
+See ``localkv.runtime`` for the API and ``examples/rag_loop.py`` for a RAG loop.
+"""
 
 from __future__ import annotations
 
+from localkv.request import Document, DocumentError, read_document
+from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
 from localkv.sampling import SamplingParams
-from localkv.session import LoraSpec, ModelSession, SessionConfig
+from localkv.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
 
-__all__ = ["LoraSpec", "ModelSession", "SamplingParams", "SessionConfig"]
+__all__ = [
+    "Answer",
+    "CacheReport",
+    "ContextFullError",
+    "Document",
+    "DocumentError",
+    "LoraSpec",
+    "ModelSession",
+    "PrefillReport",
+    "Runtime",
+    "SamplingParams",
+    "SessionConfig",
+    "read_document",
+]
 __version__ = "0.1.0"
