@@ -79,9 +79,15 @@ class PrefixCache:
         namespace: str,
         block_size: int,
         defer: Callable[[Callable[[], None]], object] | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
-        """``defer(fn)`` runs index bookkeeping (hit counts, stats) off the restore path."""
+        """``defer(fn)`` runs index bookkeeping (hit counts, stats) off the restore path.
+
+        ``enforce_budget()`` evicts the store down to ``budget_bytes`` (default:
+        ``LOCALKV_BUDGET``, else a share of free disk space).
+        """
         self.defer = defer or (lambda fn: fn())
+        self.budget_bytes = budget_bytes
         self.store = store
         self.identity = identity
         self.namespace = namespace
@@ -299,3 +305,11 @@ class PrefixCache:
                 new_bytes += sum(r.stored_bytes for r in self.store.match_chain([block.hash]))
         tip = blocks[-1].hash if blocks else None
         return SaveResult(len(blocks), new_blocks, new_bytes, tip)
+
+    def enforce_budget(self) -> int:
+        """Evict down to the budget (after a write); returns the bytes freed."""
+        budget = self.budget_bytes or self.store.default_budget()
+        freed = self.store.evict(budget)
+        if freed:
+            log.info("cache over its budget of %d bytes: evicted %d bytes", budget, freed)
+        return freed

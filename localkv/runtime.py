@@ -373,6 +373,8 @@ class Runtime:
                 )
             if saved.tip is not None:
                 bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
+            if saved.new_blocks:
+                self.cache.enforce_budget()
         return PrefillReport(
             snapshot=snapshot,
             tokens=len(request.tokens),
@@ -474,7 +476,14 @@ class Runtime:
         cache = self.cache
         blocks = cache.prepare(self.session, tips, self._seconds_per_token)
         if blocks:
-            self._submit(lambda: cache.write(blocks))
+
+            def write_then_evict() -> SaveResult:
+                result = cache.write(blocks)
+                if result.new_blocks:
+                    cache.enforce_budget()
+                return result
+
+            self._submit(write_then_evict)
 
 
 def _source_path(documents: Sequence[Document]) -> str | None:

@@ -32,6 +32,7 @@ import numpy as np
 import zstandard
 from safetensors.numpy import save as _st_save
 
+from .chain import tokens_sha
 from .values import Block, BlockCorrupt, BlockRow
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "decode",
     "encode",
     "frame_content_size",
+    "index_row",
 ]
 
 FORMAT_VERSION = "lkv-block1"
@@ -203,6 +205,28 @@ def _tensor_view(
     view = np.frombuffer(raw, dtype=dtype, count=count, offset=body + begin).reshape(shape)
     view.setflags(write=False)
     return view
+
+
+def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
+    """The index row of ``block`` stored as ``data`` at ``relpath``."""
+    return BlockRow(
+        hash=block.hash,
+        parent=block.parent,
+        identity=block.identity,
+        namespace=block.namespace,
+        start=block.start,
+        tokens=block.tokens,
+        tokens_sha=tokens_sha(block.tokens),
+        file=relpath,
+        raw_bytes=frame_content_size(data),
+        stored_bytes=len(data),
+        checksum=checksum(data),
+        probe=block.probe,
+        prefill_seconds=block.prefill_seconds,
+        created=now,
+        last_used=now,
+        hits=0,
+    )
 
 
 def check_against(decoded: DecodedBlock, row: BlockRow) -> Block:

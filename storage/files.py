@@ -1,9 +1,11 @@
 """Block files on disk: atomic writes, reads that never follow links, removal.
 
-Write: a 0600 temp file in ``root/tmp`` -> fsync -> ``os.replace`` into
-``blocks/ab/`` -> fsync the directory. Read: refuse anything that is not a
-regular file at the expected place (a symlinked file or fan-out directory
-included) and any size other than the index's.
+Write: a 0600 temp file in ``root/tmp`` -> fsync -> into ``blocks/ab/`` ->
+fsync the directory; a hard link puts it in place without ever replacing
+another writer's file, and ``os.replace`` is used only under the index lock.
+Read: refuse anything that is not a regular file at the expected place (a
+symlinked file or fan-out directory included) and any size other than the
+index's.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ from pathlib import Path
 from .paths import CacheLayout, create_private_file, ensure_private_dir, fsync_dir
 from .values import BlockCorrupt
 
-__all__ = ["move_to_quarantine", "read_block_file", "remove_file", "write_block_file"]
+__all__ = [
+    "link_into_place",
+    "move_to_quarantine",
+    "read_block_file",
+    "remove_file",
+    "replace_into_place",
+    "stage_block_file",
+]
 
 logger = logging.getLogger(__name__)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 
 
-def write_block_file(layout: CacheLayout, relpath: str, data: bytes) -> None:
-    """Write ``data`` durably and atomically at ``relpath``."""
+def stage_block_file(layout: CacheLayout, relpath: str, data: bytes) -> Path:
+    """Write ``data`` to a new 0600 temp file in ``tmp/``, fsynced; return its path."""
     final = layout.resolve(relpath)
-    fanout = final.parent
-    new_dir = not fanout.exists()
-    ensure_private_dir(fanout)
     tmp = layout.tmp / f"{final.name}.{secrets.token_hex(6)}.tmp"
     fd = create_private_file(tmp)
     try:
@@ -37,13 +43,43 @@ def write_block_file(layout: CacheLayout, relpath: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
     except BaseException:
         remove_file(tmp)
         raise
+    return tmp
+
+
+def link_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> bool:
+    """Give the staged file its final name unless one exists there; True if it was placed.
+
+    A hard link never replaces: a file already there may belong to a row that
+    another process is inserting right now, so only ``replace_into_place``,
+    under the index's write lock and with no row present, may replace it.
+    """
+    final = layout.resolve(relpath)
+    fanout = final.parent
+    new_dir = not fanout.exists()
+    ensure_private_dir(fanout)
+    try:
+        os.link(tmp, final, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links on this file system: check, then rename
+        if os.path.lexists(final):
+            return False
+        os.replace(tmp, final)
+    remove_file(tmp)
     fsync_dir(fanout)
     if new_dir:
         fsync_dir(fanout.parent)
+    return True
+
+
+def replace_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> None:
+    """Atomically replace the file at ``relpath`` with the staged one (under the write lock)."""
+    final = layout.resolve(relpath)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def read_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> bytearray:

@@ -11,15 +11,15 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import sqlite_utils
 
 from .migrations import MIGRATIONS, migrate
-from .values import BlockRow, Probe, SnapshotRow
+from .values import BlockRow, Probe, SnapshotRow, StoreStats
 
 __all__ = ["BlockIndex"]
 
@@ -176,6 +176,35 @@ class BlockIndex:
             ),
         )
 
+    def add_block(
+        self, row: BlockRow, before_insert: Callable[[], None] | None = None
+    ) -> Literal["inserted", "exists", "orphan"]:
+        """Insert a row unless it exists or its parent is gone (checked in the transaction).
+
+        ``before_insert`` runs inside the transaction, just before the insert:
+        the store uses it to put the block's file in place under the write lock.
+        """
+        with self.write() as db:
+            if db.execute("SELECT 1 FROM blocks WHERE hash = ?", (row.hash,)).fetchone():
+                return "exists"
+            if (
+                row.parent is not None
+                and not db.execute("SELECT 1 FROM blocks WHERE hash = ?", (row.parent,)).fetchone()
+            ):
+                return "orphan"
+            if before_insert is not None:
+                before_insert()
+            self.insert_block(db, row)
+            return "inserted"
+
+    def files_in_use(self, db: sqlite_utils.Database, files: Sequence[str]) -> set[str]:
+        """Those of ``files`` that some row names (inside ``write()``)."""
+        used: set[str] = set()
+        for chunk in _chunks(list(files)):
+            sql = f"SELECT file FROM blocks WHERE file IN ({_marks(len(chunk))})"
+            used.update(str(r[0]) for r in db.execute(sql, chunk).fetchall())
+        return used
+
     def children(self, parent: str | None, identity: str, namespace: str) -> list[BlockRow]:
         cond = "parent IS NULL" if parent is None else "parent = ?"
         params: tuple[str, ...] = (identity, namespace)
@@ -232,7 +261,74 @@ class BlockIndex:
                     (now, *chunk),
                 )
 
+    def stats(self) -> StoreStats:
+        """Hits, misses by reason, sizes, and an estimate of prefill seconds saved."""
+        q = self.query
+        blocks, stored, raw, seconds, tokens = q(
+            "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
+            "COALESCE(SUM(prefill_seconds), 0.0), "
+            "COALESCE(SUM(length(tokens) / 4), 0) FROM blocks"
+        )[0]
+        hits, hit_tokens, hit_seconds = q(
+            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(seconds), 0.0) "
+            "FROM events WHERE kind = 'hit'"
+        )[0]
+        misses = {
+            str(r[0]): int(r[1])
+            for r in q(
+                "SELECT COALESCE(reason, 'unknown'), COUNT(*) FROM events WHERE kind = 'miss' "
+                "GROUP BY 1 ORDER BY 2 DESC"
+            )
+        }
+        per_token = float(seconds) / tokens if tokens else 0.0
+        return StoreStats(
+            hits=int(hits),
+            misses=sum(misses.values()),
+            misses_by_reason=misses,
+            blocks=int(blocks),
+            snapshots=int(q("SELECT COUNT(*) FROM snapshots")[0][0]),
+            stored_bytes=int(stored),
+            raw_bytes=int(raw),
+            saved_prefill_seconds=max(0.0, hit_tokens * per_token - float(hit_seconds)),
+        )
+
+    # -------------------------------------------------------------- identities
+    def put_identity(self, digest: str, json_text: str, now: float) -> None:
+        with self.write() as db:
+            found = db.execute("SELECT json FROM identities WHERE digest = ?", (digest,)).fetchone()
+            if found is None:
+                db.execute(
+                    "INSERT INTO identities (digest, json, created) VALUES (?, ?, ?)",
+                    (digest, json_text, now),
+                )
+            elif found[0] != json_text:
+                raise ValueError(f"identity {digest} is already stored with other JSON")
+
+    def get_identity(self, digest: str) -> str | None:
+        rows = self.query("SELECT json FROM identities WHERE digest = ?", (digest,))
+        return str(rows[0][0]) if rows else None
+
     # --------------------------------------------------------------- snapshots
+    def insert_snapshot(self, db: sqlite_utils.Database, snap: SnapshotRow) -> None:
+        """Insert a snapshot row inside a ``write()`` transaction."""
+        db.execute(
+            f"INSERT INTO snapshots ({_SNAPSHOT_COLUMNS}) VALUES ({_marks(12)})",
+            (
+                snap.id,
+                snap.tip,
+                snap.label,
+                snap.source_path,
+                snap.source_sha256,
+                snap.n_tokens,
+                snap.identity,
+                snap.namespace,
+                snap.created,
+                snap.last_used,
+                snap.hits,
+                int(snap.pinned),
+            ),
+        )
+
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
         where, params = ("", ()) if namespace is None else ("WHERE namespace = ?", (namespace,))
         sql = f"SELECT {_SNAPSHOT_COLUMNS} FROM snapshots {where} ORDER BY created, id"

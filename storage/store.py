@@ -24,9 +24,16 @@ from types import TracebackType
 import sqlite_utils
 
 from . import budget, maintenance
-from .blockfile import check_against, checksum, decode, encode, frame_content_size
-from .chain import chain_next, chain_root, tokens_sha
-from .files import move_to_quarantine, read_block_file, remove_file, write_block_file
+from .blockfile import check_against, checksum, decode, encode, index_row
+from .chain import chain_next, chain_root
+from .files import (
+    link_into_place,
+    move_to_quarantine,
+    read_block_file,
+    remove_file,
+    replace_into_place,
+    stage_block_file,
+)
 from .index import BlockIndex
 from .paths import CacheLayout, default_root, prepare_root
 from .values import Block, BlockCorrupt, BlockRow, GcReport, Probe, SnapshotRow, StoreStats
@@ -103,19 +110,11 @@ class SnapshotStore:
     # ------------------------------------------------------------- identities
     def put_identity(self, digest: str, json_text: str) -> None:
         """Record an identity's JSON under its digest (ValueError if it differs)."""
-        with self._index.write() as db:
-            found = db.execute("SELECT json FROM identities WHERE digest = ?", (digest,)).fetchone()
-            if found is None:
-                db.execute(
-                    "INSERT INTO identities (digest, json, created) VALUES (?, ?, ?)",
-                    (digest, json_text, time.time()),
-                )
-            elif found[0] != json_text:
-                raise ValueError(f"identity {digest} is already stored with other JSON")
+        self._index.put_identity(digest, json_text, time.time())
 
     def get_identity(self, digest: str) -> str | None:
-        rows = self._index.query("SELECT json FROM identities WHERE digest = ?", (digest,))
-        return str(rows[0][0]) if rows else None
+        """The JSON of a stored identity, or None."""
+        return self._index.get_identity(digest)
 
     # ----------------------------------------------------------------- blocks
     def has_block(self, block_hash: str) -> bool:
@@ -137,48 +136,23 @@ class SnapshotStore:
             return False
         self._check_parent(block)
         data = encode(block)
-        raw_bytes = frame_content_size(data)
-        if raw_bytes > MAX_RAW_BLOCK_BYTES:
-            raise ValueError(f"block of {raw_bytes} bytes is over {MAX_RAW_BLOCK_BYTES}")
         relpath = self.layout.block_relpath(block.hash)
-        now = time.time()
-        row = BlockRow(
-            hash=block.hash,
-            parent=block.parent,
-            identity=block.identity,
-            namespace=block.namespace,
-            start=block.start,
-            tokens=block.tokens,
-            tokens_sha=tokens_sha(block.tokens),
-            file=relpath,
-            raw_bytes=raw_bytes,
-            stored_bytes=len(data),
-            checksum=checksum(data),
-            probe=block.probe,
-            prefill_seconds=block.prefill_seconds,
-            created=now,
-            last_used=now,
-            hits=0,
-        )
-        write_block_file(self.layout, relpath, data)
-        with self._index.write() as db:
-            if (
-                block.parent is not None
-                and not db.execute(
-                    "SELECT 1 FROM blocks WHERE hash = ?", (block.parent,)
-                ).fetchone()
-            ):
-                parent_gone = True
-            else:
-                parent_gone = False
-                before = db.conn.total_changes
-                self._index.insert_block(db, row)
-                inserted = db.conn.total_changes > before
-        if parent_gone:
+        row = index_row(block, data, relpath, time.time())
+        if row.raw_bytes > MAX_RAW_BLOCK_BYTES:
+            raise ValueError(f"block of {row.raw_bytes} bytes is over {MAX_RAW_BLOCK_BYTES}")
+        tmp = stage_block_file(self.layout, relpath, data)
+        try:
+            placed = link_into_place(self.layout, tmp, relpath)
+            # A file already there is an orphan or another writer's: replace it only
+            # under the write lock and only if no row (which would name it) exists.
+            place = None if placed else lambda: replace_into_place(self.layout, tmp, relpath)
+            outcome = self._index.add_block(row, place)
+        finally:
+            remove_file(tmp)
+        if outcome == "orphan":
             logger.info("parent of %s was removed while saving it; not stored", block.hash)
-            remove_file(self.layout.resolve(relpath))
-            return False
-        return inserted
+            self._remove_files([relpath])
+        return outcome == "inserted"
 
     def _check_parent(self, block: Block) -> None:
         if block.parent is None:
@@ -255,22 +229,13 @@ class SnapshotStore:
         with the reason; its descendants' files (fine but unreachable) are deleted.
         """
         with self._index.write() as db:
-            row = self._index.get_block(block_hash)
             gone = self._index.descendants(db, [block_hash])
-            below = gone - {block_hash}
-            files = self._index.delete_blocks(db, below)
+            files = self._index.delete_blocks(db, gone - {block_hash})
             self._index.delete_blocks(db, [block_hash])
-        moved = move_to_quarantine(
-            self.layout, row.file if row else self.layout.block_relpath(block_hash), reason
-        )
-        for f in files:
-            remove_file(self.layout.resolve(f))
+        self._remove_files([self.layout.block_relpath(block_hash)], quarantine_reason=reason)
+        self._remove_files(files)
         logger.warning(
-            "quarantined block %s (%s) to %s; dropped %d descendant(s)",
-            block_hash,
-            reason,
-            moved,
-            len(below),
+            "quarantined block %s (%s); dropped %d descendant(s)", block_hash, reason, len(files)
         )
         return sorted(gone)
 
@@ -292,34 +257,7 @@ class SnapshotStore:
 
     def stats(self) -> StoreStats:
         """Hits, misses by reason, sizes, and an estimate of prefill seconds saved."""
-        q = self._index.query
-        blocks, stored, raw, seconds, tokens = q(
-            "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
-            "COALESCE(SUM(prefill_seconds), 0.0), "
-            "COALESCE(SUM(length(tokens) / 4), 0) FROM blocks"
-        )[0]
-        hits, hit_tokens, hit_seconds = q(
-            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(seconds), 0.0) "
-            "FROM events WHERE kind = 'hit'"
-        )[0]
-        misses = {
-            str(r[0]): int(r[1])
-            for r in q(
-                "SELECT COALESCE(reason, 'unknown'), COUNT(*) FROM events WHERE kind = 'miss' "
-                "GROUP BY 1 ORDER BY 2 DESC"
-            )
-        }
-        per_token = float(seconds) / tokens if tokens else 0.0
-        return StoreStats(
-            hits=int(hits),
-            misses=sum(misses.values()),
-            misses_by_reason=misses,
-            blocks=int(blocks),
-            snapshots=int(q("SELECT COUNT(*) FROM snapshots")[0][0]),
-            stored_bytes=int(stored),
-            raw_bytes=int(raw),
-            saved_prefill_seconds=max(0.0, hit_tokens * per_token - float(hit_seconds)),
-        )
+        return self._index.stats()
 
     # -------------------------------------------------------------- snapshots
     def put_snapshot(
@@ -350,23 +288,23 @@ class SnapshotStore:
                     f"snapshot says {n_tokens} tokens of {identity}/{namespace!r}, tip block "
                     f"ends at {row.end} under {row.identity}/{row.namespace!r}"
                 )
-            values = {
-                "id": snap_id,
-                "tip": tip,
-                "label": label,
-                "source_path": source_path,
-                "source_sha256": source_sha256,
-                "n_tokens": n_tokens,
-                "identity": identity,
-                "namespace": namespace,
-                "created": now,
-                "last_used": now,
-                "hits": 0,
-                "pinned": int(pinned),
-            }
-            columns = ", ".join(values)
-            marks = ", ".join(f":{k}" for k in values)
-            db.execute(f"INSERT INTO snapshots ({columns}) VALUES ({marks})", values)
+            self._index.insert_snapshot(
+                db,
+                SnapshotRow(
+                    snap_id,
+                    tip,
+                    label,
+                    source_path,
+                    source_sha256,
+                    n_tokens,
+                    identity,
+                    namespace,
+                    now,
+                    now,
+                    0,
+                    pinned,
+                ),
+            )
         return snap_id
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
@@ -447,12 +385,27 @@ class SnapshotStore:
         rows = self._index.get_blocks(list(hashes))
         return sum(r.stored_bytes for r in rows.values())
 
-    def _remove_files(self, files: Sequence[str]) -> None:
-        for f in files:
-            try:
-                remove_file(self.layout.resolve(f))
-            except (OSError, ValueError) as exc:
-                logger.warning("could not remove %s: %s", f, exc)
+    def _remove_files(self, files: Sequence[str], quarantine_reason: str | None = None) -> None:
+        """Unlink files whose rows are gone, under the write lock.
+
+        A file that a row names again (the block was saved anew since its row
+        was deleted) is left alone. With ``quarantine_reason`` files are moved
+        to ``quarantine/`` instead.
+        """
+        if not files:
+            return
+        with self._index.write() as db:
+            in_use = self._index.files_in_use(db, files)
+            for f in files:
+                if f in in_use:
+                    continue
+                try:
+                    if quarantine_reason is None:
+                        remove_file(self.layout.resolve(f))
+                    else:
+                        move_to_quarantine(self.layout, f, quarantine_reason)
+                except (OSError, ValueError) as exc:
+                    logger.warning("could not remove %s: %s", f, exc)
 
     # ----------------------------------------------------------- maintenance
     def gc(self, grace_seconds: float = 3600.0) -> GcReport:

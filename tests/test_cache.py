@@ -231,3 +231,22 @@ def test_blocks_shared_by_two_documents_are_stored_once(
     assert rb.reused == common
     assert rb.new_blocks < rb.blocks
     assert ra.snapshot != rb.snapshot
+
+
+def test_a_small_budget_evicts_but_keeps_the_pinned_snapshot(
+    tiny_models: TinyModels, tmp_path: Path, long_text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = Document.from_text(long_text[:3000], "a.txt")
+    b = Document.from_text(long_text[3000:6000], "b.txt")
+    with _runtime(tiny_models.base, tmp_path) as rt:
+        pinned = rt.prefill([a], system=SYSTEM, pin=True)
+        assert pinned.bytes_on_disk > 0
+        monkeypatch.setenv("LOCALKV_BUDGET", str(pinned.bytes_on_disk + 1000))
+        rt.prefill([b], system=SYSTEM)  # over budget: b's blocks go, a's stay
+        assert rt.cache is not None
+        kept = rt.cache.store.chain_of(rt.cache.store.get_snapshot(pinned.snapshot or "").tip)
+        assert sum(r.stored_bytes for r in kept) == pinned.bytes_on_disk
+        request = rt.build([a], system=SYSTEM)
+        assert _reuse(rt, request.tokens) == len(request.tokens)
+        other = rt.build([b], system=SYSTEM)
+        assert _reuse(rt, other.tokens) < len(other.tokens) - 256

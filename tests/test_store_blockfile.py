@@ -1,0 +1,184 @@
+"""Block files: zstd-compressed safetensors, checked before and while decoding."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+from localkv.storage.blockfile import (
+    FORMAT_VERSION,
+    check_against,
+    decode,
+    encode,
+    frame_content_size,
+    parse_safetensors,
+)
+from localkv.storage.values import BlockCorrupt
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+from test_store_support import make_chain
+
+LIMIT = 1 << 30
+
+
+def _block(n: int = 8) -> tuple[bytes, int]:
+    block = make_chain(list(range(100, 100 + n)), n)[0]
+    data = encode(block)
+    return data, frame_content_size(data)
+
+
+def test_decompressed_file_loads_with_safetensors_numpy() -> None:
+    block = make_chain(list(range(10, 30)), 8)[1]
+    raw = zstandard.ZstdDecompressor().decompress(encode(block))
+    loaded = st_load(raw)
+    assert set(loaded) == {"k.0", "v.0", "k.1", "v.1", "tokens", "pos"}
+    for name, arr in block.tensors.items():
+        assert loaded[name].dtype == arr.dtype
+        np.testing.assert_array_equal(loaded[name], arr)
+    np.testing.assert_array_equal(loaded["tokens"], np.arange(18, 26, dtype=np.int32))
+    np.testing.assert_array_equal(loaded["pos"], np.arange(8, 16, dtype=np.int32))
+    header_len = struct.unpack_from("<Q", raw)[0]
+    meta = __import__("json").loads(raw[8 : 8 + header_len])["__metadata__"]
+    assert meta["format"] == FORMAT_VERSION
+    assert meta["hash"] == block.hash and meta["parent"] == block.parent
+    assert meta["identity"] == block.identity and meta["codec"] == "test"
+
+
+def test_frame_declares_size_and_checksum() -> None:
+    data, size = _block()
+    params = zstandard.get_frame_parameters(data)
+    assert params.has_checksum
+    assert params.content_size == size == len(zstandard.ZstdDecompressor().decompress(data))
+
+
+def test_parse_matches_safetensors_and_is_read_only() -> None:
+    tensors = {
+        "a": np.arange(12, dtype=np.float16).reshape(3, 4),
+        "b": np.arange(6, dtype=np.uint8).reshape(3, 2),
+        "c": np.array([1.5, -2.0], dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=np.int32),
+    }
+    raw = st_save(tensors, metadata={"x": "y"})
+    parsed = parse_safetensors(raw)
+    assert parsed.metadata == {"x": "y"}
+    reference = st_load(raw)
+    assert set(parsed.tensors) == set(reference)
+    for name, arr in reference.items():
+        assert parsed.tensors[name].dtype == arr.dtype
+        np.testing.assert_array_equal(parsed.tensors[name], arr)
+        assert not parsed.tensors[name].flags.writeable
+
+
+def test_round_trip_through_index_row_checks() -> None:
+    from localkv.storage.values import BlockRow
+
+    block = make_chain(list(range(50)), 16)[2]
+    data = encode(block)
+    row = BlockRow(
+        hash=block.hash,
+        parent=block.parent,
+        identity=block.identity,
+        namespace=block.namespace,
+        start=block.start,
+        tokens=block.tokens,
+        tokens_sha="",
+        file="",
+        raw_bytes=frame_content_size(data),
+        stored_bytes=len(data),
+        checksum="",
+        probe=block.probe,
+        prefill_seconds=block.prefill_seconds,
+        created=0.0,
+        last_used=0.0,
+        hits=0,
+    )
+    got = check_against(decode(data, row.raw_bytes, LIMIT), row)
+    assert got.meta == block.meta
+    np.testing.assert_array_equal(got.tokens, block.tokens)
+    for name, arr in block.tensors.items():
+        np.testing.assert_array_equal(got.tensors[name], arr)
+    other = make_chain(list(range(50)), 16)[1]
+    with pytest.raises(BlockCorrupt, match="metadata 'hash'"):
+        check_against(decode(encode(other), frame_content_size(encode(other)), LIMIT), row)
+
+
+def test_declared_size_is_checked_before_decompressing() -> None:
+    data, size = _block()
+    with pytest.raises(BlockCorrupt, match="index expects"):
+        decode(data, size + 1, LIMIT)
+    with pytest.raises(BlockCorrupt, match="over the limit"):
+        decode(data, size, size - 1)
+
+
+def test_frame_declaring_a_huge_size_is_refused_without_allocating() -> None:
+    # A tiny frame whose header claims 1 TiB of content.
+    huge = 1 << 40
+    data = zstandard.ZstdCompressor(write_checksum=True).compress(b"x" * 100)
+    params = zstandard.get_frame_parameters(data)
+    assert params.content_size == 100
+    header = bytearray(data)
+    fhd = header[4]
+    assert fhd >> 6 == 0  # 1-byte content size field (single segment)
+    # Rewrite the frame header with an 8-byte content size field.
+    new_fhd = (3 << 6) | (fhd & 0x3F)
+    forged = bytes(header[:4]) + bytes([new_fhd]) + struct.pack("<Q", huge) + bytes(header[6:])
+    assert zstandard.get_frame_parameters(forged).content_size == huge
+    with pytest.raises(BlockCorrupt, match="index expects"):
+        decode(forged, 100, LIMIT)
+    with pytest.raises(BlockCorrupt, match="over the limit"):
+        decode(forged, huge, LIMIT)
+
+
+@pytest.mark.parametrize(
+    ("mangle", "reason"),
+    [
+        (lambda d: d + d, "zstd"),  # a second frame
+        (lambda d: d + b"\0\0\0", "zstd"),  # trailing garbage
+        (lambda d: d[:-4] + bytes(b ^ 0xFF for b in d[-4:]), "zstd"),  # content checksum
+        (lambda d: d[: len(d) // 2], "zstd"),  # truncated
+        (lambda d: b"\0" * len(d), "not a zstd frame"),
+    ],
+)
+def test_damaged_frames_raise_block_corrupt(mangle: object, reason: str) -> None:
+    data, size = _block()
+    with pytest.raises(BlockCorrupt, match=reason):
+        decode(mangle(data), size, LIMIT)  # type: ignore[operator]
+
+
+def test_frame_without_checksum_or_size_is_refused() -> None:
+    raw = st_save({"tokens": np.arange(3, dtype=np.int32)})
+    no_sum = zstandard.ZstdCompressor(write_checksum=False).compress(raw)
+    with pytest.raises(BlockCorrupt, match="no content checksum"):
+        decode(no_sum, len(raw), LIMIT)
+    no_size = zstandard.ZstdCompressor(write_checksum=True, write_content_size=False).compress(raw)
+    with pytest.raises(BlockCorrupt, match="content size"):
+        decode(no_size, len(raw), LIMIT)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[]",
+        b'{"a": {"dtype": "F16", "shape": [3], "data_offsets": [0, 4]}}',
+        b'{"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}',
+        b'{"a": {"dtype": "U8", "shape": [-4], "data_offsets": [0, 4]}}',
+        b'{"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, '
+        b'"b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}',
+        b'{"a": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}',
+        b'{"__metadata__": {"k": 1}, "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}',
+        b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]',
+    ],
+)
+def test_malformed_safetensors_raise_block_corrupt(header: bytes) -> None:
+    raw = struct.pack("<Q", len(header)) + header + b"\1\2\3\4"
+    with pytest.raises(BlockCorrupt, match="safetensors"):
+        parse_safetensors(raw)
+
+
+def test_safetensors_header_length_out_of_range() -> None:
+    with pytest.raises(BlockCorrupt, match="header length"):
+        parse_safetensors(struct.pack("<Q", 1 << 62) + b"{}")
+    with pytest.raises(BlockCorrupt, match="shorter"):
+        parse_safetensors(b"\1\2")

@@ -1,0 +1,192 @@
+"""Damaged caches: every bad block is a BlockCorrupt with a reason, never a crash."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zstandard
+from localkv.storage.blockfile import checksum
+from localkv.storage.store import BlockCorrupt, BlockRow, SnapshotStore
+from test_store_support import IDENTITY, make_chain, put_chain
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SnapshotStore]:
+    with SnapshotStore.open(tmp_path / "cache") as s:
+        yield s
+
+
+def _stored(store: SnapshotStore, n_tokens: int = 64) -> list[BlockRow]:
+    blocks = make_chain(list(range(n_tokens)), 16)
+    put_chain(store, blocks)
+    return store.match_chain([b.hash for b in blocks])
+
+
+def _path(store: SnapshotStore, row: BlockRow) -> Path:
+    return store.root / row.file
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 10])
+
+
+def _huge_frame(path: Path) -> None:
+    """Same length, but a frame header declaring 1 TiB of content."""
+    size = path.stat().st_size
+    small = zstandard.ZstdCompressor(write_checksum=True).compress(b"x" * 100)
+    forged = small[:4] + bytes([(3 << 6) | (small[4] & 0x3F)]) + struct.pack("<Q", 1 << 40)
+    forged += small[6:]
+    path.write_bytes(forged + b"\0" * (size - len(forged)))
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "flipped byte": (_flip_byte, "checksum"),
+    "truncated": (_truncate, "bytes, the index expects"),
+    "deleted": (os.unlink, "missing"),
+    "huge frame": (_huge_frame, "checksum"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_file_names_the_first_bad_block(store: SnapshotStore, damage: str) -> None:
+    rows = _stored(store)
+    mangle, reason = DAMAGE[damage]
+    mangle(_path(store, rows[2]))
+    mangle(_path(store, rows[3]))
+    with pytest.raises(BlockCorrupt, match=reason) as info:
+        store.read_blocks(rows)
+    assert info.value.block_hash == rows[2].hash
+    assert reason in info.value.reason
+    assert len(store.read_blocks(rows[:2])) == 2  # the blocks before it still read
+    assert store.has_block(rows[2].hash)  # reading never deletes
+    assert sorted(h for h, _ in store.verify()) == sorted([rows[2].hash, rows[3].hash])
+
+
+def test_huge_declared_size_is_refused_even_with_a_matching_checksum(
+    store: SnapshotStore,
+) -> None:
+    rows = _stored(store)
+    path = _path(store, rows[0])
+    _huge_frame(path)
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET checksum = ? WHERE hash = ?",
+            (checksum(path.read_bytes()), rows[0].hash),
+        )
+    with pytest.raises(BlockCorrupt, match="frame declares 1099511627776 bytes"):
+        store.read_blocks(store.match_chain([rows[0].hash]))
+
+
+def test_file_swapped_with_another_blocks_file(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    a, b = _path(store, rows[1]), _path(store, rows[2])
+    tmp = a.with_suffix(".swap")
+    os.replace(a, tmp)
+    os.replace(b, a)
+    os.replace(tmp, b)
+    with pytest.raises(BlockCorrupt) as info:
+        store.read_blocks(rows)
+    assert info.value.block_hash == rows[1].hash
+    # Same sizes would pass the size check; then the checksum catches it.
+    assert "checksum" in info.value.reason or "bytes, the index expects" in info.value.reason
+
+
+def test_swapped_file_with_matching_index_checksum_fails_on_metadata(
+    store: SnapshotStore,
+) -> None:
+    rows = _stored(store)
+    other = rows[2]
+    shutil.copyfile(_path(store, other), _path(store, rows[1]))
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET stored_bytes = ?, raw_bytes = ?, checksum = ? WHERE hash = ?",
+            (other.stored_bytes, other.raw_bytes, other.checksum, rows[1].hash),
+        )
+    fresh = store.match_chain([r.hash for r in rows])
+    with pytest.raises(BlockCorrupt, match="metadata 'hash'") as info:
+        store.read_blocks(fresh)
+    assert info.value.block_hash == rows[1].hash
+
+
+def test_declared_size_differs_from_index(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET raw_bytes = raw_bytes + 8 WHERE hash = ?", (rows[0].hash,)
+        )
+    with pytest.raises(BlockCorrupt, match=r"frame declares .* the index expects") as info:
+        store.read_blocks(store.match_chain([r.hash for r in rows]))
+    assert info.value.block_hash == rows[0].hash
+
+
+def test_tokens_differ_from_index(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    with store.db.conn:
+        bad = (rows[1].tokens + 1).astype("<i4").tobytes()
+        store.db.execute("UPDATE blocks SET tokens = ? WHERE hash = ?", (bad, rows[1].hash))
+    with pytest.raises(BlockCorrupt, match="tokens differ"):
+        store.read_blocks(store.match_chain([r.hash for r in rows]))
+    assert store.verify()[0] == (rows[1].hash, "hash does not match parent and tokens")
+
+
+def test_symlinked_block_file_is_refused(store: SnapshotStore, tmp_path: Path) -> None:
+    rows = _stored(store)
+    path = _path(store, rows[0])
+    outside = tmp_path / "outside.lkv"
+    os.replace(path, outside)
+    path.symlink_to(outside)
+    with pytest.raises(BlockCorrupt, match="symlink"):
+        store.read_blocks(rows[:1])
+
+
+def test_index_path_outside_the_root_is_refused(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET file = '../../etc/passwd' WHERE hash = ?", (rows[0].hash,)
+        )
+    with pytest.raises(BlockCorrupt, match="own path"):
+        store.read_blocks(store.match_chain([rows[0].hash]))
+
+
+def test_quarantine_moves_file_and_drops_descendants(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    sid = store.put_snapshot(rows[-1].hash, "doc", None, None, 64, IDENTITY, "", pinned=True)
+    _flip_byte(_path(store, rows[1]))
+    with pytest.raises(BlockCorrupt) as info:
+        store.read_blocks(rows)
+    removed = store.quarantine(info.value.block_hash or "", info.value.reason)
+    assert sorted(removed) == sorted(r.hash for r in rows[1:])
+    assert [r.hash for r in store.match_chain([r.hash for r in rows])] == [rows[0].hash]
+    assert not _path(store, rows[1]).exists()
+    quarantined = sorted(p.name for p in (store.root / "quarantine").iterdir())
+    assert len(quarantined) == 2
+    assert quarantined[0].startswith(_path(store, rows[1]).name)
+    note = next(p for p in (store.root / "quarantine").iterdir() if p.name.endswith(".reason"))
+    assert "checksum" in note.read_text()
+    for r in rows[2:]:
+        assert not _path(store, r).exists()
+    with pytest.raises(KeyError):
+        store.get_snapshot(sid)  # its chain is broken
+    assert len(store.read_blocks(rows[:1])) == 1
+
+
+def test_verify_repair_quarantines(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    _truncate(_path(store, rows[3]))
+    bad = store.verify(repair=True)
+    assert [h for h, _ in bad] == [rows[3].hash]
+    assert store.verify() == []
+    assert len(store.match_chain([r.hash for r in rows])) == 3

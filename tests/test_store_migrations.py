@@ -1,0 +1,67 @@
+"""The schema is built by migrations recorded in ``_migrations``."""
+
+from __future__ import annotations
+
+import sqlite_utils
+from localkv.storage.migrations import MIGRATIONS, migrate
+
+EXPECTED = {
+    "identities": {"digest": str, "json": str, "created": float},
+    "blocks": {
+        "hash": str,
+        "parent": str,
+        "identity": str,
+        "namespace": str,
+        "start": int,
+        "n_tokens": int,
+        "tokens": bytes,
+        "tokens_sha": str,
+        "file": str,
+        "raw_bytes": int,
+        "stored_bytes": int,
+        "checksum": str,
+        "probe_digest": str,
+        "probe_top": bytes,
+        "prefill_seconds": float,
+        "created": float,
+        "last_used": float,
+        "hits": int,
+    },
+    "snapshots": {
+        "id": str,
+        "tip": str,
+        "label": str,
+        "source_path": str,
+        "source_sha256": str,
+        "n_tokens": int,
+        "identity": str,
+        "namespace": str,
+        "created": float,
+        "last_used": float,
+        "hits": int,
+        "pinned": int,
+    },
+    "events": {"kind": str, "reason": str, "tokens": int, "seconds": float, "at": float},
+    "_migrations": {"name": str, "applied_at": float},
+}
+
+
+def test_migrations_build_the_schema() -> None:
+    db = sqlite_utils.Database(memory=True)
+    applied = migrate(db)
+    assert applied == [fn.__name__ for fn in MIGRATIONS]
+    for table, columns in EXPECTED.items():
+        assert db.table(table).columns_dict == columns, table
+    assert db.table("blocks").pks == ["hash"]
+    assert db.table("snapshots").pks == ["id"]
+    indexed = {tuple(ix.columns) for ix in db.table("blocks").indexes}
+    assert ("parent",) in indexed
+    assert ("tokens_sha",) in indexed
+
+
+def test_migrations_run_once() -> None:
+    db = sqlite_utils.Database(memory=True)
+    migrate(db)
+    assert migrate(db) == []
+    names = [r["name"] for r in db.table("_migrations").rows]
+    assert names == [fn.__name__ for fn in MIGRATIONS]
