@@ -45,6 +45,7 @@ class RestoreResult:
     # seconds by step: lookup, read (read + decompress + checks), load (assemble +
     # llama_state_seq_set_data), probe (the verifying single-token decode)
     breakdown: dict[str, float] = field(default_factory=dict)
+    chain: tuple[str, ...] = ()  # hashes of the blocks used, first block first
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,7 @@ class PrefixCache:
 
         self.defer(bookkeeping)
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
-        return RestoreResult(reuse, True, None, seconds, last.hash, saved, steps)
+        return RestoreResult(reuse, True, None, seconds, last.hash, saved, steps, tuple(hashes))
 
     def _miss(self, tokens: Sequence[int], reason: str, t0: float) -> RestoreResult:
         n = len(tokens)

@@ -295,10 +295,7 @@ class Runtime:
             reason = self.cache_error or "cache disabled"
             return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
         result = self.cache.restore(self.session, tokens)
-        snapshot = None
-        if result.tip is not None:
-            tips = [s.id for s in self.cache.store.snapshots(self.namespace) if s.tip == result.tip]
-            snapshot = tips[0] if tips else None
+        snapshot = self._snapshot_covering(result, tokens)
         report = CacheReport(
             hit=result.reused > 0,
             verified=result.verified,
@@ -309,6 +306,24 @@ class Runtime:
             saved_s=result.saved_seconds,
         )
         return result, report
+
+    def _snapshot_covering(self, result: RestoreResult, tokens: list[int]) -> str | None:
+        """The longest snapshot that the reused prefix contains, if any."""
+        if self.cache is None or not result.chain:
+            return None
+        on_chain = set(result.chain)
+        best: tuple[int, str] | None = None
+        for snap in self.cache.store.snapshots(self.namespace):
+            if snap.n_tokens > result.reused or (best and snap.n_tokens <= best[0]):
+                continue
+            rows = self.cache.store.match_chain([snap.tip])
+            if not rows:
+                continue
+            tip = rows[0]
+            parent_ok = tip.parent is None or tip.parent in on_chain
+            if parent_ok and list(tip.tokens) == tokens[tip.start : tip.end]:
+                best = (snap.n_tokens, snap.id)
+        return best[1] if best else None
 
     def _check_fits(self, request: Request, room: int) -> None:
         if len(request.tokens) + room > self.session.n_ctx:
