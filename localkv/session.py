@@ -500,7 +500,9 @@ class ModelSession:
 
     def reset(self) -> None:
         """Empty the sequence."""
-        llama_cpp.llama_memory_clear(self.memory, True)
+        # metadata only: zeroing the whole KV buffer costs milliseconds per call, and
+        # freed cells are masked out (llama.cpp's own seq_rm does not zero them either)
+        llama_cpp.llama_memory_clear(self.memory, False)
         self.tokens = []
         self.probes = {}
         self.batch_ends = []
