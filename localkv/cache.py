@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,13 +54,26 @@ class SaveResult:
     blocks: int  # blocks in the saved chain
     new_blocks: int  # of which written now
     new_bytes: int  # bytes on disk written now
-    tip: str | None  # hash of the chain's last block
+    tip: str | None  # hash of the chain's last block (None if the save failed)
+    error: str | None = None  # why the save stopped (disk full, I/O error, chain evicted)
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
     chain: list[BlockRow]
     reuse: int  # tokens of the request the chain holds
+
+
+def _guarded(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with index errors (disk full, I/O) logged instead of raised."""
+
+    def run() -> None:
+        try:
+            fn()
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("cache bookkeeping failed: %s", exc)
+
+    return run
 
 
 def _common_prefix(a: np.ndarray, b: Sequence[int]) -> int:
@@ -87,7 +101,7 @@ class PrefixCache:
         ``enforce_budget()`` evicts the store down to ``budget_bytes`` (default:
         ``LOCALKV_BUDGET``, else a share of free disk space).
         """
-        self.defer = defer or (lambda fn: fn())
+        self._run_deferred = defer or (lambda fn: fn())
         self.budget_bytes = budget_bytes
         self.store = store
         self.identity = identity
@@ -95,6 +109,10 @@ class PrefixCache:
         self.block_size = block_size
         self.root = chain_root(identity.digest, namespace)
         store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run bookkeeping through ``defer``; its index errors are logged, never raised."""
+        self._run_deferred(_guarded(fn))
 
     # ---------------------------------------------------------------- lookup
     def plan(self, tokens: Sequence[int]) -> _Plan:
@@ -301,16 +319,26 @@ class PrefixCache:
         for block in blocks:
             if not block.tensors:
                 continue
-            if self.store.put_block(block):
-                new_blocks += 1
-                new_bytes += sum(r.stored_bytes for r in self.store.match_chain([block.hash]))
+            try:
+                if self.store.put_block(block):
+                    new_blocks += 1
+                    new_bytes += sum(r.stored_bytes for r in self.store.match_chain([block.hash]))
+            except (OSError, sqlite3.Error, ValueError) as exc:
+                # disk full, an I/O error, or a parent evicted by another process:
+                # the index is unchanged and the caller carries on uncached
+                log.warning("could not save the prefix cache (%s); continuing without it", exc)
+                return SaveResult(len(blocks), new_blocks, new_bytes, None, str(exc))
         tip = blocks[-1].hash if blocks else None
         return SaveResult(len(blocks), new_blocks, new_bytes, tip)
 
     def enforce_budget(self) -> int:
         """Evict down to the budget (after a write); returns the bytes freed."""
         budget = self.budget_bytes or self.store.default_budget()
-        freed = self.store.evict(budget)
+        try:
+            freed = self.store.evict(budget)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("could not evict from the cache: %s", exc)
+            return 0
         if freed:
             log.info("cache over its budget of %d bytes: evicted %d bytes", budget, freed)
         return freed

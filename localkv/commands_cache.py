@@ -1,7 +1,8 @@
-"""``localkv cache ...``: list, inspect, verify, pin, remove and clean cache entries."""
+"""``localkv cache ...``: list, inspect, verify, pin, remove, forget and clean cache entries."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -154,11 +155,41 @@ def unpin_cmd(snapshot_id: str, cache_dir: str | None) -> None:
 @click.argument("snapshot_id")
 @_dir_option
 def rm_cmd(snapshot_id: str, cache_dir: str | None) -> None:
-    """Remove a snapshot and every block only it needs."""
+    """Remove a snapshot and every block only it needs (and scrub the index)."""
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
         freed = store.remove_snapshot(s.id)
+        busy = store.scrub()
     click.echo(f"removed {s.id} ({freed / 1e6:.1f} MB freed)")
+    if busy:
+        click.echo("warning: another process holds the index open; run again later", err=True)
+
+
+@cache.command("forget")
+@click.argument("file", type=click.Path(dir_okay=False))
+@_dir_option
+@_json_option
+def forget_cmd(file: str, cache_dir: str | None, as_json: bool) -> None:
+    """Remove every trace of FILE: its snapshots and every block only it needs.
+
+    Matches snapshots by FILE's content hash and by its path (FILE may be gone
+    already). Blocks shared with other snapshots (a common system prompt) stay;
+    freed index pages are overwritten and the WAL is emptied.
+    """
+    path = Path(file).expanduser()
+    sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    with _store(cache_dir) as store:
+        report = store.forget(str(path.resolve()), sha)
+    fields = {k: getattr(report, k) for k in report.__dataclass_fields__}
+    if as_json:
+        click.echo(json.dumps(fields))
+    else:
+        click.echo(
+            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s), "
+            f"{report.bytes_freed / 1e6:.1f} MB"
+        )
+    if not report.wal_truncated:
+        click.echo("warning: another process holds the index open; run again later", err=True)
 
 
 @cache.command("gc")

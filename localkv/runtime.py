@@ -294,8 +294,13 @@ class Runtime:
         if self.cache is None:
             reason = self.cache_error or "cache disabled"
             return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
-        result = self.cache.restore(self.session, tokens)
-        snapshot = self._snapshot_covering(result, tokens)
+        try:
+            result = self.cache.restore(self.session, tokens)
+            snapshot = self._snapshot_covering(result, tokens)
+        except (OSError, sqlite3.Error) as exc:  # an unreadable index or disk: prefill instead
+            log.warning("cache lookup failed (%s); continuing without it", exc)
+            self.session.reset()
+            return None, CacheReport(False, None, None, f"cache error: {exc}", 0, 0.0, 0.0)
         report = CacheReport(
             hit=result.reused > 0,
             verified=result.verified,
@@ -376,16 +381,19 @@ class Runtime:
             blocks = self.cache.prepare(self.session, tips, per_token)
             saved = self.cache.write(blocks)
             if saved.tip is not None and not cancelled:
-                snapshot = self.cache.store.put_snapshot(
-                    tip=saved.tip,
-                    label=label or ", ".join(d.name for d in documents) or "(system prompt)",
-                    source_path=_source_path(documents),
-                    source_sha256=_source_sha(documents),
-                    n_tokens=done,
-                    identity=self.cache.identity.digest,
-                    namespace=self.namespace,
-                    pinned=pin,
-                )
+                try:
+                    snapshot = self.cache.store.put_snapshot(
+                        tip=saved.tip,
+                        label=label or ", ".join(d.name for d in documents) or "(system prompt)",
+                        source_path=_source_path(documents),
+                        source_sha256=_source_sha(documents),
+                        n_tokens=done,
+                        identity=self.cache.identity.digest,
+                        namespace=self.namespace,
+                        pinned=pin,
+                    )
+                except (OSError, sqlite3.Error, ValueError) as exc:  # disk full; tip evicted
+                    log.warning("could not save the snapshot (%s); continuing without it", exc)
             if saved.tip is not None:
                 bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
             if saved.new_blocks:

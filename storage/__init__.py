@@ -8,7 +8,16 @@ from .budget import default_budget, parse_size
 from .chain import ROOT_TAG, chain_hashes, chain_next, chain_root, tokens_sha
 from .paths import CacheDirError, CacheLayout, default_root
 from .store import SnapshotStore
-from .values import Block, BlockCorrupt, BlockRow, GcReport, Probe, SnapshotRow, StoreStats
+from .values import (
+    Block,
+    BlockCorrupt,
+    BlockRow,
+    ForgetReport,
+    GcReport,
+    Probe,
+    SnapshotRow,
+    StoreStats,
+)
 
 __all__ = [
     "ROOT_TAG",
@@ -17,6 +26,7 @@ __all__ = [
     "BlockRow",
     "CacheDirError",
     "CacheLayout",
+    "ForgetReport",
     "GcReport",
     "Probe",
     "SnapshotRow",

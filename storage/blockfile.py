@@ -50,6 +50,7 @@ __all__ = [
 FORMAT_VERSION = "lkv-block1"
 ZSTD_LEVEL = 1
 _MAX_HEADER = 16 << 20
+_MAX_DIMS = 8
 _DTYPES: dict[str, np.dtype[np.generic]] = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -154,6 +155,8 @@ def parse_safetensors(raw: bytes) -> DecodedBlock:
         header = json.loads(raw[8 : 8 + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BlockCorrupt(f"safetensors: header is not JSON: {exc}") from exc
+    except RecursionError:
+        raise BlockCorrupt("safetensors: header nests too deeply") from None
     if not isinstance(header, dict):
         raise BlockCorrupt("safetensors: header is not an object")
     metadata = header.pop("__metadata__", None) or {}
@@ -201,8 +204,13 @@ def _tensor_view(
     count = math.prod(shape)
     if not 0 <= begin <= end <= len(raw) - body or end - begin != count * dtype.itemsize:
         raise BlockCorrupt(f"safetensors: tensor {name!r} offsets do not match its shape")
+    if len(shape) > _MAX_DIMS:
+        raise BlockCorrupt(f"safetensors: tensor {name!r} has {len(shape)} dimensions")
     spans.append((begin, end, name))
-    view = np.frombuffer(raw, dtype=dtype, count=count, offset=body + begin).reshape(shape)
+    try:
+        view = np.frombuffer(raw, dtype=dtype, count=count, offset=body + begin).reshape(shape)
+    except (ValueError, OverflowError) as exc:  # e.g. a zero-size shape too large for numpy
+        raise BlockCorrupt(f"safetensors: tensor {name!r}: {exc}") from None
     view.setflags(write=False)
     return view
 

@@ -13,6 +13,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from .paths import ensure_private_db
+
 __all__ = ["FileHasher", "sha256_file"]
 
 _CHUNK = 4 << 20
@@ -34,17 +36,22 @@ class FileHasher:
         self._lock = threading.Lock()
         self._db_path = db_path
         if db_path is not None:
-            with self._connect() as db:
+            db = self._connect()
+            try:
                 db.execute(
                     "CREATE TABLE IF NOT EXISTS file_hashes (path TEXT, size INTEGER, "
                     "mtime_ns INTEGER, inode INTEGER, sha256 TEXT NOT NULL, "
                     "PRIMARY KEY (path, size, mtime_ns, inode))"
                 )
+            finally:
+                db.close()
 
     def _connect(self) -> sqlite3.Connection:
         if self._db_path is None:
             raise RuntimeError("no database")
-        db = sqlite3.connect(self._db_path, timeout=30)
+        ensure_private_db(self._db_path)  # 0600, never a symlink
+        # autocommit: each write below opens its own BEGIN IMMEDIATE
+        db = sqlite3.connect(self._db_path, timeout=30, isolation_level=None)
         db.execute("PRAGMA busy_timeout = 30000")
         return db
 
@@ -81,8 +88,13 @@ class FileHasher:
             return
         db = self._connect()
         try:
-            with db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
                 db.execute("DELETE FROM file_hashes WHERE path=?", (key[0],))
                 db.execute("INSERT INTO file_hashes VALUES (?, ?, ?, ?, ?)", (*key, digest))
+                db.execute("COMMIT")
+            except BaseException:
+                db.rollback()
+                raise
         finally:
             db.close()

@@ -10,16 +10,23 @@ index's.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
+import shutil
 import stat
 from pathlib import Path
 
+from . import faults
+from .budget import parse_size
 from .paths import CacheLayout, create_private_file, ensure_private_dir, fsync_dir
 from .values import BlockCorrupt
 
 __all__ = [
+    "ENV_MIN_FREE",
+    "MIN_FREE_BYTES",
+    "check_free_space",
     "link_into_place",
     "move_to_quarantine",
     "read_block_file",
@@ -31,6 +38,25 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
+ENV_MIN_FREE = "LOCALKV_MIN_FREE"
+MIN_FREE_BYTES = 256 << 20
+
+
+def check_free_space(directory: Path, needed: int) -> None:
+    """Raise ``OSError(ENOSPC)`` unless ``needed`` bytes fit and leave a margin free.
+
+    The margin is ``$LOCALKV_MIN_FREE`` (e.g. ``1G``), else 256 MiB: the cache
+    never fills the disk it shares with everything else.
+    """
+    env = os.environ.get(ENV_MIN_FREE)
+    margin = parse_size(env) if env else MIN_FREE_BYTES
+    free = shutil.disk_usage(directory).free
+    if free < needed + margin:
+        raise OSError(
+            errno.ENOSPC,
+            f"not saving {needed} bytes: {free} bytes free at {directory}, "
+            f"keeping {margin} free ({ENV_MIN_FREE})",
+        )
 
 
 def stage_block_file(layout: CacheLayout, relpath: str, data: bytes) -> Path:
@@ -40,8 +66,10 @@ def stage_block_file(layout: CacheLayout, relpath: str, data: bytes) -> Path:
     fd = create_private_file(tmp)
     try:
         with os.fdopen(fd, "wb", closefd=True) as f:
+            faults.point("before_write")
             f.write(data)
             f.flush()
+            faults.point("before_fsync")
             os.fsync(f.fileno())
     except BaseException:
         remove_file(tmp)
@@ -60,6 +88,7 @@ def link_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> bool:
     fanout = final.parent
     new_dir = not fanout.exists()
     ensure_private_dir(fanout)
+    faults.point("before_rename")
     try:
         os.link(tmp, final, follow_symlinks=False)
     except FileExistsError:
@@ -78,6 +107,7 @@ def link_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> bool:
 def replace_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> None:
     """Atomically replace the file at ``relpath`` with the staged one (under the write lock)."""
     final = layout.resolve(relpath)
+    faults.point("before_rename")
     os.replace(tmp, final)
     fsync_dir(final.parent)
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import sqlite_utils
 
+from . import faults
 from .migrations import MIGRATIONS, migrate
 from .values import BlockRow, Probe, SnapshotRow, StoreStats
 
@@ -99,6 +100,8 @@ class BlockIndex:
         self.lock = threading.RLock()
         self.db = sqlite_utils.Database(conn)
         self.db.execute("PRAGMA busy_timeout = 30000")
+        # deleted rows (a forgotten document's tokens) are overwritten, not left in free pages
+        self.db.execute("PRAGMA secure_delete = ON")
         if path is not None:
             self.db.execute("PRAGMA journal_mode = WAL")
             self.db.execute("PRAGMA synchronous = NORMAL")
@@ -120,10 +123,28 @@ class BlockIndex:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield self.db
+                faults.point("before_commit")
+                self.db.execute("COMMIT")
             except BaseException:
-                self.db.rollback()
+                if self.db.conn.in_transaction:
+                    self.db.conn.rollback()
                 raise
-            self.db.execute("COMMIT")
+            faults.point("after_commit")
+
+    def checkpoint(self) -> tuple[int, int, int]:
+        """Copy the WAL into the database and truncate it to zero bytes.
+
+        Returns SQLite's ``(busy, wal_pages, checkpointed_pages)``; ``busy`` is 1
+        when a reader in another process kept the WAL from being emptied.
+        """
+        with self.lock:
+            row = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+
+    def vacuum(self) -> None:
+        """Rebuild the database file without free pages (outside any transaction)."""
+        with self.lock:
+            self.db.execute("VACUUM")
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """All rows of a read query."""

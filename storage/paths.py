@@ -35,6 +35,7 @@ __all__ = [
     "CacheLayout",
     "create_private_file",
     "default_root",
+    "ensure_private_db",
     "ensure_private_dir",
     "fsync_dir",
     "prepare_root",
@@ -159,12 +160,23 @@ class CacheLayout:
     def resolve(self, relpath: str) -> Path:
         """An index row's relative file path as a path inside the root.
 
-        Raises ``ValueError`` for absolute paths or ``..`` components, so a
-        tampered index cannot point the store outside its root.
+        Raises ``ValueError`` for absolute paths, ``..`` components or a directory
+        on the way that is a symlink, so a tampered index or a planted link
+        cannot point the store outside its root.
         """
         rel = Path(relpath)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise ValueError(f"block path escapes the cache root: {relpath!r}")
+        # never go through a planted symlink: unlink() and rename() would follow it
+        here = self.root
+        for part in rel.parts[:-1]:
+            here = here / part
+            try:
+                mode = os.lstat(here).st_mode
+            except FileNotFoundError:
+                break
+            if not stat.S_ISDIR(mode):
+                raise ValueError(f"block path goes through a symlink or non-directory: {here}")
         return self.root / rel
 
     @staticmethod
@@ -190,20 +202,39 @@ def _write_tag(root: Path) -> None:
         f.write(CACHEDIR_TAG)
 
 
-def _ensure_index_file(path: Path) -> None:
-    """Create the index file 0600 before SQLite does (its -wal/-shm copy the mode)."""
+SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def _check_private_file(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheDirError(f"refusing {path}: not a regular file (a symlink?)")
+    if _HAS_UID and st.st_uid != os.getuid():
+        raise CacheDirError(f"refusing {path}: owned by uid {st.st_uid}")
+    if stat.S_IMODE(st.st_mode) != FILE_MODE:
+        os.chmod(path, FILE_MODE, follow_symlinks=False)
+
+
+def ensure_private_db(path: Path) -> None:
+    """Create a SQLite file 0600 before SQLite does (its -wal/-shm copy the mode).
+
+    The file and any -wal, -shm or -journal beside it must be regular files
+    owned by this user (SQLite would follow a planted symlink); their mode is
+    set back to 0600 if something changed it.
+    """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         with contextlib.suppress(FileExistsError):
             os.close(create_private_file(path))
         st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CacheDirError(f"refusing index {path}: not a regular file")
-    if _HAS_UID and st.st_uid != os.getuid():
-        raise CacheDirError(f"refusing index {path}: owned by uid {st.st_uid}")
-    if stat.S_IMODE(st.st_mode) != FILE_MODE:
-        os.chmod(path, FILE_MODE)
+    _check_private_file(path, st)
+    for suffix in SQLITE_SIDE_FILES:
+        side = path.with_name(path.name + suffix)
+        try:
+            side_st = os.lstat(side)
+        except FileNotFoundError:
+            continue
+        _check_private_file(side, side_st)
 
 
 def prepare_root(root: Path) -> CacheLayout:
@@ -213,6 +244,6 @@ def prepare_root(root: Path) -> CacheLayout:
     for sub in (layout.blocks, layout.tmp, layout.quarantine):
         ensure_private_dir(sub)
     _write_tag(root)
-    _ensure_index_file(layout.index)
+    ensure_private_db(layout.index)
     logger.debug("cache root ready: %s", root)
     return layout

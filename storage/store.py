@@ -15,18 +15,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
 import sqlite_utils
 
-from . import budget, maintenance
+from . import budget, faults, maintenance
 from .blockfile import check_against, checksum, decode, encode, index_row
 from .chain import chain_next, chain_root
 from .files import (
+    check_free_space,
     link_into_place,
     move_to_quarantine,
     read_block_file,
@@ -36,13 +39,23 @@ from .files import (
 )
 from .index import BlockIndex
 from .paths import CacheLayout, default_root, prepare_root
-from .values import Block, BlockCorrupt, BlockRow, GcReport, Probe, SnapshotRow, StoreStats
+from .values import (
+    Block,
+    BlockCorrupt,
+    BlockRow,
+    ForgetReport,
+    GcReport,
+    Probe,
+    SnapshotRow,
+    StoreStats,
+)
 
 __all__ = [
     "MAX_RAW_BLOCK_BYTES",
     "Block",
     "BlockCorrupt",
     "BlockRow",
+    "ForgetReport",
     "GcReport",
     "Probe",
     "SnapshotRow",
@@ -140,6 +153,7 @@ class SnapshotStore:
         row = index_row(block, data, relpath, time.time())
         if row.raw_bytes > MAX_RAW_BLOCK_BYTES:
             raise ValueError(f"block of {row.raw_bytes} bytes is over {MAX_RAW_BLOCK_BYTES}")
+        check_free_space(self.layout.tmp, len(data))
         tmp = stage_block_file(self.layout, relpath, data)
         try:
             placed = link_into_place(self.layout, tmp, relpath)
@@ -147,12 +161,22 @@ class SnapshotStore:
             # under the write lock and only if no row (which would name it) exists.
             place = None if placed else lambda: replace_into_place(self.layout, tmp, relpath)
             outcome = self._index.add_block(row, place)
+        except BaseException:
+            self._discard_unindexed(relpath)
+            raise
         finally:
             remove_file(tmp)
         if outcome == "orphan":
             logger.info("parent of %s was removed while saving it; not stored", block.hash)
             self._remove_files([relpath])
         return outcome == "inserted"
+
+    def _discard_unindexed(self, relpath: str) -> None:
+        """After a failed save: remove the file it placed, unless a row names it."""
+        try:
+            self._remove_files([relpath])
+        except Exception as exc:  # the disk may still be failing: gc removes it later
+            logger.warning("could not remove unsaved block file %s: %s", relpath, exc)
 
     def _check_parent(self, block: Block) -> None:
         if block.parent is None:
@@ -230,6 +254,8 @@ class SnapshotStore:
         """
         with self._index.write() as db:
             gone = self._index.descendants(db, [block_hash])
+            if block_hash not in gone:
+                return []  # already removed (evicted while being read): nothing to do
             files = self._index.delete_blocks(db, gone - {block_hash})
             self._index.delete_blocks(db, [block_hash])
         self._remove_files([self.layout.block_relpath(block_hash)], quarantine_reason=reason)
@@ -350,6 +376,85 @@ class SnapshotStore:
         logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
         return freed
 
+    def forget(self, source_path: str | None, source_sha256: str | None) -> ForgetReport:
+        """Remove every trace of one document: its snapshots and the blocks only it needs.
+
+        A snapshot matches if its ``source_sha256`` equals ``source_sha256`` or its
+        ``source_path`` (one path, or several joined by ``"; "``) names
+        ``source_path``. Its chain's blocks that no other snapshot needs go, with
+        every block below them and every sibling that holds their tokens and more
+        (a longer prompt saved by ``ask``), their quarantined copies, and, through
+        ``scrub()``, the SQLite pages and WAL frames that held their rows.
+        """
+        matched = [
+            s
+            for s in self.snapshots()
+            if (source_sha256 is not None and s.source_sha256 == source_sha256)
+            or (source_path is not None and source_path in (s.source_path or "").split("; "))
+        ]
+        with self._index.write() as db:
+            for snap in matched:
+                db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
+            needed = self._index.protected(db, pinned_only=False)
+            own = {r.hash for s in matched for r in self._index.chain_of(s.tip)} - needed
+            victims = self._index.descendants(db, [*own, *self._extensions(own)]) - needed
+            freed = self._bytes_of(victims)
+            files = self._index.delete_blocks(db, victims)
+        self._remove_files(files)
+        quarantined = self._remove_quarantined(victims)
+        busy = self.scrub()
+        logger.info(
+            "forgot %d snapshot(s), %d block(s), %d bytes", len(matched), len(victims), freed
+        )
+        return ForgetReport(
+            snapshots=sorted(s.id for s in matched),
+            blocks=len(victims),
+            bytes_freed=freed,
+            quarantined_files=quarantined,
+            wal_truncated=not busy,
+        )
+
+    def _extensions(self, hashes: set[str]) -> set[str]:
+        """Blocks beside ``hashes`` (same parent and start) whose tokens begin with theirs."""
+        rows = self._index.get_blocks(list(hashes))
+        out: set[str] = set()
+        for row in rows.values():
+            for sib in self._index.children(row.parent, row.identity, row.namespace):
+                n = row.n_tokens
+                if (
+                    sib.hash not in hashes
+                    and sib.start == row.start
+                    and sib.n_tokens > n
+                    and np.array_equal(sib.tokens[:n], row.tokens)
+                ):
+                    out.add(sib.hash)
+        return out
+
+    def _remove_quarantined(self, hashes: set[str]) -> int:
+        names = {self.layout.block_relpath(h).rsplit("/", 1)[1] for h in hashes}
+        count = 0
+        for entry in os.scandir(self.layout.quarantine):
+            if entry.name.split(".lkv", 1)[0] + ".lkv" in names:
+                remove_file(Path(entry.path))
+                count += 1
+        return count
+
+    def scrub(self) -> bool:
+        """Overwrite what deleted rows left behind: VACUUM, then empty the WAL.
+
+        Deleted rows are zeroed as they go (``secure_delete``); this rebuilds the
+        file and truncates the WAL so no older page survives in it. Returns True
+        if a reader in another process kept the WAL from being emptied.
+        """
+        try:
+            self._index.vacuum()
+        except sqlite3.OperationalError as exc:  # another process is writing: try later
+            logger.warning("could not vacuum the index: %s", exc)
+        busy, _, _ = self._index.checkpoint()
+        if busy:
+            logger.warning("the index WAL is in use by another process; not yet truncated")
+        return bool(busy)
+
     # ---------------------------------------------------------------- budget
     def evict(self, budget_bytes: int) -> int:
         """Evict unpinned leaf blocks, least valuable first, until within budget.
@@ -396,6 +501,7 @@ class SnapshotStore:
             return
         with self._index.write() as db:
             in_use = self._index.files_in_use(db, files)
+            faults.point("before_unlink")
             for f in files:
                 if f in in_use:
                     continue

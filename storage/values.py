@@ -21,6 +21,7 @@ __all__ = [
     "Block",
     "BlockCorrupt",
     "BlockRow",
+    "ForgetReport",
     "GcReport",
     "Probe",
     "SnapshotRow",
@@ -221,6 +222,17 @@ class GcReport:
     orphan_files: int
     missing_files: int  # rows whose file was gone (descendants included)
     bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetReport:
+    """What ``forget`` removed."""
+
+    snapshots: list[str]  # ids of the snapshots removed
+    blocks: int
+    bytes_freed: int
+    quarantined_files: int
+    wal_truncated: bool  # False: another process held the WAL open
 
 
 class StoreStats(TypedDict):
