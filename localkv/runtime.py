@@ -243,9 +243,15 @@ class Runtime:
             "n_gpu_layers": cfg.n_gpu_layers,
             "type_k": cfg.type_k,
             "type_v": cfg.type_v,
-            "flash_attn": self.session.flash_attn_setting(),
+            "flash_attn": self.flash_attn_effective(),
             "n_ctx": self.session.n_ctx,
         }
+
+    def flash_attn_effective(self) -> str:
+        """``on``/``off`` as llama.cpp chose it (from the cache identity), else the setting."""
+        if self.cache is not None:
+            return "on" if self.cache.identity.flash_attn else "off"
+        return self.session.flash_attn_setting()
 
     def snapshots(self) -> list[dict[str, object]]:
         """This namespace's snapshots (label, tokens, bytes, hits, last used, pinned)."""

@@ -93,7 +93,7 @@ class SessionConfig:
     n_gpu_layers: int = -1  # -1: all layers (a no-op on a CPU build)
     type_k: str = "f16"
     type_v: str = "f16"
-    flash_attn: str = "auto"  # "on" | "off" | "auto" (off unless type_v is quantized)
+    flash_attn: str = "auto"  # "on" | "off" | "auto" (llama.cpp decides; CPU: on)
     loras: tuple[LoraSpec, ...] = ()
     rope_freq_base: float = 0.0  # 0: the model's own
     rope_freq_scale: float = 0.0  # 0: the model's own
@@ -195,16 +195,15 @@ class ModelSession:
         self._batch = batch
 
     def flash_attn_setting(self) -> str:
-        """``auto`` resolves to off unless a quantized V cache needs flash attention.
+        """The flash attention setting passed to llama.cpp (``auto`` lets it decide).
 
-        Measured with llama.cpp 0.3.36 on CPU: with flash attention on, a token's
-        logits depend on the thread count (0.05-0.4 apart between 1 and 2 threads),
-        so a state saved by one process would not verify in another; with it off
-        they are bit-identical across thread counts, n_ctx and n_batch.
+        llama.cpp's ``auto`` enables flash attention where the backend supports it
+        (on CPU: yes). Flash attention keeps V untransposed, which makes restores
+        cheaper to assemble, but on CPU its logits depend on the thread count
+        (measured 0.05-0.4 apart between 1 and 2 threads), so the identity records
+        the thread count whenever it is on (see ``localkv.identity``).
         """
-        if self.config.flash_attn != "auto":
-            return self.config.flash_attn
-        return "on" if self.config.type_v.startswith("q") else "off"
+        return self.config.flash_attn
 
     def _check_kv_types(self) -> None:
         # llama.cpp does not always check this itself: with flash attention off a

@@ -34,8 +34,8 @@ def base(tiny_models: TinyModels) -> Identity:
         ("base", {"lora": 0.5}, "loras"),
         ("base", {"type_k": "q8_0"}, "type_k"),
         ("base", {"rope_freq_base": 20000.0}, "rope_freq_base"),
-        ("base", {"flash_attn": "on"}, "v_trans"),
-        ("base", {"flash_attn": "on", "n_threads": 2}, "flash_attn"),
+        ("base", {"flash_attn": "off"}, "v_trans"),
+        ("base", {"n_threads": 2}, "attn_threads"),  # auto: flash attention on
     ],
 )
 def test_digest_changes_with_the_computation(
@@ -61,13 +61,23 @@ def test_thread_count_matters_only_with_flash_attention(tiny_models: TinyModels)
     assert "attn_threads: 1 → 2" in one.diff(two)
 
 
-@pytest.mark.parametrize("kw", [{"n_ctx": 512}, {"n_batch": 64}, {"n_threads": 2}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"n_ctx": 512},
+        {"n_batch": 64},
+        {"n_ctx": 512, "flash_attn": "off"},
+        {"n_batch": 64, "flash_attn": "off"},
+        {"n_threads": 2, "flash_attn": "off"},
+    ],
+)
 def test_digest_ignores_what_does_not_change_kv(
     tiny_models: TinyModels, base: Identity, kw: dict[str, object]
 ) -> None:
+    reference = base if "flash_attn" not in kw else _identity(tiny_models.base, flash_attn="off")
     other = _identity(tiny_models.base, **kw)
-    assert other.digest == base.digest
-    assert base.diff(other) == []
+    assert other.digest == reference.digest
+    assert reference.diff(other) == []
 
 
 def test_diff_is_readable(tiny_models: TinyModels, base: Identity) -> None:
