@@ -10,6 +10,7 @@ built by migrations recorded in ``_migrations``, applied when the store opens.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -126,7 +127,7 @@ def title_of(state: ChatState) -> str:
     Attached documents are user messages too, but never directly answered.
     """
     msgs = state.messages
-    for message, following in zip(msgs, msgs[1:], strict=False):
+    for message, following in itertools.pairwise(msgs):
         if message.role == "user" and following.role == "assistant":
             line = " ".join(message.content.split())
             return line if len(line) <= _TITLE_CHARS else line[: _TITLE_CHARS - 1] + "…"

@@ -296,6 +296,11 @@ class Runtime:
         return build_request(self.template, system=system, documents=documents, question=question)
 
     def restore(self, tokens: list[int]) -> tuple[RestoreResult | None, CacheReport]:
+        """Empty the sequence and restore the longest verified cached prefix of ``tokens``.
+
+        Pending background saves finish first: they may hold exactly this prefix.
+        """
+        self.wait_for_saves()
         self.session.reset()
         if self.cache is None:
             reason = self.cache_error or "cache disabled"

@@ -189,7 +189,8 @@ class ModelSession:
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
         self._attach_loras(cfg.loras)
-        self.n_batch = cfg.n_batch
+        # llama.cpp may lower the batch size (never above n_ctx): use what it took
+        self.n_batch = min(cfg.n_batch, int(llama_cpp.llama_n_batch(ctx)), self.n_ctx)
         batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._stack.callback(llama_cpp.llama_batch_free, batch)
         self._batch = batch

@@ -1,0 +1,126 @@
+"""The cache screen: this namespace's snapshots, with pin, unpin and delete."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.content import Content
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label, Static
+
+from .controller import ChatController, SnapshotInfo
+from .formats import ago, human_bytes
+
+__all__ = ["CacheScreen"]
+
+log = logging.getLogger(__name__)
+
+_COLUMNS = ("label", "tokens", "size", "hits", "last used", "pinned")
+
+
+class CacheScreen(Screen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("p", "toggle_pin", "Pin/unpin"),
+        Binding("d,delete", "delete", "Delete"),
+        Binding("r", "refresh", "Refresh"),
+    ]
+
+    @dataclass
+    class SnapshotsLoaded(Message):
+        snapshots: list[SnapshotInfo]
+        note: str | None = None
+
+    @dataclass
+    class ActionFailed(Message):
+        error: str
+
+    def __init__(self, controller: ChatController) -> None:
+        super().__init__()
+        self.controller = controller
+        self.snapshots: list[SnapshotInfo] = []
+
+    def compose(self) -> ComposeResult:
+        yield Label("Cache snapshots", classes="heading")
+        yield Static(Content(f"cache: {self.controller.cache_status}"), id="cache-status")
+        yield DataTable(cursor_type="row", zebra_stripes=True, id="snapshots")
+        yield Static(id="cache-note")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one(DataTable).add_columns(*_COLUMNS)
+        self.action_refresh()
+
+    def action_refresh(self) -> None:
+        self._load(self.controller, None)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="cache")
+    def _load(self, controller: ChatController, note: str | None) -> None:
+        try:
+            self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
+        except Exception as exc:
+            log.warning("listing snapshots failed", exc_info=True)
+            self.post_message(self.ActionFailed(str(exc)))
+
+    def on_cache_screen_snapshots_loaded(self, message: SnapshotsLoaded) -> None:
+        self.snapshots = message.snapshots
+        table = self.query_one(DataTable)
+        row = table.cursor_row
+        table.clear()
+        for snap in self.snapshots:
+            table.add_row(
+                Text(snap.label),
+                f"{snap.tokens:,}",
+                human_bytes(snap.bytes_on_disk),
+                str(snap.hits),
+                ago(snap.last_used),
+                "pinned" if snap.pinned else "",
+                key=snap.id,
+            )
+        if self.snapshots:
+            table.move_cursor(row=min(row, len(self.snapshots) - 1))
+        empty = "No snapshots yet: /attach a document to cache it. " if not self.snapshots else ""
+        self.query_one("#cache-note", Static).update(Content(empty + (message.note or "")))
+
+    def on_cache_screen_action_failed(self, message: ActionFailed) -> None:
+        self.query_one("#cache-note", Static).update(Content(message.error))
+        self.notify(message.error, severity="error")
+
+    def _selected(self) -> SnapshotInfo | None:
+        row = self.query_one(DataTable).cursor_row
+        return self.snapshots[row] if 0 <= row < len(self.snapshots) else None
+
+    def action_toggle_pin(self) -> None:
+        snap = self._selected()
+        if snap is not None:
+            self._pin(self.controller, snap, not snap.pinned)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="cache")
+    def _pin(self, controller: ChatController, snap: SnapshotInfo, pinned: bool) -> None:
+        try:
+            controller.set_pinned(snap.id, pinned)
+            note = f"{'pinned' if pinned else 'unpinned'} {snap.label}"
+            self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
+        except Exception as exc:
+            self.post_message(self.ActionFailed(str(exc)))
+
+    def action_delete(self) -> None:
+        snap = self._selected()
+        if snap is not None:
+            self._delete(self.controller, snap)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="cache")
+    def _delete(self, controller: ChatController, snap: SnapshotInfo) -> None:
+        try:
+            freed = controller.remove_snapshot(snap.id)
+            note = f"deleted {snap.label}, freed {human_bytes(freed)}"
+            self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
+        except Exception as exc:
+            self.post_message(self.ActionFailed(str(exc)))
