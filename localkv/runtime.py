@@ -24,7 +24,6 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from localkv import codec
@@ -32,6 +31,7 @@ from localkv.cache import PrefixCache, RestoreResult, SaveResult
 from localkv.identity import identity_of
 from localkv.models import resolve_model
 from localkv.prompt import ChatTemplate
+from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 from localkv.request import Document, Request, build_request
 from localkv.sampling import SamplingParams
 from localkv.session import (
@@ -50,104 +50,6 @@ __all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "Token
 log = logging.getLogger(__name__)
 
 TextFn = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheReport:
-    hit: bool
-    verified: bool | None
-    snapshot: str | None
-    miss_reason: str | None
-    reused: int
-    restore_s: float
-    saved_s: float  # estimated prefill seconds the restore replaced
-
-    def line(self, prompt_tokens: int) -> str:
-        """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in 41 ms``."""
-        if not self.hit:
-            return f"cache miss ({self.miss_reason}); prefilled {prompt_tokens:,} tokens"
-        return (
-            f"reused {self.reused:,} of {prompt_tokens:,} tokens (verified) in "
-            f"{self.restore_s * 1000:.0f} ms; saved ≈ {self.saved_s:.1f} s"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCounts:
-    prompt: int
-    reused: int
-    prefilled: int
-    generated: int
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    restore_s: float
-    prefill_s: float
-    ttft_s: float
-    total_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    text: str
-    tokens: TokenCounts
-    cache: CacheReport
-    timing: Timing
-
-    def as_json(self) -> dict[str, object]:
-        c = self.cache
-        return {
-            "answer": self.text,
-            "tokens": {
-                "prompt": self.tokens.prompt,
-                "reused": self.tokens.reused,
-                "prefilled": self.tokens.prefilled,
-                "generated": self.tokens.generated,
-            },
-            "cache": {
-                "hit": c.hit,
-                "verified": c.verified,
-                "snapshot": c.snapshot,
-                "miss_reason": c.miss_reason,
-            },
-            "timing": {
-                "restore_s": round(self.timing.restore_s, 6),
-                "prefill_s": round(self.timing.prefill_s, 6),
-                "ttft_s": round(self.timing.ttft_s, 6),
-                "total_s": round(self.timing.total_s, 6),
-            },
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillReport:
-    snapshot: str | None
-    tokens: int
-    reused: int
-    prefilled: int
-    blocks: int
-    new_blocks: int
-    bytes_on_disk: int
-    seconds: float
-    cancelled: bool
-    cache: CacheReport
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "snapshot": self.snapshot,
-            "tokens": self.tokens,
-            "reused": self.reused,
-            "prefilled": self.prefilled,
-            "blocks": self.blocks,
-            "new_blocks": self.new_blocks,
-            "bytes_on_disk": self.bytes_on_disk,
-            "seconds": round(self.seconds, 6),
-            "cancelled": self.cancelled,
-        }
-
-
-_NO_CACHE = CacheReport(False, None, None, "cache disabled", 0, 0.0, 0.0)
 
 
 class Runtime:
