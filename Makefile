@@ -63,6 +63,7 @@ check: lint typecheck imports
 test: check pytest
 
 bench: $(VENV)/.runtime
+	$(PIP) install --quiet -e ".[bench]"
 	$(VENV)/bin/localkv bench $(ARGS)
 
 clean:

@@ -124,7 +124,10 @@ class PrefixCache:
         best: BlockRow | None = None
         best_len = 0
         if start < len(tokens):
-            for child in self.store.children(parent, self.identity.digest, self.namespace):
+            children = self.store.children(
+                parent, self.identity.digest, self.namespace, first_token=int(tokens[start])
+            )
+            for child in children:
                 n = _common_prefix(child.tokens, tokens[start:])
                 if n > best_len:
                     best, best_len = child, n

@@ -144,12 +144,14 @@ def _read_documents(paths: tuple[str, ...]) -> list[Document]:
 
 
 def _register() -> None:
+    from localkv.commands_bench import bench
     from localkv.commands_cache import cache
     from localkv.commands_docs import ask, prefill
 
     cli.add_command(prefill)
     cli.add_command(ask)
     cli.add_command(cache)
+    cli.add_command(bench)
 
 
 _register()

@@ -221,12 +221,17 @@ def assembled_size(parts: Sequence[KVState], n: int) -> int:
 
 
 def assemble(
-    state: KVState | Sequence[KVState], seq_id: int = 0, n_tokens: int | None = None
+    state: KVState | Sequence[KVState],
+    seq_id: int = 0,
+    n_tokens: int | None = None,
+    scratch: np.ndarray | None = None,
 ) -> np.ndarray:
     """Build the ``llama_state_seq_set_data`` buffer (uint8 array).
 
     ``state`` may be consecutive pieces (blocks); they are written straight
     into the buffer, cut after ``n_tokens`` tokens, without joining them first.
+    With a large enough ``scratch`` array the result is a view into it: reusing
+    one buffer spares the page faults of a fresh allocation on every restore.
     """
     parts = [state] if isinstance(state, KVState) else list(state)
     if not parts:
@@ -247,7 +252,11 @@ def assemble(
             break
         spans.append((p, at, rows))
         at += rows
-    out = np.empty(assembled_size(parts, n), dtype=np.uint8)
+    size = assembled_size(parts, n)
+    if scratch is not None and scratch.dtype == np.uint8 and scratch.shape[0] >= size:
+        out = scratch[:size]
+    else:
+        out = np.empty(size, dtype=np.uint8)
     off = 0
 
     def put(fmt: str, *values: int) -> None:

@@ -99,7 +99,11 @@ class Runtime:
             hasher = FileHasher(store.root / "filehashes.db")
             identity = identity_of(self.session, hasher)
             self.cache = PrefixCache(
-                store, identity, self.namespace, self.session.config.block_size
+                store,
+                identity,
+                self.namespace,
+                self.session.config.block_size,
+                defer=self._defer,  # hit counts and stats after the first token
             )
         except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
             store.close()

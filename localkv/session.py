@@ -75,6 +75,7 @@ class ModelSession:
         self._last_logits: np.ndarray | None = None
         # logits of tokens decoded alone at block ends and boundaries: the probes
         self.probes: dict[int, np.ndarray] = {}
+        self._scratch: np.ndarray | None = None  # reused restore buffer
         # token counts after each llama_decode call: how the sequence was batched.
         # Numerics depend on batching, so a faithful recomputation replays it.
         self.batch_ends: list[int] = []
@@ -424,7 +425,12 @@ class ModelSession:
         positions = np.concatenate([p.positions for p in parts])[:n]
         if positions.shape[0] != n or not np.array_equal(positions, np.arange(n)):
             raise codec.StateFormatError("state positions are not 0..n-1")
-        self.load_state(codec.assemble(parts, n_tokens=n), tokens)
+        size = codec.assembled_size(parts, n)
+        if self._scratch is None or self._scratch.shape[0] < size:
+            # room for the whole context, so later restores reuse the same pages
+            per_token = max(1, size // max(1, n))
+            self._scratch = np.empty(max(size, per_token * self.n_ctx + 4096), dtype=np.uint8)
+        self.load_state(codec.assemble(parts, n_tokens=n, scratch=self._scratch), tokens)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens of the sequence."""

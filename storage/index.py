@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -226,11 +227,16 @@ class BlockIndex:
             used.update(str(r[0]) for r in db.execute(sql, chunk).fetchall())
         return used
 
-    def children(self, parent: str | None, identity: str, namespace: str) -> list[BlockRow]:
+    def children(
+        self, parent: str | None, identity: str, namespace: str, first_token: int | None = None
+    ) -> list[BlockRow]:
         cond = "parent IS NULL" if parent is None else "parent = ?"
-        params: tuple[str, ...] = (identity, namespace)
-        if parent is not None:
-            params = (parent, *params)
+        params: tuple[object, ...] = () if parent is None else (parent,)
+        if first_token is not None:
+            # tokens are int32 little-endian: compare the first 4 bytes in SQL
+            cond += " AND substr(tokens, 1, 4) = ?"
+            params = (*params, struct.pack("<i", first_token))
+        params = (*params, identity, namespace)
         sql = (
             f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE {cond} AND identity = ? "
             "AND namespace = ? ORDER BY start, hash"

@@ -205,9 +205,15 @@ class SnapshotStore:
             run.append(row)
         return run
 
-    def children(self, parent: str | None, identity: str, namespace: str) -> list[BlockRow]:
-        """Blocks that follow ``parent`` (None: first blocks) under identity and namespace."""
-        return self._index.children(parent, identity, namespace)
+    def children(
+        self, parent: str | None, identity: str, namespace: str, first_token: int | None = None
+    ) -> list[BlockRow]:
+        """Blocks that follow ``parent`` (None: first blocks) under identity and namespace.
+
+        With ``first_token``, only blocks starting with that token (the others
+        share no prefix with the request).
+        """
+        return self._index.children(parent, identity, namespace, first_token)
 
     def same_first_block_elsewhere(
         self, tokens_sha: str, identity: str, namespace: str

@@ -250,3 +250,27 @@ def test_a_small_budget_evicts_but_keeps_the_pinned_snapshot(
         assert _reuse(rt, request.tokens) == len(request.tokens)
         other = rt.build([b], system=SYSTEM)
         assert _reuse(rt, other.tokens) < len(other.tokens) - 256
+
+
+def test_bookkeeping_runs_off_the_restore_path(
+    tiny_models: TinyModels, tmp_path: Path, doc: Document
+) -> None:
+    """Hit counts are written by the background worker, not before the first token."""
+    with _runtime(tiny_models.base, tmp_path) as rt:
+        rt.prefill([doc], system=SYSTEM)
+        assert rt.cache is not None
+        ran_on: list[str] = []
+        store = rt.cache.store
+        original = store.record_event
+
+        def spy(*args: object, **kw: object) -> None:
+            import threading
+
+            ran_on.append(threading.current_thread().name)
+            original(*args, **kw)  # type: ignore[arg-type]
+
+        store.record_event = spy  # type: ignore[method-assign]
+        rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)
+        rt.wait_for_saves()
+        assert ran_on and all(name.startswith("localkv-save") for name in ran_on)
+        assert store.stats()["hits"] >= 1

@@ -1,0 +1,178 @@
+"""``localkv bench`` on the tiny model: every measurement runs, every output is written.
+
+No timing assertions: the machine is shared and noisy. The checks are on the
+structure of the results, on what must hold whatever the timings (a verified
+restore gives the cold run's first token), and on the files written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+from conftest import tiny_config
+from tinymodels import TinyModels
+
+from localkv import benchreport
+from localkv.bench import STEPS, BenchConfig, BenchResult, prompt_tokens, run_bench
+from localkv.benchbaselines import Stat
+from localkv.commands_bench import bench, parse_sizes
+from localkv.session import ModelSession
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+SIZES = (64, 300)
+
+
+@pytest.fixture(scope="module")
+def result(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> BenchResult:
+    cfg = BenchConfig(
+        model_path=tiny_models.base,
+        sizes=SIZES,
+        cold_repeats=1,
+        repeats=1,
+        lookup_blocks=50,
+        lookup_repeats=3,
+        n_threads=1,
+    )
+    lines: list[str] = []
+    out = run_bench(cfg, lines.append, work_dir=tmp_path_factory.mktemp("bench"))
+    assert any("cold prefill of 300 tokens" in line for line in lines)
+    return out
+
+
+def _positive(stat: Stat) -> bool:
+    return stat.n >= 1 and 0 <= stat.min <= stat.median <= stat.max and math.isfinite(stat.max)
+
+
+def test_prompt_is_exactly_n_tokens_and_lengths_share_a_prefix(tiny_models: TinyModels) -> None:
+    with ModelSession(tiny_config(tiny_models.base)) as session:
+        long = prompt_tokens(session, 1500)
+        assert len(long) == 1500
+        for n in (2, 64, 300):
+            assert prompt_tokens(session, n) == long[:n]
+
+
+def test_every_measurement_of_every_size(result: BenchResult) -> None:
+    assert [s.tokens for s in result.sizes] == list(SIZES)
+    for s in result.sizes:
+        stats = [
+            s.cold_ttft,
+            s.warm_ttft,
+            *s.warm_steps.values(),
+            s.get_data_s,
+            s.floor.read_set,
+            s.floor.set_only,
+            s.llama_file.save,
+            s.llama_file.load,
+            s.llama_file.ttft,
+            s.disk_cache.set,
+            s.disk_cache.get_load,
+            s.ask.ttft_cache_on,
+            s.ask.ttft_cache_off,
+            s.ask.background_write,
+        ]
+        assert all(_positive(st) for st in stats)
+        assert set(s.warm_steps) == set(STEPS)
+        assert s.warm_verified and s.first_token_agrees
+        assert s.blocks == -(-s.tokens // result.config.block_size)
+        assert s.stored_bytes > 0 and 0 < s.raw_bytes < s.llama_file.file_bytes + 1024
+        assert s.disk_cache.disk_bytes > s.raw_bytes
+        assert abs(s.ask.prompt_tokens - s.tokens) <= 8
+        assert s.restore_memory.peak_bytes > 0 and s.restore_memory.method
+        assert set(s.ratios) == {
+            "cold_over_warm",
+            "warm_over_llama_file_ttft",
+            "warm_over_floor",
+            "stored_over_raw",
+        }
+        assert all(math.isfinite(v) and v > 0 for v in s.ratios.values())
+    assert result.machine["cores"] and result.machine["llama_cpp_python"] == "0.3.36"
+    assert int(str(result.model["n_ctx"])) >= max(SIZES) + 64  # llama.cpp rounds it up
+
+
+def test_lookup_with_many_blocks_finds_the_stored_chain(result: BenchResult) -> None:
+    lookup = result.lookup
+    assert lookup is not None
+    assert lookup.blocks == 50 and lookup.chain_blocks == 8
+    assert lookup.hit_reuse == 8 * result.config.block_size
+    assert lookup.request_tokens > lookup.hit_reuse
+    assert _positive(lookup.hit) and _positive(lookup.miss)
+
+
+def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path: Path) -> None:
+    command = "localkv bench --sizes 64,300"
+    path = benchreport.write_json(result, tmp_path / "out" / "results.json", command)
+    data = json.loads(path.read_text())
+    assert data["command"] == command
+    first = data["sizes"][0]
+    assert first["tokens"] == 64
+    assert first["cold_ttft_s"]["median"] == result.sizes[0].cold_ttft.median
+    assert set(first["warm_steps_s"]) == set(STEPS)
+    assert first["llama_disk_cache"]["bytes"] == result.sizes[0].disk_cache.disk_bytes
+    assert data["lookup"]["blocks"] == 50
+
+    page = benchreport.markdown(result, command, "chart.png")
+    assert command in page and str(result.machine["cpu"]) in page
+    assert "llama-cpp-python 0.3.36" in page and "![" in page
+    for s in result.sizes:
+        assert benchreport.fmt_stat(s.warm_ttft) in page
+        assert benchreport.fmt_bytes(s.stored_bytes) in page
+    assert page.count("\n| ") == len(benchreport.CELLS) + 1  # header + one row per figure
+
+    table = benchreport.rich_table(result)
+    assert table.row_count == len(benchreport.CELLS)
+
+    if not HAVE_MATPLOTLIB:
+        pytest.skip("matplotlib is not installed: the chart is not drawn")
+    png = tmp_path / "out" / "ttft.png"
+    assert benchreport.write_chart(result, png) is None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_without_matplotlib_says_so(
+    result: BenchResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    why = benchreport.write_chart(result, tmp_path / "ttft.png")
+    assert why is not None and "matplotlib" in why
+    assert not (tmp_path / "ttft.png").exists()
+
+
+def test_bench_command_writes_results_and_docs(tiny_models: TinyModels, tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    docs = tmp_path / "docs" / "BENCHMARKS.md"
+    args = [
+        "--model", str(tiny_models.base), "--sizes", "300,64", "--repeats", "1",
+        "--cold-repeats", "1", "--lookup-blocks", "10", "--threads", "1",
+        "--out", str(out), "--json", "--write-docs", str(docs),
+    ]  # fmt: skip
+    run = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    data = json.loads(run.stdout)
+    assert [s["tokens"] for s in data["sizes"]] == [64, 300]
+    assert data["command"].startswith("localkv bench --model ")
+    assert "--sizes 300,64" in data["command"]
+    assert json.loads((out / "results.json").read_text())["sizes"][1]["tokens"] == 300
+    page = docs.read_text()
+    assert data["command"] in page and "## Machine" in page
+    assert (out / "ttft.png").exists() == HAVE_MATPLOTLIB
+    assert (docs.parent / "benchmarks-ttft.png").exists() == HAVE_MATPLOTLIB
+    assert "cold prefill of 64 tokens" in run.stderr
+
+
+def test_sizes_and_config_are_checked(tiny_models: TinyModels) -> None:
+    assert parse_sizes("2048, 512,8192") == (512, 2048, 8192)
+    for bad in ("", "a,b", "1,512"):
+        with pytest.raises(click.BadParameter):
+            parse_sizes(bad)
+    for sizes in ((1,), (64, 64), ()):
+        with pytest.raises(ValueError):
+            BenchConfig(model_path=tiny_models.base, sizes=sizes)
+    with pytest.raises(ValueError):
+        BenchConfig(model_path=tiny_models.base, repeats=0)
