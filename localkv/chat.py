@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localkv.conversation import TokenStream
+from localkv.conversation import Streamed, stream_answer
 from localkv.prompt import Message
 from localkv.request import Document
 from localkv.runtime import CacheReport, Runtime
@@ -185,27 +185,14 @@ class ChatSession:
             raise ContextFullError(needed, self.n_ctx)
         t0 = time.perf_counter()
         sync = self.sync()
-        session = self.runtime.session
-        stream = TokenStream(session)
-        ttft = 0.0
-        t_first = t0
-        for token in session.generate(params, cancel=cancel):
-            if not stream.ids:
-                t_first = time.perf_counter()
-                ttft = t_first - t0
-            piece = stream.push(token)
-            if piece and on_text is not None:
-                on_text(piece)
-        tail = stream.flush()
-        if tail and on_text is not None:
-            on_text(tail)
-        elapsed = time.perf_counter() - t_first
-        rate = (len(stream.ids) - 1) / elapsed if len(stream.ids) > 1 and elapsed > 0 else 0.0
+        answer = stream_answer(self.runtime.session, params, t0, on_text, cancel)
         stopped = cancel is not None and cancel()
-        self._close_turn(stream)
-        return TurnReport(stream.text, len(stream.ids), sync, ttft, rate, stopped)
+        self._close_turn(answer)
+        return TurnReport(
+            answer.text, len(answer.ids), sync, answer.ttft_s, answer.tokens_per_s, stopped
+        )
 
-    def _close_turn(self, stream: TokenStream) -> None:
+    def _close_turn(self, stream: Streamed) -> None:
         history = list(self.state.messages)
         self.state.tokens.extend(stream.ids)
         self.state.messages.append(Message("assistant", stream.text))

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localkv.prompt import ChatTemplate, Message
 from localkv.sampling import SamplingParams
-from localkv.session import ModelSession
+from localkv.session import CancelFn, ModelSession
 
-__all__ = ["Conversation", "TokenStream"]
+__all__ = ["Conversation", "Streamed", "TokenStream", "stream_answer"]
 
 
 @dataclass
@@ -54,38 +55,38 @@ class TokenStream:
         return piece
 
 
-def reply(
-    session: ModelSession,
-    template: ChatTemplate,
-    conv: Conversation,
-    params: SamplingParams,
-    *,
-    cancel: Callable[[], bool] | None = None,
-) -> Iterator[str]:
-    """Generate the assistant's turn after ``conv`` (whose tokens are in ``session``).
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """An answer as generated: its text, the sampled ids and when tokens came."""
 
-    Yields text pieces; when done, the answer and its closing tokens are part of
-    ``conv`` and of the session's sequence bookkeeping.
-    """
-    opener = template.assistant_start_tokens(conv.messages)
-    if opener:
-        session.prefill(opener, block_size=max(1, len(opener)))
-        conv.tokens.extend(opener)
+    text: str
+    ids: list[int]
+    ttft_s: float  # from ``t0`` to the first token (to the end if there was none)
+    tokens_per_s: float  # after the first token
+
+
+def stream_answer(
+    session: ModelSession,
+    params: SamplingParams,
+    t0: float,
+    on_text: Callable[[str], None] | None = None,
+    cancel: CancelFn | None = None,
+) -> Streamed:
+    """Generate after the session's sequence, sending text pieces to ``on_text``."""
     stream = TokenStream(session)
+    t_first = 0.0
     for token in session.generate(params, cancel=cancel):
+        if not stream.ids:
+            t_first = time.perf_counter()
         piece = stream.push(token)
-        if piece:
-            yield piece
+        if piece and on_text is not None:
+            on_text(piece)
     tail = stream.flush()
-    if tail:
-        yield tail
-    conv.tokens.extend(stream.ids)
-    history = list(conv.messages)
-    conv.messages.append(Message("assistant", stream.text))
-    closing = template.assistant_end_tokens(history, stream.text)
-    # the sequence holds every generated id except the last one sampled
-    # (generation stopped before decoding it); bring it in line with conv.tokens
-    pending = conv.tokens[session.n_tokens :] + closing
-    conv.tokens.extend(closing)
-    if pending:
-        session.prefill(pending, block_size=max(1, len(pending)))
+    if tail and on_text is not None:
+        on_text(tail)
+    end = time.perf_counter()
+    if not stream.ids:
+        return Streamed(stream.text, stream.ids, end - t0, 0.0)
+    elapsed = end - t_first
+    rate = (len(stream.ids) - 1) / elapsed if len(stream.ids) > 1 and elapsed > 0 else 0.0
+    return Streamed(stream.text, stream.ids, t_first - t0, rate)

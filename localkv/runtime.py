@@ -28,6 +28,7 @@ from pathlib import Path
 
 from localkv import codec
 from localkv.cache import PrefixCache, RestoreResult, SaveResult
+from localkv.conversation import stream_answer
 from localkv.identity import identity_of
 from localkv.models import resolve_model
 from localkv.prompt import ChatTemplate
@@ -345,8 +346,6 @@ class Runtime:
         Text pieces stream to ``on_text``; the prompt's new blocks are saved in the
         background after the answer, never before its first token.
         """
-        from localkv.conversation import TokenStream
-
         params = params or SamplingParams()
         t0 = time.perf_counter()
         request = self.build(documents, system=system, question=question)
@@ -358,29 +357,17 @@ class Runtime:
             request.tokens[reused:], boundaries=request.boundaries, progress=progress
         )
         prefill_s = time.perf_counter() - t1
-        stream = TokenStream(self.session)
-        ttft = 0.0
-        for token in self.session.generate(params, cancel=cancel):
-            if not stream.ids:
-                ttft = time.perf_counter() - t0
-            piece = stream.push(token)
-            if piece and on_text is not None:
-                on_text(piece)
-        tail = stream.flush()
-        if tail and on_text is not None:
-            on_text(tail)
+        answer = stream_answer(self.session, params, t0, on_text, cancel)
         total = time.perf_counter() - t0
-        if not stream.ids:
-            ttft = total
         self._note_rate(prefill_s, len(request.tokens) - reused)
         self.save_prefix(request.boundaries)
         return Answer(
-            text=stream.text,
+            text=answer.text,
             tokens=TokenCounts(
-                len(request.tokens), reused, len(request.tokens) - reused, len(stream.ids)
+                len(request.tokens), reused, len(request.tokens) - reused, len(answer.ids)
             ),
             cache=report,
-            timing=Timing(report.restore_s, prefill_s, ttft, total),
+            timing=Timing(report.restore_s, prefill_s, answer.ttft_s, total),
         )
 
     def _defer(self, fn: Callable[[], None]) -> None:
