@@ -19,7 +19,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import sqlite_utils
 
 from localkv.chat import ChatState
 from localkv.prompt import Message
+from localkv.storage.migrations import Migrations
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
 
 __all__ = [
@@ -45,32 +46,13 @@ log = logging.getLogger(__name__)
 HISTORY_FILE = "conversations.db"
 _TITLE_CHARS = 60
 
-Migration = Callable[[sqlite_utils.Database], None]
-MIGRATIONS: list[Migration] = []
-
-
-def migration(fn: Migration) -> Migration:
-    """Register ``fn`` as the next migration (never edit one that has shipped)."""
-    MIGRATIONS.append(fn)
-    return fn
+migration = Migrations()  # the conversation database's schema
+MIGRATIONS = migration.functions
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply the migrations not yet named in ``_migrations``; return their names."""
-    db.table("_migrations").create(
-        {"name": str, "applied_at": float}, pk="name", if_not_exists=True
-    )
-    applied = {row["name"] for row in db.table("_migrations").rows}
-    done: list[str] = []
-    for fn in MIGRATIONS:
-        if fn.__name__ in applied:
-            continue
-        with db.atomic():
-            fn(db)
-            db.table("_migrations").insert({"name": fn.__name__, "applied_at": time.time()})
-        log.info("applied migration %s", fn.__name__)
-        done.append(fn.__name__)
-    return done
+    return migration.apply(db)
 
 
 @migration

@@ -13,42 +13,56 @@ from collections.abc import Callable
 
 import sqlite_utils
 
-__all__ = ["MIGRATIONS", "migrate", "migration"]
+__all__ = ["MIGRATIONS", "Migration", "Migrations", "migrate", "migration"]
 
 logger = logging.getLogger(__name__)
 
 Migration = Callable[[sqlite_utils.Database], None]
-MIGRATIONS: list[Migration] = []
 
 
-def migration(fn: Migration) -> Migration:
-    """Register ``fn`` as the next migration."""
-    MIGRATIONS.append(fn)
-    return fn
+class Migrations:
+    """An ordered list of migrations for one database; use the instance as a decorator."""
+
+    def __init__(self) -> None:
+        self.functions: list[Migration] = []
+
+    def __call__(self, fn: Migration) -> Migration:
+        """Register ``fn`` as the next migration."""
+        self.functions.append(fn)
+        return fn
+
+    def apply(self, db: sqlite_utils.Database) -> list[str]:
+        """Apply pending migrations, each in its own transaction; return their names.
+
+        The caller may already hold a write transaction (the store opens one with
+        ``BEGIN IMMEDIATE`` so two processes cannot migrate at once); otherwise
+        each migration runs in ``db.atomic()``.
+        """
+        db.table("_migrations").create(
+            {"name": str, "applied_at": float}, pk="name", if_not_exists=True
+        )
+        applied = {row["name"] for row in db.table("_migrations").rows}
+        done: list[str] = []
+        for fn in self.functions:
+            name = fn.__name__
+            if name in applied:
+                continue
+            with db.atomic():
+                fn(db)
+                db.table("_migrations").insert({"name": name, "applied_at": time.time()})
+            logger.info("applied migration %s", name)
+            done.append(name)
+        return done
+
+
+# the snapshot store's own schema
+migration = Migrations()
+MIGRATIONS = migration.functions
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
-    """Apply pending migrations, each in its own transaction; return their names.
-
-    The caller may already hold a write transaction (the store opens one with
-    ``BEGIN IMMEDIATE`` so two processes cannot migrate at once); otherwise
-    each migration runs in ``db.atomic()``.
-    """
-    db.table("_migrations").create(
-        {"name": str, "applied_at": float}, pk="name", if_not_exists=True
-    )
-    applied = {row["name"] for row in db.table("_migrations").rows}
-    done: list[str] = []
-    for fn in MIGRATIONS:
-        name = fn.__name__
-        if name in applied:
-            continue
-        with db.atomic():
-            fn(db)
-            db.table("_migrations").insert({"name": name, "applied_at": time.time()})
-        logger.info("applied migration %s", name)
-        done.append(name)
-    return done
+    """Apply the store's pending migrations; return their names."""
+    return migration.apply(db)
 
 
 @migration
