@@ -18,6 +18,7 @@ disk instead of prefilling it again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import sqlite3
@@ -214,7 +215,6 @@ class Runtime:
             return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
         try:
             result = self.cache.restore(self.session, tokens)
-            snapshot = self._snapshot_covering(result, tokens)
         except (OSError, sqlite3.Error) as exc:  # an unreadable index or disk: prefill instead
             log.warning("cache lookup failed (%s); continuing without it", exc)
             self.session.reset()
@@ -222,7 +222,7 @@ class Runtime:
         report = CacheReport(
             hit=result.reused > 0,
             verified=result.verified,
-            snapshot=snapshot,
+            snapshot=None,  # named later, off the first-token path: see with_snapshot
             miss_reason=result.miss_reason,
             reused=result.reused,
             restore_s=result.seconds,
@@ -230,8 +230,20 @@ class Runtime:
         )
         return result, report
 
+    def with_snapshot(
+        self, result: RestoreResult | None, report: CacheReport, tokens: list[int]
+    ) -> CacheReport:
+        """``report`` naming the longest snapshot that the reused prefix contains."""
+        if result is None:
+            return report
+        try:
+            snapshot = self._snapshot_covering(result, tokens)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("could not name the snapshot: %s", exc)
+            return report
+        return dataclasses.replace(report, snapshot=snapshot)
+
     def _snapshot_covering(self, result: RestoreResult, tokens: list[int]) -> str | None:
-        """The longest snapshot that the reused prefix contains, if any."""
         if self.cache is None or not result.chain:
             return None
         on_chain = set(result.chain)
@@ -270,7 +282,7 @@ class Runtime:
         t0 = time.perf_counter()
         request = self.build(documents, system=system)
         self._check_fits(request, 0)
-        _, report = self.restore(request.tokens)
+        restored, report = self.restore(request.tokens)
         reused = self.session.n_tokens
         cancelled = False
         t1 = time.perf_counter()
@@ -326,7 +338,7 @@ class Runtime:
             bytes_on_disk=bytes_on_disk,
             seconds=time.perf_counter() - t0,
             cancelled=cancelled,
-            cache=report,
+            cache=self.with_snapshot(restored, report, request.tokens),
         )
 
     # -------------------------------------------------------------------- ask
@@ -350,7 +362,7 @@ class Runtime:
         t0 = time.perf_counter()
         request = self.build(documents, system=system, question=question)
         self._check_fits(request, 1)
-        _, report = self.restore(request.tokens)
+        restored, report = self.restore(request.tokens)
         reused = self.session.n_tokens
         t1 = time.perf_counter()
         self.session.prefill(
@@ -361,6 +373,7 @@ class Runtime:
         total = time.perf_counter() - t0
         self._note_rate(prefill_s, len(request.tokens) - reused)
         self.save_prefix(request.boundaries)
+        report = self.with_snapshot(restored, report, request.tokens)
         return Answer(
             text=answer.text,
             tokens=TokenCounts(
