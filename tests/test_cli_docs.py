@@ -155,6 +155,8 @@ def test_latin1_document_is_read_with_a_warning(env: dict[str, str], tmp_path: P
 BAD_INPUTS = [
     (["prefill", "missing.txt"], 1, "missing.txt: no such file"),
     (["prefill", "{dir}"], 1, "is a directory"),
+    # unreadable even for root, which reads any mode-000 file: the read fails with EIO
+    (["prefill", "/proc/self/mem"], 1, "cannot read it"),
     (["prefill", "{binary}"], 1, "looks binary"),
     (["prefill", "{empty}"], 1, "the document is empty"),
     (["prefill", "--ctx", "64", "{long}"], 1, "raise it with --ctx"),
