@@ -17,7 +17,7 @@ from localkv.cliopts import model_options, session_config
 from localkv.session import ModelLoadError
 from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import SnapshotRow
+from localkv.storage.values import BlockCorrupt, SnapshotRow
 
 __all__ = ["cache"]
 
@@ -258,7 +258,11 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
             if snap.identity != identity.digest:
                 continue
             chain = store.chain_of(snap.tip)
-            blocks = store.read_blocks(chain)
+            try:
+                blocks = store.read_blocks(chain)
+            except BlockCorrupt as exc:
+                results.append({"snapshot": snap.id, "ok": False, "detail": str(exc)})
+                continue
             tokens = [int(t) for b in blocks for t in b.tokens]
             ends = [e for b in blocks for e in json.loads(b.meta.get("batch_ends", "[]"))]
             probes = session.replay(tokens, ends)

@@ -190,3 +190,31 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(
     assert message in result.err, result.err
     assert "Traceback" not in result.err + result.out
     assert (_index_rows(env, "blocks"), _index_rows(env, "snapshots")) == before
+
+
+def test_cache_verify_deep_recomputes_and_agrees(
+    env: dict[str, str], docs: tuple[Path, Path]
+) -> None:
+    a, b = docs
+    assert run(env, "prefill", "--threads", "1", "--system", SYSTEM, str(a), str(b)).code == 0
+    result = run(env, "cache", "verify", "--deep", "--threads", "1", "--json")
+    assert result.code == 0, result.out + result.err
+    report = result.json()
+    assert report["ok"] is True and report["problems"] == []
+    deep = report["deep"]
+    assert isinstance(deep, list) and len(deep) == 1 and deep[0]["ok"] is True
+
+
+def test_cache_verify_deep_catches_a_forged_probe(
+    env: dict[str, str], docs: tuple[Path, Path]
+) -> None:
+    a, _ = docs
+    assert run(env, "prefill", "--threads", "1", str(a)).code == 0
+    db = Path(env["LOCALKV_HOME"]) / "index.db"
+    with sqlite3.connect(db) as conn:  # another probe recorded for the first block
+        conn.execute(
+            "UPDATE blocks SET probe_digest = ? WHERE parent IS NULL", ("sha256:" + "0" * 64,)
+        )
+    result = run(env, "cache", "verify", "--deep", "--threads", "1", "--json")
+    assert result.code == 1
+    assert result.json()["deep"][0]["ok"] is False  # type: ignore[index]
