@@ -32,6 +32,7 @@ from localkv.cache import PrefixCache, RestoreResult, SaveResult
 from localkv.conversation import stream_answer
 from localkv.identity import identity_of
 from localkv.models import resolve_model
+from localkv.native import llama_cpp
 from localkv.prompt import ChatTemplate
 from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 from localkv.request import Document, Request, build_request
@@ -148,7 +149,8 @@ class Runtime:
             "description": self.session.describe(),
             "path": str(path),
             "file_bytes": path.stat().st_size,
-            "n_gpu_layers": cfg.n_gpu_layers,
+            # 0 on a CPU-only build, whatever was asked for
+            "n_gpu_layers": cfg.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0,
             "type_k": cfg.type_k,
             "type_v": cfg.type_v,
             "flash_attn": self.flash_attn_effective(),
