@@ -54,14 +54,11 @@ class ContextPanel(VerticalScroll):
 
 
 def _model_text(model: ModelInfo) -> str:
-    gpu = (
-        "all"
-        if model.n_gpu_layers < 0
-        else "none (CPU)"
-        if model.n_gpu_layers == 0
-        else str(model.n_gpu_layers)
-    )
+    if model.n_gpu_layers == 0:
+        gpu = "CPU only"
+    else:
+        gpu = "GPU layers " + ("all" if model.n_gpu_layers < 0 else str(model.n_gpu_layers))
     return (
-        f"{model.name}\n{model.description}\n{human_bytes(model.file_bytes)} · GPU layers {gpu}\n"
+        f"{model.name}\n{model.description}\n{human_bytes(model.file_bytes)} · {gpu}\n"
         f"KV {model.type_k}/{model.type_v} · flash attn {model.flash_attn}"
     )
