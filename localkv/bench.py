@@ -12,6 +12,9 @@ public-domain text cut to exactly N tokens), on one model:
 - bytes on disk against raw KV bytes, save time, ``Runtime.ask``'s first token
   with the cache on and off (the save runs after the answer), and peak memory
   during a restore;
+- the block encodings of ``benchcodecs`` on the N tokens' KV state: raw block
+  files against the compressed ones rejected for the store (bytes on disk
+  against decode time);
 
 and once: the longest-prefix lookup with many blocks indexed. Everything runs
 under a fresh temporary directory; ``LOCALKV_HOME`` is never touched.
@@ -30,7 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from localkv import benchbaselines as base
+from localkv import benchcodecs
 from localkv.benchbaselines import Stat, timed
+from localkv.benchcodecs import EncodingResult
 from localkv.benchlookup import LookupResult, bench_lookup
 from localkv.benchtext import bench_text
 from localkv.cache import PrefixCache
@@ -46,6 +51,7 @@ __all__ = [
     "AskResult",
     "BenchConfig",
     "BenchResult",
+    "EncodingResult",
     "LookupResult",
     "SizeResult",
     "Stat",
@@ -71,6 +77,7 @@ class BenchConfig:
     lookup_repeats: int = 200
     n_threads: int | None = None
     block_size: int = 256
+    decode_workers: int | None = None  # threads decoding block encodings; None: every core
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 2:
@@ -82,6 +89,13 @@ class BenchConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lookup_blocks < 0:
             raise ValueError(f"lookup_blocks must be >= 0, got {self.lookup_blocks}")
+        if self.decode_workers is not None and self.decode_workers < 1:
+            raise ValueError(f"decode_workers must be positive, got {self.decode_workers}")
+
+    @property
+    def workers(self) -> int:
+        """Threads that decode the block encodings of ``benchcodecs``."""
+        return self.decode_workers or os.cpu_count() or 1
 
     @property
     def n_ctx(self) -> int:
@@ -127,6 +141,7 @@ class SizeResult:
     disk_cache: base.DiskCacheResult
     ask: AskResult
     restore_memory: base.PeakMemory
+    encodings: list[EncodingResult]  # raw and compressed block files of the same state
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -304,6 +319,15 @@ def bench_size(
         floor = base.floor(session, raw_path, cfg.repeats)
         disk_cache = llm.measure(sb.tokens, work / f"diskcache-{n}", cfg.repeats)
         ask = _ask(cfg, work, n, say)
+        say(f"  block encodings of {n:,} tokens on {cfg.workers} thread(s)")
+        # raw: captured after the cold prefill, while the session held exactly the N tokens
+        encodings = benchcodecs.compare(
+            raw,
+            work / f"encodings-{n}",
+            block_size=cfg.block_size,
+            workers=cfg.workers,
+            repeats=cfg.repeats,
+        )
     finally:
         sb.close()
     firsts = {*warm_firsts, *llama_file.first_tokens}
@@ -325,6 +349,7 @@ def bench_size(
         disk_cache=disk_cache,
         ask=ask,
         restore_memory=memory,
+        encodings=encodings,
     )
 
 

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from localkv.bench import STEPS, BenchResult, SizeResult
 from localkv.benchbaselines import Stat
+from localkv.benchcodecs import ENCODINGS, EncodingResult
 
 __all__ = [
     "CHART_NAME",
@@ -117,6 +118,7 @@ def _size_json(s: SizeResult) -> dict[str, object]:
             "delta_bytes": m.delta_bytes,
         },
         "ratios": s.ratios,
+        "encodings": [e.as_json() for e in s.encodings],
     }
 
 
@@ -135,6 +137,7 @@ def as_json(result: BenchResult, command: str) -> dict[str, object]:
             "repeats": cfg.repeats,
             "lookup_blocks": cfg.lookup_blocks,
             "lookup_repeats": cfg.lookup_repeats,
+            "decode_workers": cfg.workers,
         },
         "sizes": [_size_json(s) for s in result.sizes],
         "lookup": None
@@ -183,6 +186,25 @@ def _peak(s: SizeResult) -> str:
     return f"{fmt_bytes(m.peak_bytes)} (+{fmt_bytes(m.delta_bytes)})"
 
 
+def fmt_encoding(e: EncodingResult) -> str:
+    """``ratio | decode median (min-max)``; no time for a decoder that was not verified."""
+    decode = fmt_stat(e.decode) if e.verified and e.decode is not None else "NOT VERIFIED"
+    return f"{e.ratio:.3f} | {decode}"
+
+
+def _encoding(name: str) -> Cell:
+    def cell(s: SizeResult) -> str:
+        found = [e for e in s.encodings if e.name == name]
+        return fmt_encoding(found[0]) if found else "-"
+
+    return cell
+
+
+def _escape(cell: str) -> str:
+    """A markdown table cell: a literal ``|`` would start a new column."""
+    return cell.replace("|", "\\|")
+
+
 CELLS: list[tuple[str, Cell]] = [
     ("cold TTFT (prefill + first token)", lambda s: fmt_stat(s.cold_ttft)),
     ("warm TTFT (verified restore + first token)", lambda s: fmt_stat(s.warm_ttft)),
@@ -201,6 +223,7 @@ CELLS: list[tuple[str, Cell]] = [
     ("bytes on disk", lambda s: fmt_bytes(s.stored_bytes)),
     ("raw KV bytes", lambda s: fmt_bytes(s.raw_bytes)),
     ("  on disk / raw", lambda s: f"{s.ratios['stored_over_raw']:.3f}"),
+    *[(f"encoding {e.name}: on disk / raw | decode", _encoding(e.name)) for e in ENCODINGS],
     ("llama.cpp file bytes", lambda s: fmt_bytes(s.llama_file.file_bytes)),
     ("LlamaDiskCache bytes", lambda s: fmt_bytes(s.disk_cache.disk_bytes)),
     ("save: prepare + write", _save),
@@ -311,13 +334,17 @@ def markdown(result: BenchResult, command: str, chart: str | None = None) -> str
         f"{mo.get('flash_attn')}, n_ctx {mo.get('n_ctx')}, n_batch {mo.get('n_batch')}, "
         f"{mo.get('n_threads')} thread(s), blocks of {mo.get('block_size')} tokens",
         f"- repeats: {result.config.cold_repeats} for full prefills, "
-        f"{result.config.repeats} for everything else; cells are median (min-max)",
+        f"{result.config.repeats} for everything else; cells are median (min-max); "
+        f"block encodings decoded on {result.config.workers} thread(s)",
         "",
         "## Results",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
-        *["| " + " | ".join([label.strip(), *cells]) + " |" for label, cells in rows(result)],
+        *[
+            "| " + " | ".join(_escape(c) for c in [label.strip(), *cells]) + " |"
+            for label, cells in rows(result)
+        ],
         "",
     ]
     if chart:
@@ -338,7 +365,7 @@ METHOD = [
     "- **cold TTFT**: empty sequence, block-aligned prefill of N tokens "
     "(`ModelSession.prefill`), argmax of the last logits.",
     "- **warm TTFT**: the N tokens saved as blocks (`PrefixCache.prepare` + `write`), the "
-    "sequence emptied, then `PrefixCache.restore` (lookup, read + decompress + checks, "
+    "sequence emptied, then `PrefixCache.restore` (lookup, read + checks, "
     "assemble + `llama_state_seq_set_data`, the verifying probe decode) and argmax. The "
     "probe decode of the last token yields the first token's logits.",
     "- **llama.cpp-file TTFT**: `llama_state_seq_load_file` of a file holding N-1 tokens, "
@@ -350,8 +377,21 @@ METHOD = [
     "cache into a buffer allocated and touched beforehand, then `llama_state_seq_set_data`: "
     "no checks, no decode, no fresh memory. The set_data row is that call alone. "
     "`llama_state_seq_load_file` reads straight into the KV tensors, so it can beat this.",
-    "- **bytes on disk**: the saved chain's block files (safetensors + zstd); raw KV is the "
-    "size of llama.cpp's sequence state for the N tokens.",
+    "- **bytes on disk**: the saved chain's block files (their format: "
+    "`storage/blockfile.py`); raw KV is the size of llama.cpp's sequence state for the N "
+    "tokens.",
+    "- **encoding rows** (`localkv.benchcodecs`): the N tokens' state, captured once after "
+    "the cold prefill, cut into blocks and written as one file per block three ways: `raw` "
+    "(the K and V rows as they are), `zstd-1` (one zstd level-1 frame per tensor) and "
+    "`hi-plane zstd-1` (each f16 tensor's low byte plane as is, its high byte plane, sign "
+    "and exponent, zstd level 1). Each cell is bytes in the block files over raw KV bytes "
+    "(the K and V rows, no state header), then the time to decode every block into one "
+    "buffer laid out like `set_data`'s rows, allocated and touched beforehand, blocks in "
+    "parallel on a thread pool, files in the page cache: raw by `preadv` straight into "
+    "place, the others read, decompressed and interleaved. Every decode hashes the bytes it "
+    "read (xxh3-128) against the digest taken when the file was written; the first decode "
+    "of each encoding is compared with the original bytes, and one that differs shows NOT "
+    "VERIFIED instead of a time. `set_data` itself is not included (see its row).",
     "- **ask**: `Runtime.ask` about a document of about N tokens on an empty cache, with the "
     "cache on and with `use_cache=False`. With the cache on, new blocks are captured after "
     "the answer and written by a background thread, so they do not delay the first token.",

@@ -22,8 +22,9 @@ import numpy as np
 
 from localkv import codec
 from localkv.identity import Identity
-from localkv.kvblocks import state_to_tensors, tensors_to_state
+from localkv.kvblocks import block_layout, state_to_tensors, tensors_to_state
 from localkv.session import ModelSession
+from localkv.storage.blockread import OpenedBlock
 from localkv.storage.chain import chain_hashes, chain_next, chain_root, tokens_sha
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, BlockCorrupt, BlockRow, Probe
@@ -225,25 +226,81 @@ class PrefixCache:
 
     def _load(self, session: ModelSession, chain: list[BlockRow], marks: list[float]) -> np.ndarray:
         """Read, check and load the chain minus its final token; return the stored tokens."""
-        blocks = self.store.read_blocks(chain)
+        opened = self.store.open_blocks(chain)
+        try:
+            blocks, buffer = self._read(session, opened)
+        finally:
+            for block_file in opened:
+                block_file.close()
         marks.append(time.perf_counter())
         parent: str | None = None
-        pieces = []
         for row, block in zip(chain, blocks, strict=True):
             expected = chain_next(parent if parent is not None else self.root, block.tokens)
             if block.hash != expected or block.hash != row.hash:
                 raise BlockCorrupt("tokens do not match the chain hash", row.hash)
-            pieces.append(tensors_to_state(block.tensors, block.meta, block.start))
             parent = block.hash
         tokens = np.concatenate([b.tokens for b in blocks])
         n = int(tokens.shape[0]) - 1
-        if n > 0:
-            session.restore(pieces, [int(t) for t in tokens[:n]])
+        held = [int(t) for t in tokens[:n]]
+        if buffer is not None:
+            session.load_state(buffer, held)
+        elif n > 0:
+            pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
+            session.restore(pieces, held)
         marks.append(time.perf_counter())
         session.batch_ends = sorted(
             {e for b in blocks for e in json.loads(b.meta.get("batch_ends", "[]")) if e < n} | {n}
         )
         return tokens
+
+    def _read(
+        self, session: ModelSession, opened: list[OpenedBlock]
+    ) -> tuple[list[Block], np.ndarray | None]:
+        """The blocks, and (where it can) the state buffer their K/V rows were read into.
+
+        With untransposed V every block file is read straight into its rows of
+        llama.cpp's state buffer, minus the chain's final token; otherwise the
+        blocks come back as arrays to assemble.
+        """
+        layouts = set()
+        at = 0
+        for block_file in opened:
+            if block_file.row.start != at:
+                raise codec.StateFormatError(f"block at {block_file.row.start}, expected {at}")
+            at = block_file.row.end
+            specs = block_file.specs
+            layouts.add(
+                block_layout(
+                    block_file.metadata,
+                    {name: s.shape for name, s in specs.items()},
+                    {name: s.dtype.itemsize for name, s in specs.items()},
+                )
+            )
+        if len(layouts) != 1:
+            raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
+        v_trans, layout = layouts.pop()
+        n = at - 1
+        if v_trans or n <= 0:
+            return self.store.fill_blocks(opened, [None] * len(opened)), None
+        buffer, k_rows, v_rows = session.restore_buffer(layout, n)
+        # the chain's final token is read (the checksum covers it) but not loaded:
+        # its rows go to a spill area, one row per tensor
+        spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
+        targets = []
+        for block_file in opened:
+            start, end = block_file.row.start, block_file.row.end
+            keep = min(end, n) - start
+            places: dict[str, list[np.ndarray]] = {}
+            at = 0
+            for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
+                places[f"k.{i}"] = [k_rows[i][start : start + keep]]
+                places[f"v.{i}"] = [v_rows[i][start : start + keep]]
+                if end > n:
+                    places[f"k.{i}"].append(spill[at : at + k_bytes])
+                    places[f"v.{i}"].append(spill[at + k_bytes : at + k_bytes + v_bytes])
+                    at += k_bytes + v_bytes
+            targets.append(places)
+        return self.store.fill_blocks(opened, targets), buffer
 
     # ------------------------------------------------------------------ save
     def prepare(

@@ -27,7 +27,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["KVLayer", "KVState", "StateFormatError", "assemble", "concat", "parse"]
+__all__ = [
+    "KVLayer",
+    "KVState",
+    "LayerLayout",
+    "StateFormatError",
+    "assemble",
+    "assembly",
+    "concat",
+    "parse",
+]
 
 # ggml types whose elements are whole numbers of bytes: only these can sit in a
 # transposed V cache (llama.cpp needs flash attention for quantized V).
@@ -210,14 +219,61 @@ def concat(parts: Sequence[KVState]) -> KVState:
     return KVState(positions, first.v_trans, layers)
 
 
-def assembled_size(parts: Sequence[KVState], n: int) -> int:
-    first = parts[0]
+# per layer: (k_type, k_row_bytes, v_type, v_row_bytes), as KVState.layout() gives
+LayerLayout = tuple[int, int, int, int]
+
+
+def state_size(layout: Sequence[LayerLayout], v_trans: bool, n: int) -> int:
+    """Bytes of a sequence state of ``n`` tokens with this layout."""
     size = 4 + 4 + 4 + 4 + n * 12 + 8
-    for layer in range(len(first.layers)):
-        size += 4 + 8 + n * first.layers[layer].k_row_bytes
-        size += (4 + 4 + 4) if first.v_trans else (4 + 8)
-        size += n * first.layers[layer].v_row_bytes
+    for _, k_row_bytes, _, v_row_bytes in layout:
+        size += 4 + 8 + n * k_row_bytes
+        size += (4 + 4 + 4) if v_trans else (4 + 8)
+        size += n * v_row_bytes
     return size
+
+
+def assembled_size(parts: Sequence[KVState], n: int) -> int:
+    return state_size(parts[0].layout(), parts[0].v_trans, n)
+
+
+def assembly(
+    layout: Sequence[LayerLayout], n: int, seq_id: int = 0, scratch: np.ndarray | None = None
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """A ``set_data`` buffer for ``n`` tokens at positions 0..n-1, rows left to fill.
+
+    For untransposed V only. Every field but the K and V rows is written;
+    returns the buffer (a view into ``scratch`` when it is large enough) and,
+    per layer, the K and V row arrays (uint8 ``[n, row_bytes]`` views into it)
+    that the caller fills, e.g. straight from block files.
+    """
+    if n <= 0 or not layout:
+        raise ValueError(f"cannot lay out {n} tokens of {len(layout)} layers")
+    size = state_size(layout, False, n)
+    if scratch is not None and scratch.dtype == np.uint8 and scratch.shape[0] >= size:
+        out = scratch[:size]
+    else:
+        out = np.empty(size, dtype=np.uint8)
+    struct.pack_into("<IiII", out, 0, STATE_MAGIC, seq_id, 1, n)  # type: ignore[arg-type]
+    off = 16
+    cells = out[off : off + 12 * n].view("<i4").reshape(n, 3)
+    cells[:, 0] = np.arange(n, dtype=np.int32)
+    cells[:, 1] = 1
+    cells[:, 2] = seq_id
+    off += 12 * n
+    struct.pack_into("<II", out, off, 0, len(layout))  # type: ignore[arg-type]
+    off += 8
+    rows: list[list[np.ndarray]] = [[], []]
+    for which, (type_at, bytes_at) in enumerate(((0, 1), (2, 3))):
+        for layer in layout:
+            row_bytes = layer[bytes_at]
+            struct.pack_into("<iQ", out, off, layer[type_at], row_bytes)  # type: ignore[arg-type]
+            off += 12
+            rows[which].append(out[off : off + n * row_bytes].reshape(n, row_bytes))
+            off += n * row_bytes
+    if off != size:
+        raise RuntimeError(f"laid out {off} of {size} bytes")
+    return out, rows[0], rows[1]
 
 
 def assemble(

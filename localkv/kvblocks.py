@@ -13,7 +13,7 @@ import numpy as np
 
 from localkv import codec
 
-__all__ = ["state_to_tensors", "tensors_to_state"]
+__all__ = ["block_layout", "state_to_tensors", "tensors_to_state"]
 
 _FLOAT_VIEWS: dict[int, np.dtype[np.floating]] = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 
@@ -38,6 +38,36 @@ def state_to_tensors(state: codec.KVState) -> tuple[dict[str, np.ndarray], dict[
         layout.append([layer.k_type, layer.v_type, layer.v_elem_bytes])
     meta = {"kv_layout": json.dumps(layout), "v_trans": "1" if state.v_trans else "0"}
     return tensors, meta
+
+
+def block_layout(
+    meta: dict[str, str], shapes: dict[str, tuple[int, ...]], itemsizes: dict[str, int]
+) -> tuple[bool, tuple[codec.LayerLayout, ...]]:
+    """A stored block's V orientation and per-layer (k_type, k_row_bytes, v_type, v_row_bytes).
+
+    From its metadata and its tensors' shapes and item sizes, before reading
+    any data (``StateFormatError`` if inconsistent).
+    """
+    try:
+        layout = json.loads(meta["kv_layout"])
+        v_trans = meta["v_trans"] == "1"
+        out = []
+        for i, (k_type, v_type, _) in enumerate(layout):
+            k_bytes = _row_bytes(shapes[f"k.{i}"], itemsizes[f"k.{i}"])
+            v_bytes = _row_bytes(shapes[f"v.{i}"], itemsizes[f"v.{i}"])
+            out.append((int(k_type), k_bytes, int(v_type), v_bytes))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise codec.StateFormatError(f"block metadata lacks the KV layout: {exc}") from None
+    if not out or len(shapes) != 2 * len(out) + 2:
+        raise codec.StateFormatError("block tensors do not match its KV layout")
+    return v_trans, tuple(out)
+
+
+def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    n = itemsize
+    for d in shape[1:]:
+        n *= d
+    return n
 
 
 def tensors_to_state(

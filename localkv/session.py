@@ -425,12 +425,26 @@ class ModelSession:
         positions = np.concatenate([p.positions for p in parts])[:n]
         if positions.shape[0] != n or not np.array_equal(positions, np.arange(n)):
             raise codec.StateFormatError("state positions are not 0..n-1")
-        size = codec.assembled_size(parts, n)
+        scratch = self._scratch_for(codec.assembled_size(parts, n), n)
+        self.load_state(codec.assemble(parts, n_tokens=n, scratch=scratch), tokens)
+
+    def restore_buffer(
+        self, layout: Sequence[codec.LayerLayout], n: int
+    ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """A state buffer for ``n`` tokens (untransposed V) whose K/V rows the caller fills.
+
+        ``codec.assembly`` in the session's reused scratch memory; hand the
+        filled buffer to ``load_state``.
+        """
+        scratch = self._scratch_for(codec.state_size(layout, False, n), n)
+        return codec.assembly(layout, n, scratch=scratch)
+
+    def _scratch_for(self, size: int, n: int) -> np.ndarray:
         if self._scratch is None or self._scratch.shape[0] < size:
             # room for the whole context, so later restores reuse the same pages
             per_token = max(1, size // max(1, n))
             self._scratch = np.empty(max(size, per_token * self.n_ctx + 4096), dtype=np.uint8)
-        self.load_state(codec.assemble(parts, n_tokens=n, scratch=self._scratch), tokens)
+        return self._scratch
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens of the sequence."""

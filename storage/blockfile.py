@@ -1,23 +1,28 @@
-"""One file per block: a safetensors file compressed as one zstd frame.
+"""One file per block: a plain safetensors file, checked by an xxh3-128 checksum.
 
-Decompressed (``zstd -d``), a block file is a plain safetensors file that
-``safetensors.numpy`` (or ``safetensors.torch``) loads anywhere: the caller's
-tensors as given, plus ``tokens`` and ``pos`` (int32), and ``__metadata__``
-with the format version, hash, parent, identity, namespace, start, probe
-digest and the caller's metadata (all strings).
+A block file is a safetensors file that ``safetensors.numpy`` (or
+``safetensors.torch``) loads as it is: the caller's tensors as given, plus
+``tokens`` and ``pos`` (int32), and ``__metadata__`` with the format version,
+hash, parent, identity, namespace, start, probe digest and the caller's
+metadata (all strings). The index row records its size and the xxh3-128 of
+all its bytes; a read checks both, and the metadata, tokens and positions
+against the row.
 
-The zstd frame declares its content size and carries a content checksum.
-``decode`` checks the declared size against the index *before* decompressing,
-decompresses exactly one frame (no trailing data), lets zstd verify the
-checksum, then parses the safetensors layout strictly and without copying: the
-tensors are read-only views of the decompressed buffer. Any failure raises
-``BlockCorrupt`` with a reason.
+Why uncompressed (``lkv-block2``): restoring is what the cache is for, and
+decompression dominated it. Measured on the default model's f16 K/V (2,048
+tokens, 47 MB, 2 cores): zstd-1 stores 0.92 of raw but decodes in ~45 ms on
+one core; a split storing the high byte plane with zstd-1 and the low plane raw
+stores 0.853 and decodes in ~24 ms on two; raw files read straight into
+llama.cpp's state buffer (``blockread``) take ~6 ms, checksum included.
+``localkv bench`` measures the three in every run.
 
-Compression: level 1 and no byte shuffle. Measured on real f16 K/V of the
-default model (2,048 tokens, 8 blocks, 47 MB): levels 1/2/3 give ratios
-1.085/1.086/1.087 with equal decompression speed (~800 MB/s per core), and
-level 1 compresses fastest. A 2-byte shuffle reaches 1.17 but halves restore
-speed and the decompressed file would no longer be a loadable safetensors.
+Files of the first format (``lkv-block1``: the same safetensors compressed as
+one zstd frame with its content size and checksum, indexed with a CRC-32) are
+still read: ``decode`` checks the declared size against the index *before*
+decompressing, decompresses exactly one frame, and lets zstd verify it.
+
+Parsing is strict and copies nothing: tensors are read-only views of the
+buffer. Any failure raises ``BlockCorrupt`` with a reason.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 import zstandard
 from safetensors.numpy import save as _st_save
 
@@ -37,18 +43,24 @@ from .values import Block, BlockCorrupt, BlockRow
 
 __all__ = [
     "FORMAT_VERSION",
-    "ZSTD_LEVEL",
+    "LEGACY_FORMAT",
     "DecodedBlock",
+    "TensorSpec",
     "check_against",
+    "check_metadata",
     "checksum",
+    "checksum_matches",
     "decode",
     "encode",
     "frame_content_size",
     "index_row",
+    "is_zstd",
+    "parse_header",
 ]
 
-FORMAT_VERSION = "lkv-block1"
-ZSTD_LEVEL = 1
+FORMAT_VERSION = "lkv-block2"
+LEGACY_FORMAT = "lkv-block1"  # zstd-compressed, CRC-32 in the index: read, never written
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_HEADER = 16 << 20
 _MAX_DIMS = 8
 _DTYPES: dict[str, np.dtype[np.generic]] = {
@@ -75,13 +87,48 @@ class DecodedBlock:
     tensors: dict[str, np.ndarray]
 
 
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor lies in a safetensors file's data section."""
+
+    dtype: np.dtype[np.generic]
+    shape: tuple[int, ...]
+    begin: int  # byte offsets, relative to the start of the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
 def checksum(data: bytes | bytearray | memoryview) -> str:
-    """The index's checksum of a stored block file (CRC-32, fast enough for every read)."""
-    return f"crc32:{zlib.crc32(data):08x}"
+    """The index's checksum of a stored block file: xxh3-128 of all its bytes."""
+    return "xxh3:" + xxhash.xxh3_128_hexdigest(data)
+
+
+def checksum_matches(expected: str, data: bytes | bytearray | memoryview) -> str | None:
+    """None if ``data`` has the checksum ``expected`` (xxh3 or a first-format CRC-32).
+
+    Otherwise the reason, naming what was found.
+    """
+    if expected.startswith("crc32:"):
+        actual = f"crc32:{zlib.crc32(data):08x}"
+    elif expected.startswith("xxh3:"):
+        actual = checksum(data)
+    else:
+        return f"the index's checksum {expected!r} names no known algorithm"
+    if actual != expected:
+        return f"checksum {actual} differs from the index's {expected}"
+    return None
+
+
+def is_zstd(data: bytes | bytearray | memoryview) -> bool:
+    """True if ``data`` starts like a zstd frame (a first-format block file)."""
+    return bytes(data[:4]) == _ZSTD_MAGIC
 
 
 def encode(block: Block) -> bytes:
-    """A block as a zstd-compressed safetensors file."""
+    """A block as a safetensors file."""
     tensors: dict[str, np.ndarray] = {}
     for name, arr in block.tensors.items():
         tensors[name] = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
@@ -97,11 +144,7 @@ def encode(block: Block) -> bytes:
         start=str(block.start),
         probe_digest=block.probe.digest,
     )
-    raw = _st_save(tensors, metadata=metadata)
-    compressor = zstandard.ZstdCompressor(
-        level=ZSTD_LEVEL, write_checksum=True, write_content_size=True
-    )
-    return bytes(compressor.compress(raw))
+    return bytes(_st_save(tensors, metadata=metadata))
 
 
 def frame_content_size(data: bytes | bytearray | memoryview) -> int:
@@ -121,7 +164,19 @@ def frame_content_size(data: bytes | bytearray | memoryview) -> int:
 def decode(
     data: bytes | bytearray | memoryview, expected_raw_size: int, max_raw_size: int
 ) -> DecodedBlock:
-    """Decompress and parse a block file, checking sizes before decompressing."""
+    """Parse a block file; a first-format one is decompressed, sizes checked before.
+
+    ``expected_raw_size`` is the size of the safetensors content (the index's
+    ``raw_bytes``): the file's own size, or what its zstd frame must declare.
+    """
+    if not is_zstd(data):
+        if len(data) != expected_raw_size:
+            raise BlockCorrupt(
+                f"file holds {len(data)} bytes, the index expects {expected_raw_size}"
+            )
+        if len(data) > max_raw_size:
+            raise BlockCorrupt(f"file of {len(data)} bytes is over the limit {max_raw_size}")
+        return parse_safetensors(data)
     declared = frame_content_size(data)
     if declared != expected_raw_size:
         raise BlockCorrupt(
@@ -140,19 +195,43 @@ def decode(
     return parse_safetensors(raw)
 
 
-def parse_safetensors(raw: bytes) -> DecodedBlock:
+def parse_safetensors(raw: bytes | bytearray | memoryview) -> DecodedBlock:
     """Parse a safetensors buffer strictly, returning read-only views into ``raw``.
 
     Accepts what ``safetensors`` itself accepts for these dtypes: a JSON header
     of string metadata and tensors whose byte ranges tile the data exactly.
     """
-    if len(raw) < 8:
+    body = header_span(raw[:8], len(raw))
+    metadata, specs = parse_header(raw[8:body], len(raw) - body)
+    tensors: dict[str, np.ndarray] = {}
+    for name, spec in specs.items():
+        count = math.prod(spec.shape)
+        view = np.frombuffer(raw, dtype=spec.dtype, count=count, offset=body + spec.begin)
+        view = view.reshape(spec.shape)
+        view.setflags(write=False)
+        tensors[name] = view
+    return DecodedBlock(metadata, tensors)
+
+
+def header_span(first8: bytes | bytearray | memoryview, file_size: int) -> int:
+    """Where the data section of a safetensors file of ``file_size`` bytes starts."""
+    if len(first8) < 8 or file_size < 8:
         raise BlockCorrupt("safetensors: shorter than its header length")
-    (header_len,) = struct.unpack_from("<Q", raw, 0)
-    if header_len > min(_MAX_HEADER, len(raw) - 8):
+    (header_len,) = struct.unpack_from("<Q", first8, 0)
+    if header_len > min(_MAX_HEADER, file_size - 8):
         raise BlockCorrupt(f"safetensors: header length {header_len} out of range")
+    return 8 + int(header_len)
+
+
+def parse_header(
+    text: bytes | bytearray | memoryview, data_size: int
+) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    """The metadata and tensor specs of a safetensors JSON header, checked strictly.
+
+    The tensors' byte ranges must tile the ``data_size`` bytes of data exactly.
+    """
     try:
-        header = json.loads(raw[8 : 8 + header_len])
+        header = json.loads(bytes(text))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BlockCorrupt(f"safetensors: header is not JSON: {exc}") from exc
     except RecursionError:
@@ -164,25 +243,18 @@ def parse_safetensors(raw: bytes) -> DecodedBlock:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise BlockCorrupt("safetensors: metadata must map strings to strings")
-    body = 8 + header_len
-    spans: list[tuple[int, int, str]] = []
-    tensors: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        tensors[name] = _tensor_view(raw, body, name, info, spans)
-    spans.sort()
+    specs = {name: _tensor_spec(name, info, data_size) for name, info in header.items()}
     cursor = 0
-    for begin, end, name in spans:
-        if begin != cursor:
+    for name, spec in sorted(specs.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if spec.begin != cursor:
             raise BlockCorrupt(f"safetensors: tensor {name!r} leaves a gap or overlaps")
-        cursor = end
-    if body + cursor != len(raw):
+        cursor = spec.end
+    if cursor != data_size:
         raise BlockCorrupt("safetensors: data does not end where the tensors do")
-    return DecodedBlock(metadata, tensors)
+    return metadata, specs
 
 
-def _tensor_view(
-    raw: bytes, body: int, name: str, info: object, spans: list[tuple[int, int, str]]
-) -> np.ndarray:
+def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:
     if not isinstance(info, dict):
         raise BlockCorrupt(f"safetensors: tensor {name!r} is not described by an object")
     dtype = _DTYPES.get(str(info.get("dtype")))
@@ -202,17 +274,14 @@ def _tensor_view(
         raise BlockCorrupt(f"safetensors: tensor {name!r} has bad data offsets")
     begin, end = offsets
     count = math.prod(shape)
-    if not 0 <= begin <= end <= len(raw) - body or end - begin != count * dtype.itemsize:
+    if not 0 <= begin <= end <= data_size or end - begin != count * dtype.itemsize:
         raise BlockCorrupt(f"safetensors: tensor {name!r} offsets do not match its shape")
     if len(shape) > _MAX_DIMS:
         raise BlockCorrupt(f"safetensors: tensor {name!r} has {len(shape)} dimensions")
-    spans.append((begin, end, name))
-    try:
-        view = np.frombuffer(raw, dtype=dtype, count=count, offset=body + begin).reshape(shape)
-    except (ValueError, OverflowError) as exc:  # e.g. a zero-size shape too large for numpy
-        raise BlockCorrupt(f"safetensors: tensor {name!r}: {exc}") from None
-    view.setflags(write=False)
-    return view
+    if math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 62:
+        # numpy refuses such a shape even when another dimension is 0
+        raise BlockCorrupt(f"safetensors: tensor {name!r} has an impossible shape")
+    return TensorSpec(dtype, tuple(shape), begin, end)
 
 
 def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
@@ -226,7 +295,7 @@ def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
         tokens=block.tokens,
         tokens_sha=tokens_sha(block.tokens),
         file=relpath,
-        raw_bytes=frame_content_size(data),
+        raw_bytes=frame_content_size(data) if is_zstd(data) else len(data),
         stored_bytes=len(data),
         checksum=checksum(data),
         probe=block.probe,
@@ -237,11 +306,10 @@ def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
     )
 
 
-def check_against(decoded: DecodedBlock, row: BlockRow) -> Block:
-    """The block, if the decoded file is exactly the one the index row describes."""
-    meta = decoded.metadata
+def check_metadata(meta: dict[str, str], row: BlockRow, *, legacy: bool = False) -> dict[str, str]:
+    """Check a block file's metadata against its index row; return the caller's part."""
     expect = {
-        "format": FORMAT_VERSION,
+        "format": LEGACY_FORMAT if legacy else FORMAT_VERSION,
         "hash": row.hash,
         "parent": row.parent or "",
         "identity": row.identity,
@@ -252,18 +320,31 @@ def check_against(decoded: DecodedBlock, row: BlockRow) -> Block:
     for key, value in expect.items():
         if meta.get(key) != value:
             raise BlockCorrupt(f"metadata {key!r} is {meta.get(key)!r}, expected {value!r}")
-    tensors = dict(decoded.tensors)
-    tokens = tensors.pop("tokens", None)
-    pos = tensors.pop("pos", None)
+    return {k: v for k, v in meta.items() if k not in expect}
+
+
+def check_tokens(tokens: np.ndarray | None, pos: np.ndarray | None, row: BlockRow) -> np.ndarray:
+    """The block's tokens, if they and its positions are what the index row says."""
     if tokens is None or tokens.dtype != np.dtype("<i4") or not np.array_equal(tokens, row.tokens):
         raise BlockCorrupt("tokens differ from the index")
     if pos is None or not np.array_equal(pos, np.arange(row.start, row.end, dtype=np.int32)):
         raise BlockCorrupt("positions are not start..end-1")
-    n = row.n_tokens
+    return tokens
+
+
+def check_rows(name: str, shape: tuple[int, ...], row: BlockRow) -> None:
+    """A block tensor must have one row per token."""
+    if len(shape) < 1 or shape[0] != row.n_tokens:
+        raise BlockCorrupt(f"tensor {name!r} does not have one row per token")
+
+
+def check_against(decoded: DecodedBlock, row: BlockRow, *, legacy: bool = False) -> Block:
+    """The block, if the decoded file is exactly the one the index row describes."""
+    caller_meta = check_metadata(decoded.metadata, row, legacy=legacy)
+    tensors = dict(decoded.tensors)
+    tokens = check_tokens(tensors.pop("tokens", None), tensors.pop("pos", None), row)
     for name, arr in tensors.items():
-        if arr.ndim < 1 or arr.shape[0] != n:
-            raise BlockCorrupt(f"tensor {name!r} does not have one row per token")
-    caller_meta = {k: v for k, v in meta.items() if k not in expect}
+        check_rows(name, arr.shape, row)
     return Block(
         hash=row.hash,
         parent=row.parent,

@@ -29,7 +29,9 @@ __all__ = [
     "check_free_space",
     "link_into_place",
     "move_to_quarantine",
+    "open_block_file",
     "read_block_file",
+    "read_exactly",
     "remove_file",
     "replace_into_place",
     "stage_block_file",
@@ -40,6 +42,10 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 ENV_MIN_FREE = "LOCALKV_MIN_FREE"
 MIN_FREE_BYTES = 256 << 20
+try:
+    _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
+except (AttributeError, ValueError, OSError):  # pragma: no cover - no sysconf (Windows)
+    _IOV_MAX = 16
 
 
 def check_free_space(directory: Path, needed: int) -> None:
@@ -112,8 +118,12 @@ def replace_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> None:
     fsync_dir(final.parent)
 
 
-def read_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> bytearray:
-    """The stored bytes of a block file, or ``BlockCorrupt`` saying what is wrong."""
+def open_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> int:
+    """A read-only descriptor of a block file, or ``BlockCorrupt`` saying what is wrong.
+
+    The file must be a regular file (not a link, nor under a linked fan-out
+    directory) of exactly ``expected_size`` bytes. The caller closes it.
+    """
     try:
         path = layout.resolve(relpath)
     except ValueError as exc:
@@ -138,23 +148,51 @@ def read_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> by
             raise BlockCorrupt("not a regular file")
         if st.st_size != expected_size:
             raise BlockCorrupt(f"file has {st.st_size} bytes, the index expects {expected_size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_exactly(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Fill ``buffers`` (in order) from ``fd`` starting at ``offset``.
+
+    One ``preadv`` call per ``IOV_MAX`` buffers where the platform has it; short
+    reads are resumed; the end of the file first is ``BlockCorrupt``.
+    """
+    pending = [b for b in buffers if len(b)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        want = sum(len(b) for b in batch)
+        got = _preadv(fd, batch, offset)
+        if got == 0:
+            raise BlockCorrupt(f"file ended at byte {offset}")
+        offset += got
+        if got == want:
+            pending = pending[len(batch) :]
+            continue
+        while got >= len(pending[0]):  # drop what a short read filled
+            got -= len(pending.pop(0))
+        pending[0] = pending[0][got:]
+
+
+def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, buffers, offset)
+    chunk = os.pread(fd, len(buffers[0]), offset)  # pragma: no cover - no preadv (Windows)
+    buffers[0][: len(chunk)] = chunk  # pragma: no cover
+    return len(chunk)  # pragma: no cover
+
+
+def read_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> bytearray:
+    """The stored bytes of a block file, or ``BlockCorrupt`` saying what is wrong."""
+    fd = open_block_file(layout, relpath, expected_size)
+    try:
         buf = bytearray(expected_size)
-        view = memoryview(buf)
-        got = 0
-        while got < expected_size:
-            n = os.readv(fd, [view[got:]]) if hasattr(os, "readv") else _read_into(fd, view[got:])
-            if n == 0:
-                raise BlockCorrupt(f"file ended after {got} of {expected_size} bytes")
-            got += n
+        read_exactly(fd, [memoryview(buf)], 0)
         return buf
     finally:
         os.close(fd)
-
-
-def _read_into(fd: int, view: memoryview) -> int:
-    chunk = os.read(fd, len(view))
-    view[: len(chunk)] = chunk
-    return len(chunk)
 
 
 def remove_file(path: Path) -> int:

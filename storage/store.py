@@ -26,13 +26,13 @@ import numpy as np
 import sqlite_utils
 
 from . import budget, faults, maintenance
-from .blockfile import check_against, checksum, decode, encode, index_row
+from .blockfile import encode, index_row
+from .blockread import OpenedBlock, Targets, fill_block, open_block
 from .chain import chain_next, chain_root
 from .files import (
     check_free_space,
     link_into_place,
     move_to_quarantine,
-    read_block_file,
     remove_file,
     replace_into_place,
     stage_block_file,
@@ -230,7 +230,7 @@ class SnapshotStore:
         return self._index.chain_of(tip)
 
     def read_blocks(self, rows: Sequence[BlockRow]) -> list[Block]:
-        """Read, decompress and check blocks in parallel, in order.
+        """Read and check blocks in parallel, in order.
 
         Raises ``BlockCorrupt`` naming the first bad block (in ``rows`` order).
         """
@@ -239,18 +239,59 @@ class SnapshotStore:
         return list(self._executor().map(self._read_one, rows))
 
     def _read_one(self, row: BlockRow) -> Block:
+        opened = self.open_blocks([row])[0]
+        try:
+            return self._fill(opened, None)
+        finally:
+            opened.close()
+
+    def open_blocks(self, rows: Sequence[BlockRow]) -> list[OpenedBlock]:
+        """Open blocks' files and check their headers against the index (in order).
+
+        The caller reads them with ``fill_blocks`` and must ``close()`` each.
+        Raises ``BlockCorrupt`` naming the first bad block; nothing stays open then.
+        """
+        opened: list[OpenedBlock] = []
+        try:
+            for row in rows:
+                opened.append(self._open_one(row))
+        except BaseException:
+            for o in opened:
+                o.close()
+            raise
+        return opened
+
+    def _open_one(self, row: BlockRow) -> OpenedBlock:
         try:
             if row.file != self.layout.block_relpath(row.hash):
                 raise BlockCorrupt(f"index points at {row.file!r}, not the block's own path")
-            data = read_block_file(self.layout, row.file, row.stored_bytes)
-            actual = checksum(data)
-            if actual != row.checksum:
-                raise BlockCorrupt(f"checksum {actual} differs from the index's {row.checksum}")
-            return check_against(decode(data, row.raw_bytes, MAX_RAW_BLOCK_BYTES), row)
+            return open_block(self.layout, row, MAX_RAW_BLOCK_BYTES)
         except BlockCorrupt as exc:
             raise BlockCorrupt(exc.reason, row.hash) from None
         except (ValueError, OSError, MemoryError) as exc:
             raise BlockCorrupt(f"{type(exc).__name__}: {exc}", row.hash) from None
+
+    def fill_blocks(
+        self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]
+    ) -> list[Block]:
+        """Read opened blocks in parallel, each one's tensors into its targets.
+
+        See ``blockread.fill_block``. Raises ``BlockCorrupt`` naming the first
+        bad block (in order): what the targets hold is then unusable.
+        """
+        if len(opened) != len(targets):
+            raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
+        if len(opened) <= 1:
+            return [self._fill(o, t) for o, t in zip(opened, targets, strict=True)]
+        return list(self._executor().map(self._fill, opened, targets))
+
+    def _fill(self, opened: OpenedBlock, targets: Targets | None) -> Block:
+        try:
+            return fill_block(opened, targets)
+        except BlockCorrupt as exc:
+            raise BlockCorrupt(exc.reason, opened.row.hash) from None
+        except (OSError, MemoryError) as exc:
+            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", opened.row.hash) from None
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.

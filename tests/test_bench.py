@@ -92,6 +92,11 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             "stored_over_raw",
         }
         assert all(math.isfinite(v) and v > 0 for v in s.ratios.values())
+        assert [e.name for e in s.encodings] == ["raw", "zstd-1", "hi-plane zstd-1"]
+        for e in s.encodings:
+            assert e.verified and e.decode is not None and _positive(e.decode)
+            assert 0 < e.ratio <= 1.0 + 1e-3 and e.encode_s > 0
+        assert s.encodings[0].ratio == 1.0
     assert result.machine["cores"] and result.machine["llama_cpp_python"] == "0.3.36"
     assert int(str(result.model["n_ctx"])) >= max(SIZES) + 64  # llama.cpp rounds it up
 
@@ -116,6 +121,11 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
     assert set(first["warm_steps_s"]) == set(STEPS)
     assert first["llama_disk_cache"]["bytes"] == result.sizes[0].disk_cache.disk_bytes
     assert data["lookup"]["blocks"] == 50
+    assert data["config"]["decode_workers"] == result.config.workers
+    enc = first["encodings"][1]
+    assert enc["name"] == "zstd-1" and enc["verified"] is True
+    decode = result.sizes[0].encodings[1].decode
+    assert decode is not None and enc["decode_s"]["median"] == decode.median
 
     page = benchreport.markdown(result, command, "chart.png")
     assert command in page and str(result.machine["cpu"]) in page
@@ -123,6 +133,9 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
     for s in result.sizes:
         assert benchreport.fmt_stat(s.warm_ttft) in page
         assert benchreport.fmt_bytes(s.stored_bytes) in page
+        for e in s.encodings:
+            assert benchreport.fmt_encoding(e).replace("|", "\\|") in page
+    assert "| encoding hi-plane zstd-1: on disk / raw \\| decode |" in page
     assert page.count("\n| ") == len(benchreport.CELLS) + 1  # header + one row per figure
 
     table = benchreport.rich_table(result)

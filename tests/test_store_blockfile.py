@@ -1,4 +1,4 @@
-"""Block files: zstd-compressed safetensors, checked before and while decoding."""
+"""Block files: plain safetensors (first-format zstd files still read), checked strictly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import pytest
 import zstandard
 from localkv.storage.blockfile import (
     FORMAT_VERSION,
+    LEGACY_FORMAT,
     check_against,
+    checksum,
+    checksum_matches,
     decode,
     encode,
     frame_content_size,
@@ -18,20 +21,21 @@ from localkv.storage.blockfile import (
 from localkv.storage.values import BlockCorrupt
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
-from test_store_support import make_chain
+from test_store_support import first_format_file, make_chain
 
 LIMIT = 1 << 30
 
 
 def _block(n: int = 8) -> tuple[bytes, int]:
+    """A first-format (zstd) block file and the content size its frame declares."""
     block = make_chain(list(range(100, 100 + n)), n)[0]
-    data = encode(block)
+    data = first_format_file(block)
     return data, frame_content_size(data)
 
 
-def test_decompressed_file_loads_with_safetensors_numpy() -> None:
+def test_block_file_loads_with_safetensors_numpy() -> None:
     block = make_chain(list(range(10, 30)), 8)[1]
-    raw = zstandard.ZstdDecompressor().decompress(encode(block))
+    raw = encode(block)
     loaded = st_load(raw)
     assert set(loaded) == {"k.0", "v.0", "k.1", "v.1", "tokens", "pos"}
     for name, arr in block.tensors.items():
@@ -44,6 +48,46 @@ def test_decompressed_file_loads_with_safetensors_numpy() -> None:
     assert meta["format"] == FORMAT_VERSION
     assert meta["hash"] == block.hash and meta["parent"] == block.parent
     assert meta["identity"] == block.identity and meta["codec"] == "test"
+
+
+def test_block_file_loads_with_safetensors_torch() -> None:
+    torch_st = pytest.importorskip("safetensors.torch")
+    block = make_chain(list(range(10, 30)), 8)[1]
+    loaded = torch_st.load(encode(block))
+    for name, arr in block.tensors.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), arr)
+
+
+def test_checksum_is_xxh3_of_the_whole_file_and_first_format_crc_is_honoured() -> None:
+    data = encode(make_chain(list(range(10, 30)), 8)[0])
+    assert checksum(data).startswith("xxh3:") and len(checksum(data)) == 5 + 32
+    assert checksum_matches(checksum(data), data) is None
+    flipped = bytearray(data)
+    flipped[-3] ^= 1
+    assert "differs" in (checksum_matches(checksum(data), flipped) or "")
+    legacy = first_format_file(make_chain(list(range(10, 30)), 8)[0])
+    import zlib
+
+    assert checksum_matches(f"crc32:{zlib.crc32(legacy):08x}", legacy) is None
+    assert "no known algorithm" in (checksum_matches("md5:00", data) or "")
+
+
+def test_plain_file_size_is_checked_against_the_index() -> None:
+    data = encode(make_chain(list(range(10, 30)), 8)[0])
+    with pytest.raises(BlockCorrupt, match="the index expects"):
+        decode(data, len(data) + 1, LIMIT)
+    with pytest.raises(BlockCorrupt, match="over the limit"):
+        decode(data, len(data), len(data) - 1)
+    assert decode(data, len(data), LIMIT).metadata["format"] == FORMAT_VERSION
+
+
+def test_first_format_file_decodes_to_the_same_block() -> None:
+    block = make_chain(list(range(10, 30)), 8)[1]
+    data = first_format_file(block)
+    decoded = decode(data, frame_content_size(data), LIMIT)
+    assert decoded.metadata["format"] == LEGACY_FORMAT
+    for name, arr in block.tensors.items():
+        np.testing.assert_array_equal(decoded.tensors[name], arr)
 
 
 def test_frame_declares_size_and_checksum() -> None:
@@ -85,7 +129,7 @@ def test_round_trip_through_index_row_checks() -> None:
         tokens=block.tokens,
         tokens_sha="",
         file="",
-        raw_bytes=frame_content_size(data),
+        raw_bytes=len(data),
         stored_bytes=len(data),
         checksum="",
         probe=block.probe,
@@ -101,7 +145,9 @@ def test_round_trip_through_index_row_checks() -> None:
         np.testing.assert_array_equal(got.tensors[name], arr)
     other = make_chain(list(range(50)), 16)[1]
     with pytest.raises(BlockCorrupt, match="metadata 'hash'"):
-        check_against(decode(encode(other), frame_content_size(encode(other)), LIMIT), row)
+        check_against(decode(encode(other), len(encode(other)), LIMIT), row)
+    with pytest.raises(BlockCorrupt, match="metadata 'format'"):
+        check_against(decode(data, row.raw_bytes, LIMIT), row, legacy=True)
 
 
 def test_declared_size_is_checked_before_decompressing() -> None:
@@ -138,7 +184,7 @@ def test_frame_declaring_a_huge_size_is_refused_without_allocating() -> None:
         (lambda d: d + b"\0\0\0", "zstd"),  # trailing garbage
         (lambda d: d[:-4] + bytes(b ^ 0xFF for b in d[-4:]), "zstd"),  # content checksum
         (lambda d: d[: len(d) // 2], "zstd"),  # truncated
-        (lambda d: b"\0" * len(d), "not a zstd frame"),
+        (lambda d: b"\0" * len(d), "the index expects"),  # not a frame: a plain file
     ],
 )
 def test_damaged_frames_raise_block_corrupt(mangle: object, reason: str) -> None:

@@ -8,11 +8,12 @@ import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zstandard
 from localkv.storage.blockfile import checksum
 from localkv.storage.store import BlockCorrupt, BlockRow, SnapshotStore
-from test_store_support import IDENTITY, make_chain, put_chain
+from test_store_support import IDENTITY, first_format_row, make_chain, put_chain
 
 
 @pytest.fixture
@@ -99,8 +100,9 @@ def test_file_swapped_with_another_blocks_file(store: SnapshotStore) -> None:
     with pytest.raises(BlockCorrupt) as info:
         store.read_blocks(rows)
     assert info.value.block_hash == rows[1].hash
-    # Same sizes would pass the size check; then the checksum catches it.
-    assert "checksum" in info.value.reason or "bytes, the index expects" in info.value.reason
+    # Same sizes would pass the size check; the header's metadata (or the checksum) catches it.
+    reason = info.value.reason
+    assert any(s in reason for s in ("metadata 'hash'", "checksum", "bytes, the index expects"))
 
 
 def test_swapped_file_with_matching_index_checksum_fails_on_metadata(
@@ -126,7 +128,7 @@ def test_declared_size_differs_from_index(store: SnapshotStore) -> None:
         store.db.execute(
             "UPDATE blocks SET raw_bytes = raw_bytes + 8 WHERE hash = ?", (rows[0].hash,)
         )
-    with pytest.raises(BlockCorrupt, match=r"frame declares .* the index expects") as info:
+    with pytest.raises(BlockCorrupt, match=r"file of \d+ bytes, the index expects \d+ raw") as info:
         store.read_blocks(store.match_chain([r.hash for r in rows]))
     assert info.value.block_hash == rows[0].hash
 
@@ -190,3 +192,55 @@ def test_verify_repair_quarantines(store: SnapshotStore) -> None:
     assert [h for h, _ in bad] == [rows[3].hash]
     assert store.verify() == []
     assert len(store.match_chain([r.hash for r in rows])) == 3
+
+
+def test_first_format_files_still_read_and_are_checked(store: SnapshotStore) -> None:
+    blocks = make_chain(list(range(64)), 16)
+    put_chain(store, blocks)
+    for block in blocks[1:3]:
+        first_format_row(store, block)
+    rows = store.match_chain([b.hash for b in blocks])
+    assert rows[1].checksum.startswith("crc32:") and rows[0].checksum.startswith("xxh3:")
+    got = store.read_blocks(rows)
+    for block, read in zip(blocks, got, strict=True):
+        np.testing.assert_array_equal(read.tokens, block.tokens)
+        for name, arr in block.tensors.items():
+            np.testing.assert_array_equal(read.tensors[name], arr)
+    # read into caller buffers too, and still checked: a flipped byte is caught
+    opened = store.open_blocks(rows[1:2])
+    try:
+        k0 = np.empty(blocks[1].tensors["k.0"].nbytes, dtype=np.uint8)
+        store.fill_blocks(opened, [{"k.0": [k0[:5], k0[5:]]}])
+        np.testing.assert_array_equal(k0, blocks[1].tensors["k.0"].reshape(-1).view(np.uint8))
+    finally:
+        for o in opened:
+            o.close()
+    _flip_byte(_path(store, rows[2]))
+    with pytest.raises(BlockCorrupt, match="checksum crc32") as info:
+        store.read_blocks(rows)
+    assert info.value.block_hash == rows[2].hash
+
+
+def test_reading_into_targets_checks_the_whole_file(store: SnapshotStore) -> None:
+    rows = _stored(store)
+    block = store.read_blocks(rows[1:2])[0]
+    size = block.tensors["v.1"].nbytes
+    opened = store.open_blocks(rows[1:2])
+    try:
+        with pytest.raises(ValueError, match=r"targets of 'v\.1' hold"):
+            store.fill_blocks(opened, [{"v.1": [np.empty(size - 1, dtype=np.uint8)]}])
+    finally:
+        opened[0].close()
+    # the flipped byte sits in a tensor that goes to a caller buffer: still caught
+    path = _path(store, rows[1])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    opened = store.open_blocks(rows[1:2])
+    try:
+        names = [n for n in block.tensors]
+        targets = {n: [np.empty(block.tensors[n].nbytes, dtype=np.uint8)] for n in names}
+        with pytest.raises(BlockCorrupt, match="checksum"):
+            store.fill_blocks(opened, [targets])
+    finally:
+        opened[0].close()

@@ -80,3 +80,44 @@ def put_in_process(root: str, tokens: list[int], block_size: int) -> int:
     """Open the store at ``root`` and save a chain (run in another process)."""
     with SnapshotStore.open(Path(root)) as store:
         return put_chain(store, make_chain(tokens, block_size))
+
+
+def first_format_file(block: Block) -> bytes:
+    """``block`` as localkv's first block format wrote it: the safetensors file
+    with format ``lkv-block1``, compressed as one zstd frame with its content
+    size and checksum."""
+    import json
+    import struct
+
+    import zstandard
+    from localkv.storage.blockfile import LEGACY_FORMAT, encode
+    from safetensors.numpy import load as st_load
+    from safetensors.numpy import save as st_save
+
+    raw = encode(block)
+    (header_len,) = struct.unpack_from("<Q", raw)
+    meta = json.loads(raw[8 : 8 + header_len])["__metadata__"]
+    meta["format"] = LEGACY_FORMAT
+    old = st_save(st_load(raw), metadata=meta)
+    return bytes(zstandard.ZstdCompressor(level=1, write_checksum=True).compress(old))
+
+
+def first_format_row(store: SnapshotStore, block: Block) -> None:
+    """Rewrite a stored block's file and index row as the first format had them."""
+    import zlib
+
+    data = first_format_file(block)
+    row = store.match_chain([block.hash])[0]
+    (store.root / row.file).write_bytes(data)
+    raw = zstandard_content_size(data)
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET stored_bytes = ?, raw_bytes = ?, checksum = ? WHERE hash = ?",
+            (len(data), raw, f"crc32:{zlib.crc32(data):08x}", block.hash),
+        )
+
+
+def zstandard_content_size(data: bytes) -> int:
+    import zstandard
+
+    return int(zstandard.get_frame_parameters(data).content_size)

@@ -1,0 +1,191 @@
+"""Reading a block file straight into the caller's buffers.
+
+A restore does not want a block's tensors as arrays of their own: it wants
+their bytes at given places in one large buffer (llama.cpp's state). So a
+read has two steps:
+
+1. ``open_block``: open the file (``files.open_block_file`` checks what it
+   is and its size), read and parse its safetensors header, and check the
+   metadata against the index row. The caller now knows every tensor's dtype
+   and shape.
+2. ``fill_block``: one ``preadv`` scatters the data section into the
+   caller's targets (a list of writable buffers per tensor, filled in order;
+   tensors without a target get arrays of their own), while the xxh3-128 of
+   the whole file is computed over what was read and compared with the index.
+   Tokens and positions are then checked against the row.
+
+Nothing a target receives may be used unless ``fill_block`` returns: a
+checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
+
+A first-format (zstd) block file is read whole, checked and decompressed in
+step 1; step 2 copies its tensors into the targets.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .blockfile import (
+    DecodedBlock,
+    TensorSpec,
+    check_metadata,
+    check_rows,
+    check_tokens,
+    checksum_matches,
+    decode,
+    header_span,
+    is_zstd,
+    parse_header,
+)
+from .files import open_block_file, read_exactly
+from .paths import CacheLayout
+from .values import RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
+
+__all__ = ["OpenedBlock", "Targets", "fill_block", "open_block"]
+
+# The first read of a file: the 8-byte length and, usually, the whole header.
+_FIRST_READ = 64 << 10
+
+Targets = Mapping[str, Sequence[np.ndarray]]
+
+
+@dataclass(slots=True, eq=False)
+class OpenedBlock:
+    """A block file opened and its header checked; ``close()`` when done."""
+
+    row: BlockRow
+    fd: int
+    header: bytes  # the file's bytes up to its data section
+    metadata: dict[str, str]  # the caller's metadata (format fields removed)
+    specs: dict[str, TensorSpec]
+    legacy: DecodedBlock | None = None  # a first-format file, already decoded
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_block(layout: CacheLayout, row: BlockRow, max_raw_bytes: int) -> OpenedBlock:
+    """Open ``row``'s file and check its header (``BlockCorrupt`` on any failure)."""
+    fd = open_block_file(layout, row.file, row.stored_bytes)
+    try:
+        first = os.pread(fd, min(_FIRST_READ, row.stored_bytes), 0)
+        if is_zstd(first):
+            return _open_legacy(layout, row, fd, max_raw_bytes)
+        if row.stored_bytes != row.raw_bytes:
+            raise BlockCorrupt(
+                f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
+            )
+        if row.raw_bytes > max_raw_bytes:
+            raise BlockCorrupt(f"file of {row.raw_bytes} bytes is over the limit {max_raw_bytes}")
+        body = header_span(first[:8], row.stored_bytes)
+        header = first[:body] if body <= len(first) else first + _pread_all(fd, len(first), body)
+        metadata, specs = parse_header(header[8:], row.stored_bytes - body)
+        meta = check_metadata(metadata, row)
+        return OpenedBlock(row, fd, header, meta, specs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _pread_all(fd: int, start: int, end: int) -> bytes:
+    buf = bytearray(end - start)
+    read_exactly(fd, [memoryview(buf)], start)
+    return bytes(buf)
+
+
+def _open_legacy(layout: CacheLayout, row: BlockRow, fd: int, max_raw_bytes: int) -> OpenedBlock:
+    data = bytearray(row.stored_bytes)
+    read_exactly(fd, [memoryview(data)], 0)
+    problem = checksum_matches(row.checksum, data)
+    if problem is not None:
+        raise BlockCorrupt(problem)
+    decoded = decode(data, row.raw_bytes, max_raw_bytes)
+    meta = check_metadata(decoded.metadata, row, legacy=True)
+    specs = {
+        name: TensorSpec(arr.dtype, arr.shape, 0, arr.nbytes)
+        for name, arr in decoded.tensors.items()
+    }
+    return OpenedBlock(row, fd, b"", meta, specs, decoded)
+
+
+def _byte_view(arr: np.ndarray) -> memoryview:
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError("a read target must be a writable C-contiguous array")
+    return arr.reshape(-1).view(np.uint8).data
+
+
+def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
+    """Read the block's tensors, those named in ``targets`` into their buffers.
+
+    A target is a sequence of writable C-contiguous arrays whose sizes add up
+    to the tensor's bytes; they are filled in order. Returns the block with the
+    tensors that had no target (read-only). ``ValueError`` for a target that
+    does not fit, ``BlockCorrupt`` for a file that fails a check.
+    """
+    targets = targets or {}
+    row = opened.row
+    views: list[memoryview] = []
+    own: dict[str, np.ndarray] = {}
+    placed: list[tuple[str, list[memoryview]]] = []
+    for name, spec in sorted(opened.specs.items(), key=lambda item: item[1].begin):
+        if name not in RESERVED_TENSORS:
+            check_rows(name, spec.shape, row)
+        if name in targets:
+            parts = [_byte_view(a) for a in targets[name]]
+            if sum(len(p) for p in parts) != spec.nbytes:
+                raise ValueError(
+                    f"targets of {name!r} hold {sum(len(p) for p in parts)} bytes, "
+                    f"the tensor {spec.nbytes}"
+                )
+            placed.append((name, parts))
+            views.extend(parts)
+        else:
+            arr = np.empty(spec.shape, dtype=spec.dtype)
+            own[name] = arr
+            views.append(_byte_view(arr))
+    if opened.legacy is None:
+        read_exactly(opened.fd, views, len(opened.header))
+        digest = xxhash.xxh3_128(opened.header)
+        for view in views:
+            digest.update(view)
+        found = "xxh3:" + digest.hexdigest()
+        if found != row.checksum:
+            raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
+    else:
+        _copy_legacy(opened.legacy, own, placed)
+    tokens = check_tokens(own.pop("tokens", None), own.pop("pos", None), row)
+    for arr in own.values():
+        arr.setflags(write=False)
+    tokens.setflags(write=False)
+    return Block(
+        hash=row.hash,
+        parent=row.parent,
+        identity=row.identity,
+        namespace=row.namespace,
+        start=row.start,
+        tokens=tokens,
+        tensors=own,
+        probe=row.probe,
+        meta=dict(opened.metadata),
+        prefill_seconds=row.prefill_seconds,
+    )
+
+
+def _copy_legacy(
+    decoded: DecodedBlock, own: dict[str, np.ndarray], placed: list[tuple[str, list[memoryview]]]
+) -> None:
+    for name, arr in own.items():
+        np.copyto(arr, decoded.tensors[name])
+    for name, parts in placed:
+        src = np.ascontiguousarray(decoded.tensors[name]).reshape(-1).view(np.uint8).data
+        at = 0
+        for part in parts:
+            part[:] = src[at : at + len(part)]
+            at += len(part)
