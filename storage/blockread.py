@@ -24,6 +24,8 @@ step 1; step 2 copies its tensors into the targets.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,10 +48,52 @@ from .files import open_block_file, read_exactly
 from .paths import CacheLayout
 from .values import RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
 
-__all__ = ["OpenedBlock", "Targets", "fill_block", "open_block"]
+__all__ = ["HeaderCache", "OpenedBlock", "Targets", "fill_block", "open_block"]
 
 # The first read of a file: the 8-byte length and, usually, the whole header.
 _FIRST_READ = 64 << 10
+
+
+class HeaderCache:
+    """Parsed headers of recently read block files, so a repeated restore skips the JSON.
+
+    An entry is used only if the file's header bytes, read again every time,
+    are identical to the ones it was parsed from (and the checksum covers them).
+    It holds the parse only: the metadata is checked against the row every time.
+    """
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[bytes, dict[str, str], dict[str, TensorSpec]]] = (
+            OrderedDict()
+        )
+
+    def get(
+        self, row: BlockRow, header: bytes
+    ) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
+        with self._lock:
+            entry = self._entries.get(row.checksum)
+            if entry is None or entry[0] != header:
+                return None
+            self._entries.move_to_end(row.checksum)
+            return entry[1], entry[2]
+
+    def size_of(self, row: BlockRow) -> int | None:
+        """The header length of this row's file when last read (None if unknown)."""
+        with self._lock:
+            entry = self._entries.get(row.checksum)
+        return None if entry is None else len(entry[0])
+
+    def put(
+        self, row: BlockRow, header: bytes, meta: dict[str, str], specs: dict[str, TensorSpec]
+    ) -> None:
+        with self._lock:
+            self._entries[row.checksum] = (header, meta, specs)
+            self._entries.move_to_end(row.checksum)
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+
 
 Targets = Mapping[str, Sequence[np.ndarray]]
 
@@ -71,11 +115,14 @@ class OpenedBlock:
             self.fd = -1
 
 
-def open_block(layout: CacheLayout, row: BlockRow, max_raw_bytes: int) -> OpenedBlock:
+def open_block(
+    layout: CacheLayout, row: BlockRow, max_raw_bytes: int, cache: HeaderCache | None = None
+) -> OpenedBlock:
     """Open ``row``'s file and check its header (``BlockCorrupt`` on any failure)."""
     fd = open_block_file(layout, row.file, row.stored_bytes)
     try:
-        first = os.pread(fd, min(_FIRST_READ, row.stored_bytes), 0)
+        known = cache.size_of(row) if cache is not None else None
+        first = os.pread(fd, min(known or _FIRST_READ, row.stored_bytes), 0)
         if is_zstd(first):
             return _open_legacy(layout, row, fd, max_raw_bytes)
         if row.stored_bytes != row.raw_bytes:
@@ -86,9 +133,13 @@ def open_block(layout: CacheLayout, row: BlockRow, max_raw_bytes: int) -> Opened
             raise BlockCorrupt(f"file of {row.raw_bytes} bytes is over the limit {max_raw_bytes}")
         body = header_span(first[:8], row.stored_bytes)
         header = first[:body] if body <= len(first) else first + _pread_all(fd, len(first), body)
-        metadata, specs = parse_header(header[8:], row.stored_bytes - body)
-        meta = check_metadata(metadata, row)
-        return OpenedBlock(row, fd, header, meta, specs)
+        parsed = cache.get(row, header) if cache is not None else None
+        if parsed is None:
+            parsed = parse_header(header[8:], row.stored_bytes - body)
+            if cache is not None:
+                cache.put(row, header, *parsed)
+        metadata, specs = parsed
+        return OpenedBlock(row, fd, header, check_metadata(metadata, row), specs)
     except BaseException:
         os.close(fd)
         raise

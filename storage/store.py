@@ -27,7 +27,7 @@ import sqlite_utils
 
 from . import budget, faults, maintenance
 from .blockfile import encode, index_row
-from .blockread import OpenedBlock, Targets, fill_block, open_block
+from .blockread import HeaderCache, OpenedBlock, Targets, fill_block, open_block
 from .chain import chain_next, chain_root
 from .files import (
     check_free_space,
@@ -78,6 +78,7 @@ class SnapshotStore:
         self._index = index
         self._workers = workers or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
+        self._headers = HeaderCache()
         self._closed = False
 
     @classmethod
@@ -265,7 +266,7 @@ class SnapshotStore:
         try:
             if row.file != self.layout.block_relpath(row.hash):
                 raise BlockCorrupt(f"index points at {row.file!r}, not the block's own path")
-            return open_block(self.layout, row, MAX_RAW_BLOCK_BYTES)
+            return open_block(self.layout, row, MAX_RAW_BLOCK_BYTES, self._headers)
         except BlockCorrupt as exc:
             raise BlockCorrupt(exc.reason, row.hash) from None
         except (ValueError, OSError, MemoryError) as exc:

@@ -116,16 +116,18 @@ def test_other_computations_reuse_nothing_and_say_why(
         assert field in result.miss_reason
 
 
+@pytest.mark.parametrize("flash_attn", ["auto", "off"])  # off: V is stored transposed
 def test_cached_answer_equals_uncached(
-    tiny_models: TinyModels, tmp_path: Path, doc: Document
+    tiny_models: TinyModels, tmp_path: Path, doc: Document, flash_attn: str
 ) -> None:
     question = "What is the document about?"
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    with _runtime(tiny_models.base, tmp_path, flash_attn=flash_attn) as rt:
         rt.prefill([doc], system=SYSTEM)
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    with _runtime(tiny_models.base, tmp_path, flash_attn=flash_attn) as rt:
         cached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
         doc_end = rt.build([doc], system=SYSTEM).boundaries[-1]
-    with Runtime(tiny_config(tiny_models.base), use_cache=False) as rt:
+    config = tiny_config(tiny_models.base, flash_attn=flash_attn)
+    with Runtime(config, use_cache=False) as rt:
         uncached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
     assert cached.cache.hit and cached.cache.verified
     assert cached.tokens.reused == doc_end
@@ -137,7 +139,32 @@ def _block_files(cache: Path) -> list[Path]:
     return sorted(p for p in (cache / "blocks").rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_first_format_block_files_restore_the_same_answer(
+    tiny_models: TinyModels, tmp_path: Path, doc: Document
+) -> None:
+    from test_store_support import first_format_row
+
+    question = "What is the document about?"
+    with _runtime(tiny_models.base, tmp_path) as rt:
+        report = rt.prefill([doc], system=SYSTEM)
+        assert rt.cache is not None
+        store = rt.cache.store
+        chain = store.chain_of(store.get_snapshot(report.snapshot or "").tip)
+        for block in store.read_blocks(chain[1:]):  # the first block stays in the new format
+            first_format_row(store, block)
+    with _runtime(tiny_models.base, tmp_path) as rt:
+        assert rt.cache is not None
+        rows = rt.cache.store.chain_of(chain[-1].hash)
+        assert [r.checksum[:5] for r in rows[:2]] == ["xxh3:", "crc32"]
+        cached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
+    with Runtime(tiny_config(tiny_models.base), use_cache=False) as rt:
+        uncached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
+    assert cached.cache.hit and cached.cache.verified
+    assert cached.cache.reused == report.tokens
+    assert cached.text == uncached.text
+
+
+@pytest.mark.parametrize("damage", ["flip header", "flip data", "truncate", "delete"])
 def test_a_damaged_block_is_a_miss_with_a_reason(
     tiny_models: TinyModels, tmp_path: Path, doc: Document, damage: str
 ) -> None:
@@ -148,8 +175,9 @@ def test_a_damaged_block_is_a_miss_with_a_reason(
     assert files
     target = files[len(files) // 2]
     data = target.read_bytes()
-    if damage == "flip":
-        target.write_bytes(data[:100] + bytes([data[100] ^ 0x40]) + data[101:])
+    if damage.startswith("flip"):
+        at = 100 if damage == "flip header" else len(data) - 100
+        target.write_bytes(data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :])
     elif damage == "truncate":
         target.write_bytes(data[: len(data) // 2])
     else:

@@ -244,3 +244,22 @@ def test_reading_into_targets_checks_the_whole_file(store: SnapshotStore) -> Non
             store.fill_blocks(opened, [targets])
     finally:
         opened[0].close()
+
+
+def test_a_remembered_header_is_not_trusted_over_the_file(store: SnapshotStore) -> None:
+    """Parsed headers are reused only while the file's header bytes are unchanged."""
+    rows = _stored(store)
+    assert store.read_blocks(rows[1:2])  # parses and remembers the header
+    path = _path(store, rows[1])
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"namespace":"')
+    data[at : at + 13] = b'"namespacf":"'  # same length: only a re-parse sees it
+    path.write_bytes(bytes(data))
+    from localkv.storage.blockfile import checksum
+
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET checksum = ? WHERE hash = ?", (checksum(data), rows[1].hash)
+        )
+    with pytest.raises(BlockCorrupt, match="metadata 'namespace'"):
+        store.read_blocks(store.match_chain([r.hash for r in rows])[1:2])
