@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from localkv.bench import STEPS, BenchResult, SizeResult
+from localkv.bench import RESTORE, STEPS, BenchResult, SizeResult
 from localkv.benchbaselines import Stat
 from localkv.benchcodecs import ENCODINGS, EncodingResult
 
@@ -209,6 +209,7 @@ CELLS: list[tuple[str, Cell]] = [
     ("cold TTFT (prefill + first token)", lambda s: fmt_stat(s.cold_ttft)),
     ("warm TTFT (verified restore + first token)", lambda s: fmt_stat(s.warm_ttft)),
     *[(f"  warm: {k}", _step(k)) for k in STEPS],
+    ("  warm: restore without the probe (lookup + read + load)", _step(RESTORE)),
     ("llama.cpp-file TTFT (load N-1, decode 1)", lambda s: fmt_stat(s.llama_file.ttft)),
     ("llama.cpp save_file", lambda s: fmt_stat(s.llama_file.save)),
     ("llama.cpp load_file", lambda s: fmt_stat(s.llama_file.load)),
@@ -220,6 +221,8 @@ CELLS: list[tuple[str, Cell]] = [
     ("cold / warm", _ratio("cold_over_warm")),
     ("warm / llama.cpp-file TTFT", _ratio("warm_over_llama_file_ttft")),
     ("warm / floor", _ratio("warm_over_floor")),
+    ("restore without the probe / llama.cpp load_file", _ratio("restore_over_load_file")),
+    ("restore without the probe / floor", _ratio("restore_over_floor")),
     ("bytes on disk", lambda s: fmt_bytes(s.stored_bytes)),
     ("raw KV bytes", lambda s: fmt_bytes(s.raw_bytes)),
     ("  on disk / raw", lambda s: f"{s.ratios['stored_over_raw']:.3f}"),
@@ -365,9 +368,13 @@ METHOD = [
     "- **cold TTFT**: empty sequence, block-aligned prefill of N tokens "
     "(`ModelSession.prefill`), argmax of the last logits.",
     "- **warm TTFT**: the N tokens saved as blocks (`PrefixCache.prepare` + `write`), the "
-    "sequence emptied, then `PrefixCache.restore` (lookup, read + checks, "
-    "assemble + `llama_state_seq_set_data`, the verifying probe decode) and argmax. The "
-    "probe decode of the last token yields the first token's logits.",
+    "sequence emptied, then `PrefixCache.restore` (lookup; read: block headers checked "
+    "against the index, K/V rows read with `preadv` straight into their places in the "
+    "state buffer, xxh3-128 of every file; load: `llama_state_seq_set_data` of N-1 "
+    "tokens; probe: the last token decoded alone, its logits compared bit for bit with "
+    "the stored probe) and argmax. The probe decode yields the first token's logits, so "
+    "it is the decode llama.cpp's own TTFT pays too. **restore without the probe** is "
+    "lookup + read + load: the state in place, as `load_file` leaves it.",
     "- **llama.cpp-file TTFT**: `llama_state_seq_load_file` of a file holding N-1 tokens, "
     "then the last token decoded alone and argmax. save_file/load_file rows use N tokens.",
     "- **LlamaDiskCache**: llama-cpp-python's high-level `Llama` evaluates the same tokens; "

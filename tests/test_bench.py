@@ -20,7 +20,7 @@ from conftest import tiny_config
 from tinymodels import TinyModels
 
 from localkv import benchreport
-from localkv.bench import STEPS, BenchConfig, BenchResult, prompt_tokens, run_bench
+from localkv.bench import RESTORE, STEPS, BenchConfig, BenchResult, prompt_tokens, run_bench
 from localkv.benchbaselines import Stat
 from localkv.commands_bench import bench, parse_sizes
 from localkv.session import ModelSession
@@ -78,7 +78,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             s.ask.background_write,
         ]
         assert all(_positive(st) for st in stats)
-        assert set(s.warm_steps) == set(STEPS)
+        assert set(s.warm_steps) == {*STEPS, RESTORE}
         assert s.warm_verified and s.first_token_agrees
         assert s.blocks == -(-s.tokens // result.config.block_size)
         assert s.stored_bytes > 0 and 0 < s.raw_bytes < s.llama_file.file_bytes + 1024
@@ -89,8 +89,12 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             "cold_over_warm",
             "warm_over_llama_file_ttft",
             "warm_over_floor",
+            "restore_over_load_file",
+            "restore_over_floor",
             "stored_over_raw",
         }
+        restore = s.warm_steps[RESTORE]
+        assert restore.min <= s.warm_ttft.min and restore.median < s.warm_ttft.max
         assert all(math.isfinite(v) and v > 0 for v in s.ratios.values())
         assert [e.name for e in s.encodings] == ["raw", "zstd-1", "hi-plane zstd-1"]
         for e in s.encodings:
@@ -118,7 +122,7 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
     first = data["sizes"][0]
     assert first["tokens"] == 64
     assert first["cold_ttft_s"]["median"] == result.sizes[0].cold_ttft.median
-    assert set(first["warm_steps_s"]) == set(STEPS)
+    assert set(first["warm_steps_s"]) == {*STEPS, RESTORE}
     assert first["llama_disk_cache"]["bytes"] == result.sizes[0].disk_cache.disk_bytes
     assert data["lookup"]["blocks"] == 50
     assert data["config"]["decode_workers"] == result.config.workers
