@@ -44,8 +44,8 @@ class RestoreResult:
     seconds: float
     tip: str | None = None  # hash of the last block used
     saved_seconds: float = 0.0  # estimated prefill time the restore replaced
-    # seconds by step: lookup, read (read + decompress + checks), load (assemble +
-    # llama_state_seq_set_data), probe (the verifying single-token decode)
+    # seconds by step: lookup, read (block files read into the state buffer and
+    # checked), load (llama_state_seq_set_data), probe (the verifying single-token decode)
     breakdown: dict[str, float] = field(default_factory=dict)
     chain: tuple[str, ...] = ()  # hashes of the blocks used, first block first
 

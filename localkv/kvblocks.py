@@ -1,7 +1,7 @@
 """KV state <-> the store's block tensors (per-layer, token-major, in their ggml dtype).
 
-F16 and F32 rows are stored as float16/float32 tensors, so a decompressed
-block file opens as real numbers with ``safetensors.numpy`` or
+F16 and F32 rows are stored as float16/float32 tensors, so a block file
+opens as real numbers with ``safetensors.numpy`` or
 ``safetensors.torch``; quantized types (q8_0, ...) are stored as uint8 rows.
 """
 

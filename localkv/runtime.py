@@ -410,7 +410,7 @@ class Runtime:
     def save_prefix(self, tips: Sequence[int]) -> None:
         """Save the session's sequence up to its last tip, in the background.
 
-        The state is captured now (a few ms); compressing and writing happen on a
+        The state is captured now (a few ms); encoding and writing happen on a
         worker thread. ``close()`` and ``wait_for_saves()`` wait for them.
         """
         if self.cache is None:

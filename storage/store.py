@@ -18,7 +18,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from types import TracebackType
 
@@ -284,7 +284,12 @@ class SnapshotStore:
             raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
         if len(opened) <= 1:
             return [self._fill(o, t) for o, t in zip(opened, targets, strict=True)]
-        return list(self._executor().map(self._fill, opened, targets))
+        pool = self._executor()
+        futures = [pool.submit(self._fill, o, t) for o, t in zip(opened, targets, strict=True)]
+        # every read finishes before any error is raised: the caller may then close the
+        # files and reuse the targets, and no read may still be writing into them
+        wait(futures)
+        return [f.result() for f in futures]
 
     def _fill(self, opened: OpenedBlock, targets: Targets | None) -> Block:
         try:

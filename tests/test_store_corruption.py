@@ -263,3 +263,30 @@ def test_a_remembered_header_is_not_trusted_over_the_file(store: SnapshotStore) 
         )
     with pytest.raises(BlockCorrupt, match="metadata 'namespace'"):
         store.read_blocks(store.match_chain([r.hash for r in rows])[1:2])
+
+
+def test_a_failed_parallel_read_has_finished_every_read_when_it_raises(
+    store: SnapshotStore,
+) -> None:
+    """No read may still write into the caller's buffers once the error is raised."""
+    rows = _stored(store)
+    path = _path(store, rows[0])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # a data byte: the checksum fails after the read
+    path.write_bytes(bytes(data))
+    expected = [b.tensors for b in store.read_blocks(rows[1:])]
+    opened = store.open_blocks(rows)
+    try:
+        targets = [
+            {n: [np.zeros(a.nbytes, dtype=np.uint8)] for n, a in tensors.items()}
+            for tensors in [expected[0], *expected]
+        ]
+        with pytest.raises(BlockCorrupt, match="checksum") as info:
+            store.fill_blocks(opened, targets)
+        assert info.value.block_hash == rows[0].hash
+        for placed, tensors in zip(targets[1:], expected, strict=True):
+            for name, arr in tensors.items():
+                np.testing.assert_array_equal(placed[name][0], arr.reshape(-1).view(np.uint8))
+    finally:
+        for o in opened:
+            o.close()
