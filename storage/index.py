@@ -9,6 +9,7 @@ read-check-write sequence; ``busy_timeout`` makes the other one wait.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import struct
 import threading
@@ -24,6 +25,8 @@ from .migrations import MIGRATIONS, migrate
 from .values import BlockRow, Probe, SnapshotRow, StoreStats
 
 __all__ = ["BlockIndex"]
+
+logger = logging.getLogger(__name__)
 
 _IN_CHUNK = 500
 _BLOCK_COLUMNS = (
@@ -61,6 +64,23 @@ def block_row(r: Sequence[Any]) -> BlockRow:
         last_used=float(r[15]),
         hits=int(r[16]),
     )
+
+
+def readable_rows(rows: Sequence[Sequence[Any]]) -> list[BlockRow]:
+    """``block_row`` of each row, up to the first that does not decode (logged).
+
+    A row edited or damaged outside localkv (a malformed digest, a token blob of
+    odd length) is treated as not stored: a lookup stops before it, and
+    ``unreadable_blocks`` reports it to ``verify``.
+    """
+    out: list[BlockRow] = []
+    for r in rows:
+        try:
+            out.append(block_row(r))
+        except (ValueError, TypeError) as exc:
+            logger.warning("index row %r cannot be read (%s); ignoring it", r[0], exc)
+            break
+    return out
 
 
 def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
@@ -162,14 +182,26 @@ class BlockIndex:
         for chunk in _chunks(list(dict.fromkeys(hashes))):
             sql = f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE hash IN ({_marks(len(chunk))})"
             for r in self.query(sql, chunk):
-                found[r[0]] = block_row(r)
+                found.update((row.hash, row) for row in readable_rows([r]))
         return found
 
     def get_block(self, block_hash: str) -> BlockRow | None:
         return self.get_blocks([block_hash]).get(block_hash)
 
     def all_blocks(self) -> list[BlockRow]:
-        return [block_row(r) for r in self.query(f"SELECT {_BLOCK_COLUMNS} FROM blocks")]
+        """Every readable row (see ``unreadable_blocks`` for the others)."""
+        rows = self.query(f"SELECT {_BLOCK_COLUMNS} FROM blocks")
+        return [row for r in rows for row in readable_rows([r])]
+
+    def unreadable_blocks(self) -> list[tuple[str, str]]:
+        """(hash, reason) of every row that does not decode as a block row."""
+        bad: list[tuple[str, str]] = []
+        for r in self.query(f"SELECT {_BLOCK_COLUMNS} FROM blocks"):
+            try:
+                block_row(r)
+            except (ValueError, TypeError) as exc:
+                bad.append((str(r[0]), f"index row cannot be read: {exc}"))
+        return bad
 
     def insert_block(self, db: sqlite_utils.Database, row: BlockRow) -> None:
         """Insert a row inside a ``write()`` transaction (ignored if the hash exists)."""
@@ -241,7 +273,7 @@ class BlockIndex:
             f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE {cond} AND identity = ? "
             "AND namespace = ? ORDER BY start, hash"
         )
-        return [block_row(r) for r in self.query(sql, params)]
+        return [row for r in self.query(sql, params) for row in readable_rows([r])]
 
     def chain_of(self, tip: str) -> list[BlockRow]:
         """The chain ending at ``tip``, root first (empty if ``tip`` is not stored)."""
@@ -252,7 +284,7 @@ class BlockIndex:
             f"SELECT {', '.join('b.' + c for c in _BLOCK_COLUMNS.split(', '))} "
             "FROM c JOIN blocks b ON b.hash = c.hash ORDER BY c.depth DESC"
         )
-        return [block_row(r) for r in self.query(sql, (tip,))]
+        return readable_rows(self.query(sql, (tip,)))
 
     def descendants(self, db: sqlite_utils.Database, hashes: Sequence[str]) -> set[str]:
         """``hashes`` that are stored, and every block below them."""

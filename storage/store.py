@@ -12,6 +12,7 @@ removes, never a row that points at nothing it did not check.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -310,8 +311,10 @@ class SnapshotStore:
             if block_hash not in gone:
                 return []  # already removed (evicted while being read): nothing to do
             files = self._index.delete_blocks(db, gone - {block_hash})
-            self._index.delete_blocks(db, [block_hash])
-        self._remove_files([self.layout.block_relpath(block_hash)], quarantine_reason=reason)
+            own = self._index.delete_blocks(db, [block_hash])
+        with contextlib.suppress(ValueError):  # a malformed hash: its row named the file
+            own = [self.layout.block_relpath(block_hash)]
+        self._remove_files(own, quarantine_reason=reason)
         self._remove_files(files)
         logger.warning(
             "quarantined block %s (%s); dropped %d descendant(s)", block_hash, reason, len(files)
@@ -578,8 +581,11 @@ class SnapshotStore:
     def verify(self, repair: bool = False) -> list[tuple[str, str]]:
         """Recheck every block file and chain hash; ``repair`` quarantines the bad ones."""
         rows = self._index.all_blocks()
-        bad: list[tuple[str, str]] = []
+        bad = self._index.unreadable_blocks()
+        stored = {str(r[0]) for r in self._index.query("SELECT hash FROM blocks")}
         for row, reason in zip(rows, self._executor().map(self._check_row, rows), strict=True):
+            if reason is None and row.parent is not None and row.parent not in stored:
+                reason = "parent block is not stored"  # unreachable: no lookup gets here
             if reason is not None:
                 bad.append((row.hash, reason))
         if repair:
@@ -589,9 +595,12 @@ class SnapshotStore:
         return bad
 
     def _check_row(self, row: BlockRow) -> str | None:
-        parent = row.parent or chain_root(row.identity, row.namespace)
-        if chain_next(parent, row.tokens) != row.hash:
-            return "hash does not match parent and tokens"
+        try:
+            parent = row.parent or chain_root(row.identity, row.namespace)
+            if chain_next(parent, row.tokens) != row.hash:
+                return "hash does not match parent and tokens"
+        except ValueError as exc:  # a malformed parent or identity digest in the row
+            return f"index row cannot be read: {exc}"
         try:
             self._read_one(row)
         except BlockCorrupt as exc:

@@ -290,3 +290,33 @@ def test_a_failed_parallel_read_has_finished_every_read_when_it_raises(
     finally:
         for o in opened:
             o.close()
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("probe_digest", "garbage"),
+        ("parent", "sha256:zz"),
+        ("hash", "nothex"),
+        ("tokens", b"\x01\x02\x03"),  # not whole int32 values
+        ("probe_top", b"\x00" * 7),
+    ],
+)
+def test_a_malformed_index_row_is_reported_never_raised(
+    store: SnapshotStore, column: str, value: object
+) -> None:
+    rows = _stored(store)
+    with store.db.conn:
+        store.db.execute(f"UPDATE blocks SET {column} = ? WHERE hash = ?", (value, rows[2].hash))
+    hashes = [r.hash for r in rows]
+    assert [r.hash for r in store.match_chain(hashes)] == hashes[:2]  # stops before it
+    bad = dict(store.verify())
+    assert (value if column == "hash" else rows[2].hash) in bad
+    # a renamed row leaves its child without a parent: that is reported too
+    assert set(bad) <= {rows[2].hash, value, rows[3].hash} and all(bad.values()), bad
+    assert store.stats()["blocks"] == 4
+    store.verify(repair=True)
+    assert store.verify() == []
+    assert [r.hash for r in store.match_chain(hashes)] == hashes[:2]
+    assert store.stats()["blocks"] == 2  # the row and its descendant are gone
+    assert store.gc(grace_seconds=0).orphan_files == 0  # their files went with them
