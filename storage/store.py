@@ -19,7 +19,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -28,7 +28,7 @@ import sqlite_utils
 
 from . import budget, faults, maintenance
 from .blockfile import encode, index_row
-from .blockread import HeaderCache, OpenedBlock, Targets, fill_block, open_block
+from .blockread import OpenedBlock, Targets
 from .chain import chain_next, chain_root
 from .files import (
     check_free_space,
@@ -40,6 +40,7 @@ from .files import (
 )
 from .index import BlockIndex
 from .paths import CacheLayout, default_root, prepare_root
+from .reader import BlockReader
 from .values import (
     Block,
     BlockCorrupt,
@@ -79,7 +80,7 @@ class SnapshotStore:
         self._index = index
         self._workers = workers or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
-        self._headers = HeaderCache()
+        self._reader = BlockReader(layout, self._executor, MAX_RAW_BLOCK_BYTES)
         self._closed = False
 
     @classmethod
@@ -232,73 +233,18 @@ class SnapshotStore:
         return self._index.chain_of(tip)
 
     def read_blocks(self, rows: Sequence[BlockRow]) -> list[Block]:
-        """Read and check blocks in parallel, in order.
-
-        Raises ``BlockCorrupt`` naming the first bad block (in ``rows`` order).
-        """
-        if len(rows) <= 1:
-            return [self._read_one(row) for row in rows]
-        return list(self._executor().map(self._read_one, rows))
-
-    def _read_one(self, row: BlockRow) -> Block:
-        opened = self.open_blocks([row])[0]
-        try:
-            return self._fill(opened, None)
-        finally:
-            opened.close()
+        """Read and check blocks in parallel, in order (``BlockCorrupt`` names the first bad)."""
+        return self._reader.read(rows)
 
     def open_blocks(self, rows: Sequence[BlockRow]) -> list[OpenedBlock]:
-        """Open blocks' files and check their headers against the index (in order).
-
-        The caller reads them with ``fill_blocks`` and must ``close()`` each.
-        Raises ``BlockCorrupt`` naming the first bad block; nothing stays open then.
-        """
-        opened: list[OpenedBlock] = []
-        try:
-            for row in rows:
-                opened.append(self._open_one(row))
-        except BaseException:
-            for o in opened:
-                o.close()
-            raise
-        return opened
-
-    def _open_one(self, row: BlockRow) -> OpenedBlock:
-        try:
-            if row.file != self.layout.block_relpath(row.hash):
-                raise BlockCorrupt(f"index points at {row.file!r}, not the block's own path")
-            return open_block(self.layout, row, MAX_RAW_BLOCK_BYTES, self._headers)
-        except BlockCorrupt as exc:
-            raise BlockCorrupt(exc.reason, row.hash) from None
-        except (ValueError, OSError, MemoryError) as exc:
-            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", row.hash) from None
+        """Open blocks' files and check their headers; ``close()`` each (see ``BlockReader``)."""
+        return self._reader.open(rows)
 
     def fill_blocks(
         self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]
     ) -> list[Block]:
-        """Read opened blocks in parallel, each one's tensors into its targets.
-
-        See ``blockread.fill_block``. Raises ``BlockCorrupt`` naming the first
-        bad block (in order): what the targets hold is then unusable.
-        """
-        if len(opened) != len(targets):
-            raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
-        if len(opened) <= 1:
-            return [self._fill(o, t) for o, t in zip(opened, targets, strict=True)]
-        pool = self._executor()
-        futures = [pool.submit(self._fill, o, t) for o, t in zip(opened, targets, strict=True)]
-        # every read finishes before any error is raised: the caller may then close the
-        # files and reuse the targets, and no read may still be writing into them
-        wait(futures)
-        return [f.result() for f in futures]
-
-    def _fill(self, opened: OpenedBlock, targets: Targets | None) -> Block:
-        try:
-            return fill_block(opened, targets)
-        except BlockCorrupt as exc:
-            raise BlockCorrupt(exc.reason, opened.row.hash) from None
-        except (OSError, MemoryError) as exc:
-            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", opened.row.hash) from None
+        """Read opened blocks in parallel into their targets (see ``blockread.fill_block``)."""
+        return self._reader.fill(opened, targets)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.
@@ -602,7 +548,7 @@ class SnapshotStore:
         except ValueError as exc:  # a malformed parent or identity digest in the row
             return f"index row cannot be read: {exc}"
         try:
-            self._read_one(row)
+            self._reader.read([row])
         except BlockCorrupt as exc:
             return exc.reason
         return None

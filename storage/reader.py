@@ -1,0 +1,99 @@
+"""``BlockReader``: a store's block files read in parallel, into caller buffers if asked.
+
+Three ways in, all checked against the index rows (``blockread`` does the
+checking): ``read`` returns blocks with tensors of their own; ``open`` then
+``fill`` lets the caller see every block's tensor specs first and give buffers
+for the bytes (a restore reads K/V rows straight into llama.cpp's state
+buffer this way). Failures are ``BlockCorrupt`` naming the first bad block in
+the order given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from .blockread import HeaderCache, OpenedBlock, Targets, fill_block, open_block
+from .paths import CacheLayout
+from .values import Block, BlockCorrupt, BlockRow
+
+__all__ = ["BlockReader"]
+
+
+class BlockReader:
+    """Reads one store's block files (thread-safe)."""
+
+    def __init__(
+        self, layout: CacheLayout, executor: Callable[[], ThreadPoolExecutor], max_raw_bytes: int
+    ) -> None:
+        self.layout = layout
+        self._executor = executor
+        self._max_raw_bytes = max_raw_bytes
+        self._headers = HeaderCache()
+
+    def read(self, rows: Sequence[BlockRow]) -> list[Block]:
+        """Read and check blocks in parallel, in order.
+
+        Raises ``BlockCorrupt`` naming the first bad block (in ``rows`` order).
+        """
+        if len(rows) <= 1:
+            return [self._read_one(row) for row in rows]
+        return list(self._executor().map(self._read_one, rows))
+
+    def _read_one(self, row: BlockRow) -> Block:
+        opened = self.open([row])[0]
+        try:
+            return self._fill(opened, None)
+        finally:
+            opened.close()
+
+    def open(self, rows: Sequence[BlockRow]) -> list[OpenedBlock]:
+        """Open blocks' files and check their headers against the index (in order).
+
+        The caller reads them with ``fill`` and must ``close()`` each.
+        Raises ``BlockCorrupt`` naming the first bad block; nothing stays open then.
+        """
+        opened: list[OpenedBlock] = []
+        try:
+            for row in rows:
+                opened.append(self._open_one(row))
+        except BaseException:
+            for o in opened:
+                o.close()
+            raise
+        return opened
+
+    def _open_one(self, row: BlockRow) -> OpenedBlock:
+        try:
+            if row.file != self.layout.block_relpath(row.hash):
+                raise BlockCorrupt(f"index points at {row.file!r}, not the block's own path")
+            return open_block(self.layout, row, self._max_raw_bytes, self._headers)
+        except BlockCorrupt as exc:
+            raise BlockCorrupt(exc.reason, row.hash) from None
+        except (ValueError, OSError, MemoryError) as exc:
+            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", row.hash) from None
+
+    def fill(self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]) -> list[Block]:
+        """Read opened blocks in parallel, each one's tensors into its targets.
+
+        See ``blockread.fill_block``. Raises ``BlockCorrupt`` naming the first
+        bad block (in order): what the targets hold is then unusable.
+        """
+        if len(opened) != len(targets):
+            raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
+        if len(opened) <= 1:
+            return [self._fill(o, t) for o, t in zip(opened, targets, strict=True)]
+        pool = self._executor()
+        futures = [pool.submit(self._fill, o, t) for o, t in zip(opened, targets, strict=True)]
+        # every read finishes before any error is raised: the caller may then close the
+        # files and reuse the targets, and no read may still be writing into them
+        wait(futures)
+        return [f.result() for f in futures]
+
+    def _fill(self, opened: OpenedBlock, targets: Targets | None) -> Block:
+        try:
+            return fill_block(opened, targets)
+        except BlockCorrupt as exc:
+            raise BlockCorrupt(exc.reason, opened.row.hash) from None
+        except (OSError, MemoryError) as exc:
+            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", opened.row.hash) from None
