@@ -5,7 +5,9 @@ public-domain text cut to exactly N tokens), on one model:
 
 - **cold**: block-aligned prefill of N tokens plus the first (greedy) token;
 - **warm**: the N tokens saved as blocks, then an emptied sequence, a verified
-  restore (lookup, read, load, probe decode) and the first token;
+  restore (lookup, read, load, probe decode) and the first token; once with the
+  block files in the page cache, once with them dropped from it before each
+  run (``benchdisk``: ``posix_fadvise``, checked by ``/proc/self/io``);
 - the baselines of ``benchbaselines``: llama.cpp's state files, llama-cpp-python's
   ``LlamaDiskCache``, and the physical floor (raw state bytes from the page cache
   into ``llama_state_seq_set_data``);
@@ -34,8 +36,9 @@ import numpy as np
 
 from localkv import benchbaselines as base
 from localkv import benchcodecs
-from localkv.benchbaselines import Stat, timed
+from localkv.benchbaselines import ColdStat, Stat, timed
 from localkv.benchcodecs import EncodingResult
+from localkv.benchdisk import EVICTION_AVAILABLE, IN_MEMORY_FILE_SYSTEMS, cold_call, file_system
 from localkv.benchlookup import LookupResult, bench_lookup
 from localkv.benchtext import bench_text
 from localkv.cache import PrefixCache
@@ -51,6 +54,7 @@ __all__ = [
     "AskResult",
     "BenchConfig",
     "BenchResult",
+    "ColdStat",
     "EncodingResult",
     "LookupResult",
     "SizeResult",
@@ -129,7 +133,8 @@ class SizeResult:
     cold_ttft: Stat
     warm_ttft: Stat
     warm_steps: dict[str, Stat]
-    warm_verified: bool
+    warm_evicted: ColdStat  # warm TTFT, the chain's block files evicted before each run
+    warm_verified: bool  # every restore, from the page cache or not
     first_token_agrees: bool  # warm and llama.cpp-file first tokens equal the cold one
     save_prepare_s: float
     save_write_s: float
@@ -204,6 +209,7 @@ class _SizeBench:
         self.tokens = prompt_tokens(session, n)
         self.store = SnapshotStore.open(work / f"store-{n}")
         self.deferred: list[Callable[[], None]] = []
+        self.tip: str | None = None  # the saved chain's last block
         self.cache = PrefixCache(
             self.store, identity, "bench", cfg.block_size, defer=self.deferred.append
         )
@@ -230,19 +236,31 @@ class _SizeBench:
         t2 = time.perf_counter()
         if saved.tip is None:
             raise RuntimeError("nothing was saved")
+        self.tip = saved.tip
         chain = self.store.chain_of(saved.tip)
         return t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain)
 
-    def _restore_once(self) -> tuple[float, dict[str, float], bool, int]:
-        self.session.reset()
+    def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
         t0 = time.perf_counter()
         result = self.cache.restore(self.session, self.tokens)
         first = _first_token(self.session) if result.reused == self.n else -1
         seconds = time.perf_counter() - t0
+        return seconds, dict(result.breakdown), bool(result.verified), first
+
+    def _run_deferred(self) -> None:
         for fn in self.deferred:
             fn()
         self.deferred.clear()
-        return seconds, dict(result.breakdown), bool(result.verified), first
+
+    def _restore_once(self) -> tuple[float, dict[str, float], bool, int]:
+        self.session.reset()
+        out = self._restore_timed()
+        self._run_deferred()
+        return out
+
+    def block_files(self, tip: str) -> list[Path]:
+        """The files of the stored chain ending at ``tip``."""
+        return [self.store.root / row.file for row in self.store.chain_of(tip)]
 
     def warm(self) -> tuple[Stat, dict[str, Stat], bool, list[int]]:
         self.say(f"  warm restore of {self.n:,} tokens x {self.cfg.repeats}")
@@ -252,6 +270,22 @@ class _SizeBench:
         steps[RESTORE] = Stat.of([sum(r[1].get(s, 0.0) for s in STEPS[:3]) for r in runs])
         verified = all(r[2] for r in runs)
         return Stat.of([r[0] for r in runs]), steps, verified, [r[3] for r in runs]
+
+    def warm_evicted(self) -> tuple[ColdStat, bool, list[int]]:
+        """The warm restore with every block file of the chain evicted before each run."""
+        if self.tip is None:
+            raise RuntimeError("save first")
+        files = self.block_files(self.tip)
+        self.say(f"  warm restore of {self.n:,} tokens, block files evicted, x {self.cfg.repeats}")
+        runs = []
+        for _ in range(self.cfg.repeats):
+            self.session.reset()
+            runs.append(cold_call(files, self._restore_timed))
+            self._run_deferred()
+        cold = ColdStat.of(
+            [(r[0], read, ev) for r, read, ev in runs], sum(p.stat().st_size for p in files)
+        )
+        return cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs]
 
     def restore_memory(self) -> base.PeakMemory:
         self.session.reset()
@@ -318,6 +352,7 @@ def bench_size(
         files = base.LlamaFiles(session, sb.tokens, work, n)
         files.save_both(cfg.repeats)
         warm, steps, verified, warm_firsts = sb.warm()
+        warm_evicted, cold_verified, cold_firsts = sb.warm_evicted()
         memory = sb.restore_memory()
         say(f"  llama.cpp state files, physical floor, LlamaDiskCache ({n:,} tokens)")
         llama_file = files.measure(cfg.repeats)
@@ -335,13 +370,14 @@ def bench_size(
         )
     finally:
         sb.close()
-    firsts = {*warm_firsts, *llama_file.first_tokens}
+    firsts = {*warm_firsts, *cold_firsts, *llama_file.first_tokens}
     return SizeResult(
         tokens=n,
         cold_ttft=cold,
         warm_ttft=warm,
         warm_steps=steps,
-        warm_verified=verified,
+        warm_evicted=warm_evicted,
+        warm_verified=verified and cold_verified,
         first_token_agrees=firsts == {cold_first},
         save_prepare_s=prepare_s,
         save_write_s=write_s,
@@ -368,6 +404,7 @@ def run_bench(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="localkv-bench-", dir=work_dir) as tmp:
         work = Path(tmp)
+        work_fs = file_system(work)
         with ModelSession(cfg.session_config()) as session:
             identity = identity_of(session, FileHasher())
             machine = base.describe_machine()
@@ -389,8 +426,7 @@ def run_bench(
                 say=say,
             )
     notes = [
-        "Restores read block files just written, so from the page cache: "
-        "dropping it needs root; a first restore after a reboot also pays the disk read.",
+        *_page_cache_notes(results, work_fs),
         "LlamaDiskCache pops an entry when it is read: its get is measured once per set.",
         f"Load average (1 min) {load_before} at the start, {base.load_average()} at the end, "
         f"on {os.cpu_count()} cores: other work on the machine slows and scatters timings.",
@@ -398,6 +434,53 @@ def run_bench(
     return BenchResult(
         cfg, machine, model, results, lookup, started, time.perf_counter() - t0, notes
     )
+
+
+def cold_stats(s: SizeResult) -> list[tuple[str, ColdStat]]:
+    """Every measurement of ``s`` taken with its files evicted from the page cache."""
+    out = [("warm TTFT", s.warm_evicted), ("llama.cpp-file TTFT", s.llama_file.ttft_cold)]
+    out += [(f"encoding {e.name}", e.decode_cold) for e in s.encodings if e.decode_cold]
+    return out
+
+
+def _page_cache_notes(results: list[SizeResult], work_fs: str | None) -> list[str]:
+    """What the page-cache rows read from, and whether every eviction was verified."""
+    warm = (
+        "Rows not marked otherwise read files just written, so from the page cache; a "
+        "first restore after a reboot also pays the read from storage, which the rows "
+        'marked "not in page cache" or "from disk" measure.'
+    )
+    if not EVICTION_AVAILABLE:
+        return [
+            warm,
+            "posix_fadvise is not available here: no file could be dropped from "
+            'the page cache, so every "not in page cache" cell says so instead of a time.',
+        ]
+    failed = [
+        f"{label} at {s.tokens:,} tokens: {c.why_not_cold}"
+        for s in results
+        for label, c in cold_stats(s)
+        if not c.dropped
+    ]
+    if not failed:
+        return [
+            warm,
+            'Every "not in page cache" / "from disk" run was verified cold: after the '
+            "eviction, /proc/self/io read_bytes grew by at least half the evicted files' "
+            "bytes (see the read row and the encoding cells). On a virtual machine storage is "
+            "the virtual disk, which the host may still cache.",
+        ]
+    hint = ""
+    if work_fs in IN_MEMORY_FILE_SYSTEMS:
+        hint = (
+            f" The work directory is on {work_fs}, whose files live only in the page cache: "
+            "set TMPDIR to a directory on a disk."
+        )
+    return [
+        warm,
+        'Some evictions did not take (cells say "page cache not dropped" instead of a '
+        "time): " + "; ".join(failed) + "." + hint,
+    ]
 
 
 def describe_model(session: ModelSession, identity: Identity) -> dict[str, object]:

@@ -6,6 +6,8 @@
 - llama-cpp-python's ``LlamaDiskCache`` with a high-level ``llama_cpp.Llama``;
 - the physical floor: the raw state bytes read back from the page cache and
   handed to ``llama_state_seq_set_data``, with no checks and no decode;
+- ``ColdStat``: runs timed with their files dropped from the page cache first
+  (``benchdisk``), with the bytes each read from storage;
 
 plus peak memory of a step and a description of the machine.
 """
@@ -30,10 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from localkv.benchdisk import cold_call
 from localkv.native import llama_cpp, llama_cpp_version
 from localkv.session import ModelSession
 
 __all__ = [
+    "ColdStat",
     "DiskCacheBench",
     "DiskCacheResult",
     "FloorResult",
@@ -73,6 +77,67 @@ class Stat:
         return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
 
 
+@dataclass(frozen=True, slots=True)
+class ColdStat:
+    """Runs timed with their files evicted from the page cache before each (``benchdisk``).
+
+    The times count as reads from storage only when ``dropped``: the eviction was
+    given for every file before every run and every run read at least half the
+    files' bytes from storage (``/proc/self/io`` ``read_bytes``). Otherwise some
+    or all of the bytes came from the page cache and the times are not cold.
+    """
+
+    time: Stat
+    read_bytes: Stat | None  # bytes read from storage per run; None: /proc/self/io unreadable
+    file_bytes: int  # bytes in the files evicted before each run
+    evicted: bool  # posix_fadvise(POSIX_FADV_DONTNEED) given for every file before every run
+
+    @classmethod
+    def of(cls, runs: Sequence[tuple[float, int | None, bool]], file_bytes: int) -> ColdStat:
+        """From ``(seconds, bytes read from storage, evicted)`` of each run."""
+        reads = [r for _, r, _ in runs]
+        known = [r for r in reads if r is not None]
+        return cls(
+            time=Stat.of([t for t, _, _ in runs]),
+            read_bytes=Stat.of(known) if known and len(known) == len(reads) else None,
+            file_bytes=file_bytes,
+            evicted=bool(runs) and all(e for _, _, e in runs),
+        )
+
+    @property
+    def dropped(self) -> bool:
+        """Every run read at least half the files' bytes from storage: the times are cold."""
+        return (
+            self.evicted
+            and self.read_bytes is not None
+            and self.read_bytes.min >= self.file_bytes / 2
+        )
+
+    @property
+    def why_not_cold(self) -> str | None:
+        """None when ``dropped``; else why the times are not from storage."""
+        if self.dropped:
+            return None
+        if not self.evicted:
+            return "eviction unavailable (no posix_fadvise, or it was refused)"
+        if self.read_bytes is None:
+            return "reads from storage unknown (no /proc/self/io)"
+        return (
+            f"a run read {self.read_bytes.min:.0f} of {self.file_bytes} bytes from storage: "
+            "the page cache was not dropped"
+        )
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "seconds": self.time.as_json(),
+            "read_bytes": None if self.read_bytes is None else self.read_bytes.as_json(),
+            "file_bytes": self.file_bytes,
+            "evicted": self.evicted,
+            "page_cache_dropped": self.dropped,
+            "why_not_cold": self.why_not_cold,
+        }
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Wall seconds of one call."""
     t0 = time.perf_counter()
@@ -86,6 +151,7 @@ class LlamaFileResult:
     save: Stat  # llama_state_seq_save_file of N tokens
     load: Stat  # llama_state_seq_load_file of N tokens
     ttft: Stat  # load_file of N-1 tokens + decode the last token + argmax
+    ttft_cold: ColdStat  # the same, the N-1 file evicted from the page cache before each run
     file_bytes: int
     first_tokens: tuple[int, ...]
 
@@ -148,13 +214,18 @@ class LlamaFiles:
             self.session.reset()
             loads.append(timed(lambda: self._load(self.full, n)))
         ttfts = [self._ttft() for _ in range(repeats)]
+        # after the page-cache runs, so those are not disturbed by the evictions
+        colds = [cold_call([self.head], self._ttft) for _ in range(repeats)]
         self.session.reset()
         return LlamaFileResult(
             save=Stat.of(self.save_times),
             load=Stat.of(loads),
             ttft=Stat.of([t for t, _ in ttfts]),
+            ttft_cold=ColdStat.of(
+                [(t, read, ev) for (t, _), read, ev in colds], self.head.stat().st_size
+            ),
             file_bytes=self.full.stat().st_size,
-            first_tokens=tuple(f for _, f in ttfts),
+            first_tokens=tuple(f for _, f in ttfts) + tuple(f for (_, f), _, _ in colds),
         )
 
 

@@ -30,13 +30,17 @@ header would add a few hundred bytes per block.
 The destination is one preallocated buffer holding, for each tensor, all N
 tokens' rows contiguous (``codec.assemble``'s layout without the header, V
 token-major). Blocks are decoded in parallel by a thread pool, each thread
-with its own ``zstandard.ZstdDecompressor`` (they are not thread-safe). Files
-sit in the page cache (just written), the buffers are allocated and touched
-beforehand, so the decode times count reading, hashing, decompressing and
-copying, not disk reads or page faults. The first decode of each encoding fills
-a buffer holding the complement of the expected bytes and is compared with the
-original (``np.array_equal``): a decoder that gets or leaves any byte wrong is
-reported unverified, with no time.
+with its own ``zstandard.ZstdDecompressor`` (they are not thread-safe). The
+buffers are allocated and touched beforehand, so no decode time counts page
+faults. Each encoding is decoded twice over: ``decode`` with the files in the
+page cache (just written), counting reading, hashing, decompressing and
+copying, not disk reads; ``decode_cold`` with the encoding's files flushed and
+dropped from the page cache before each run (``benchdisk.evict``), so it also
+counts reading them from storage, with the bytes each run read from storage
+(``/proc/self/io``) to show the eviction worked. The first decode of each
+encoding fills a buffer holding the complement of the expected bytes and is
+compared with the original (``np.array_equal``): a decoder that gets or leaves
+any byte wrong is reported unverified, with no time.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ import xxhash
 import zstandard
 
 from localkv import codec
-from localkv.benchbaselines import Stat
+from localkv.benchbaselines import ColdStat, Stat, timed
+from localkv.benchdisk import cold_call
 
 __all__ = [
     "ENCODINGS",
@@ -99,6 +104,8 @@ class EncodingResult:
     encode_s: float  # one run: encode and write every block file, on the pool
     decode: Stat | None  # decode of every block into the destination; None unless verified
     verified: bool  # the first decode equals the original bytes
+    # the same decode, the block files evicted from the page cache first; None unless verified
+    decode_cold: ColdStat | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -106,6 +113,7 @@ class EncodingResult:
             "stored_over_raw": self.ratio,
             "encode_s": self.encode_s,
             "decode_s": None if self.decode is None else self.decode.as_json(),
+            "decode_cold": None if self.decode_cold is None else self.decode_cold.as_json(),
             "verified": self.verified,
         }
 
@@ -424,7 +432,8 @@ def measure(
     repeats: int = 5,
     expected: np.ndarray | None = None,
 ) -> EncodingResult:
-    """Encode ``state`` once (timed), check one decode, then time ``repeats`` decodes.
+    """Encode ``state`` once (timed), check one decode, then time ``repeats`` decodes
+    from the page cache and ``repeats`` with the files evicted from it first.
 
     ``expected`` is ``Layout.of(state).assemble(state)`` when the caller has it.
     """
@@ -446,7 +455,15 @@ def measure(
             t0 = time.perf_counter()
             decode(encoded, out, pool)
             times.append(time.perf_counter() - t0)
-    return EncodingResult(encoding.name, ratio, encode_s, Stat.of(times), True)
+        paths = [b.path for b in encoded.blocks]
+        colds = []
+        for _ in range(repeats):
+            np.bitwise_not(want, out=out)  # every byte wrong again (not timed)
+            colds.append(cold_call(paths, lambda: timed(lambda: decode(encoded, out, pool))))
+            if not np.array_equal(out, want):  # each decode from storage is checked too
+                return EncodingResult(encoding.name, ratio, encode_s, None, False)
+    cold = ColdStat.of(colds, encoded.stored_bytes)
+    return EncodingResult(encoding.name, ratio, encode_s, Stat.of(times), True, cold)
 
 
 def compare(

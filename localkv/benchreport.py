@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.table import Table
 
 from localkv.bench import RESTORE, STEPS, BenchResult, SizeResult
-from localkv.benchbaselines import Stat
+from localkv.benchbaselines import ColdStat, Stat
 from localkv.benchcodecs import ENCODINGS, EncodingResult
 
 __all__ = [
@@ -82,6 +82,7 @@ def _size_json(s: SizeResult) -> dict[str, object]:
         "cold_ttft_s": s.cold_ttft.as_json(),
         "warm_ttft_s": s.warm_ttft.as_json(),
         "warm_steps_s": {k: v.as_json() for k, v in s.warm_steps.items()},
+        "warm_ttft_evicted": s.warm_evicted.as_json(),
         "warm_verified": s.warm_verified,
         "first_token_agrees": s.first_token_agrees,
         "save_s": {"prepare": s.save_prepare_s, "write": s.save_write_s},
@@ -95,6 +96,7 @@ def _size_json(s: SizeResult) -> dict[str, object]:
             "save_s": f.save.as_json(),
             "load_s": f.load.as_json(),
             "ttft_s": f.ttft.as_json(),
+            "ttft_evicted": f.ttft_cold.as_json(),
             "bytes": f.file_bytes,
         },
         "llama_disk_cache": {
@@ -192,12 +194,49 @@ def fmt_encoding(e: EncodingResult) -> str:
     return f"{e.ratio:.3f} | {decode}"
 
 
-def _encoding(name: str) -> Cell:
+NOT_DROPPED = "page cache not dropped"
+NOT_VERIFIED_COLD = "page cache drop not verified"
+
+
+def fmt_cold(c: ColdStat) -> str:
+    """The time from storage, or why there is none: never a page-cache time as a cold one."""
+    if c.dropped:
+        return fmt_stat(c.time)
+    if c.evicted and c.read_bytes is None:  # advice given, no /proc/self/io to check it
+        return NOT_VERIFIED_COLD
+    return NOT_DROPPED
+
+
+def fmt_read(c: ColdStat) -> str:
+    """Median bytes a run read from storage (``?`` where unknown)."""
+    return "?" if c.read_bytes is None else fmt_bytes(c.read_bytes.median)
+
+
+def fmt_encoding_cold(e: EncodingResult) -> str:
+    """``decode from disk | read from storage``; no time unless verified and really cold."""
+    c = e.decode_cold
+    if not e.verified or c is None:
+        return "NOT VERIFIED"
+    return f"{fmt_cold(c)} | {fmt_read(c)}"
+
+
+def _encoding(name: str, fmt: Callable[[EncodingResult], str] = fmt_encoding) -> Cell:
     def cell(s: SizeResult) -> str:
         found = [e for e in s.encodings if e.name == name]
-        return fmt_encoding(found[0]) if found else "-"
+        return fmt(found[0]) if found else "-"
 
     return cell
+
+
+def _cold_reads(s: SizeResult) -> str:
+    return f"{fmt_read(s.warm_evicted)} / {fmt_read(s.llama_file.ttft_cold)}"
+
+
+def _cold_ratio(s: SizeResult) -> str:
+    ours, theirs = s.warm_evicted, s.llama_file.ttft_cold
+    if not (ours.dropped and theirs.dropped):
+        return "-"
+    return fmt_ratio(ours.time.median / theirs.time.median)
 
 
 def _escape(cell: str) -> str:
@@ -210,7 +249,13 @@ CELLS: list[tuple[str, Cell]] = [
     ("warm TTFT (verified restore + first token)", lambda s: fmt_stat(s.warm_ttft)),
     *[(f"  warm: {k}", _step(k)) for k in STEPS],
     ("  warm: restore without the probe (lookup + read + load)", _step(RESTORE)),
+    ("warm TTFT, block files not in page cache", lambda s: fmt_cold(s.warm_evicted)),
     ("llama.cpp-file TTFT (load N-1, decode 1)", lambda s: fmt_stat(s.llama_file.ttft)),
+    (
+        "llama.cpp-file TTFT, file not in page cache",
+        lambda s: fmt_cold(s.llama_file.ttft_cold),
+    ),
+    ("read from storage per cold restore (ours / llama.cpp)", _cold_reads),
     ("llama.cpp save_file", lambda s: fmt_stat(s.llama_file.save)),
     ("llama.cpp load_file", lambda s: fmt_stat(s.llama_file.load)),
     ("LlamaDiskCache set", lambda s: fmt_stat(s.disk_cache.set)),
@@ -220,6 +265,7 @@ CELLS: list[tuple[str, Cell]] = [
     ("llama_state_seq_set_data", lambda s: fmt_stat(s.floor.set_only)),
     ("cold / warm", _ratio("cold_over_warm")),
     ("warm / llama.cpp-file TTFT", _ratio("warm_over_llama_file_ttft")),
+    ("warm / llama.cpp-file TTFT, not in page cache", _cold_ratio),
     ("warm / floor", _ratio("warm_over_floor")),
     ("restore without the probe / llama.cpp load_file", _ratio("restore_over_load_file")),
     ("restore without the probe / floor", _ratio("restore_over_floor")),
@@ -227,6 +273,13 @@ CELLS: list[tuple[str, Cell]] = [
     ("raw KV bytes", lambda s: fmt_bytes(s.raw_bytes)),
     ("  on disk / raw", lambda s: f"{s.ratios['stored_over_raw']:.3f}"),
     *[(f"encoding {e.name}: on disk / raw | decode", _encoding(e.name)) for e in ENCODINGS],
+    *[
+        (
+            f"encoding {e.name}: decode from disk | read from storage",
+            _encoding(e.name, fmt_encoding_cold),
+        )
+        for e in ENCODINGS
+    ],
     ("llama.cpp file bytes", lambda s: fmt_bytes(s.llama_file.file_bytes)),
     ("LlamaDiskCache bytes", lambda s: fmt_bytes(s.disk_cache.disk_bytes)),
     ("save: prepare + write", _save),
@@ -375,8 +428,23 @@ METHOD = [
     "the stored probe) and argmax. The probe decode yields the first token's logits, so "
     "it is the decode llama.cpp's own TTFT pays too. **restore without the probe** is "
     "lookup + read + load: the state in place, as `load_file` leaves it.",
+    "- **not in page cache** / **from disk**: the same measurement, run after the page-cache "
+    "runs, with its files dropped from the page cache before each run, without root: each "
+    "file is opened read-only, fsynced (a dirty page is not dropped) and given "
+    "`posix_fadvise(POSIX_FADV_DONTNEED)` (`localkv.benchdisk`). Evicted are: every block "
+    "file of the saved chain (warm TTFT), the N-1-token state file (llama.cpp-file TTFT), "
+    "the encoding's block files (encoding rows). The eviction and the fsync are not timed. "
+    "The advice can be ignored, so each run is checked: `read_bytes` of `/proc/self/io` "
+    "(bytes this process fetched from storage, all threads) is read before and after the "
+    "timed part, and the **read from storage** figures are that difference, median over "
+    "the runs. A time is shown only if every run read at least half its files' bytes from "
+    "storage; otherwise the cell says *page cache not dropped* (or *page cache drop not "
+    "verified* without `/proc/self/io`). On a virtual machine the storage is the virtual "
+    "disk, which the host may cache in turn.",
     "- **llama.cpp-file TTFT**: `llama_state_seq_load_file` of a file holding N-1 tokens, "
-    "then the last token decoded alone and argmax. save_file/load_file rows use N tokens.",
+    "then the last token decoded alone and argmax. save_file/load_file rows use N tokens. "
+    "**warm / llama.cpp-file TTFT, not in page cache** is the ratio of the two medians from "
+    "storage, shown when both were verified cold.",
     "- **LlamaDiskCache**: llama-cpp-python's high-level `Llama` evaluates the same tokens; "
     "`cache[tokens] = llm.save_state()`, then `llm.load_state(cache[tokens])`. The get "
     "removes the entry, so each get follows its own set.",
@@ -395,10 +463,14 @@ METHOD = [
     "(the K and V rows, no state header), then the time to decode every block into one "
     "buffer laid out like `set_data`'s rows, allocated and touched beforehand, blocks in "
     "parallel on a thread pool, files in the page cache: raw by `preadv` straight into "
-    "place, the others read, decompressed and interleaved. Every decode hashes the bytes it "
+    "place, the others read, decompressed and interleaved. The **decode from disk** rows "
+    "time the same decode with the encoding's block files evicted before each run, then "
+    "the bytes each run read from storage (fewer for the compressed encodings: that is "
+    "what compression could save). Every decode hashes the bytes it "
     "read (xxh3-128) against the digest taken when the file was written; the first decode "
-    "of each encoding is compared with the original bytes, and one that differs shows NOT "
-    "VERIFIED instead of a time. `set_data` itself is not included (see its row).",
+    "of each encoding and every decode from disk is compared with the original bytes, and "
+    "one that differs shows NOT VERIFIED instead of a time. `set_data` itself is not "
+    "included (see its row).",
     "- **ask**: `Runtime.ask` about a document of about N tokens on an empty cache, with the "
     "cache on and with `use_cache=False`. With the cache on, new blocks are captured after "
     "the answer and written by a background thread, so they do not delay the first token.",

@@ -19,9 +19,17 @@ from click.testing import CliRunner
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv import benchreport
-from localkv.bench import RESTORE, STEPS, BenchConfig, BenchResult, prompt_tokens, run_bench
-from localkv.benchbaselines import Stat
+from localkv import benchdisk, benchreport
+from localkv.bench import (
+    RESTORE,
+    STEPS,
+    BenchConfig,
+    BenchResult,
+    cold_stats,
+    prompt_tokens,
+    run_bench,
+)
+from localkv.benchbaselines import ColdStat, Stat
 from localkv.commands_bench import bench, parse_sizes
 from localkv.session import ModelSession
 
@@ -29,8 +37,23 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 SIZES = (64, 300)
 
 
+def eviction_checkable(directory: Path) -> bool:
+    """Whether evictions can be checked here: posix_fadvise, /proc/self/io, and files
+    on a disk (on tmpfs the page cache is the only copy: nothing to drop)."""
+    return (
+        benchdisk.EVICTION_AVAILABLE
+        and benchdisk.storage_reads() is not None
+        and benchdisk.file_system(directory) not in benchdisk.IN_MEMORY_FILE_SYSTEMS
+    )
+
+
 @pytest.fixture(scope="module")
-def result(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> BenchResult:
+def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def result(tiny_models: TinyModels, work_dir: Path) -> BenchResult:
     cfg = BenchConfig(
         model_path=tiny_models.base,
         sizes=SIZES,
@@ -41,7 +64,7 @@ def result(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) ->
         n_threads=1,
     )
     lines: list[str] = []
-    out = run_bench(cfg, lines.append, work_dir=tmp_path_factory.mktemp("bench"))
+    out = run_bench(cfg, lines.append, work_dir=work_dir)
     assert any("cold prefill of 300 tokens" in line for line in lines)
     return out
 
@@ -64,6 +87,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
         stats = [
             s.cold_ttft,
             s.warm_ttft,
+            s.warm_evicted.time,
             *s.warm_steps.values(),
             s.get_data_s,
             s.floor.read_set,
@@ -71,6 +95,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             s.llama_file.save,
             s.llama_file.load,
             s.llama_file.ttft,
+            s.llama_file.ttft_cold.time,
             s.disk_cache.set,
             s.disk_cache.get_load,
             s.ask.ttft_cache_on,
@@ -101,8 +126,70 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             assert e.verified and e.decode is not None and _positive(e.decode)
             assert 0 < e.ratio <= 1.0 + 1e-3 and e.encode_s > 0
         assert s.encodings[0].ratio == 1.0
+        assert s.warm_evicted.file_bytes >= s.stored_bytes > 0
+        assert s.llama_file.ttft_cold.file_bytes > 0
+        assert len(cold_stats(s)) == 2 + len(s.encodings)
+        for _, cold in cold_stats(s):
+            assert cold.time.n == result.config.repeats and _positive(cold.time)
     assert result.machine["cores"] and result.machine["llama_cpp_python"] == "0.3.36"
     assert int(str(result.model["n_ctx"])) >= max(SIZES) + 64  # llama.cpp rounds it up
+
+
+def test_cold_restores_read_their_files_from_storage(result: BenchResult, work_dir: Path) -> None:
+    """Where eviction can work, it did: each cold run fetched at least half its files'
+    bytes from storage (a run served by the page cache reads next to nothing)."""
+    if not eviction_checkable(work_dir):
+        pytest.skip(f"no eviction to check here (file system {benchdisk.file_system(work_dir)})")
+    for s in result.sizes:
+        for label, cold in cold_stats(s):
+            assert cold.evicted, label
+            assert cold.read_bytes is not None, label
+            assert cold.read_bytes.min >= cold.file_bytes / 2, (label, s.tokens, cold)
+            assert cold.dropped and cold.why_not_cold is None
+        # the chain's block files, every one of them
+        assert s.warm_evicted.read_bytes is not None
+        assert s.warm_evicted.read_bytes.min >= s.stored_bytes / 2
+    assert any("verified cold" in note for note in result.notes)
+
+
+def test_evict_drops_a_file_from_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB, not fsynced: evict flushes it
+    data, read, evicted = benchdisk.cold_call([path], path.read_bytes)
+    assert len(data) == 1 << 20
+    assert evicted == benchdisk.EVICTION_AVAILABLE
+    if not eviction_checkable(tmp_path):
+        pytest.skip("no eviction to check here")
+    assert read is not None and read >= (1 << 20) // 2
+    _, again, _ = benchdisk.cold_call([], path.read_bytes)  # nothing evicted: page cache
+    assert again is not None and again < (1 << 20) // 2
+
+
+def test_without_posix_fadvise_nothing_is_called_cold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 8192)
+    monkeypatch.setattr(benchdisk, "EVICTION_AVAILABLE", False)
+    assert benchdisk.evict([path]) is False
+    _, _, evicted = benchdisk.cold_call([path], path.read_bytes)
+    assert evicted is False
+    stat = Stat.of([0.001, 0.002])
+    cases = [
+        ColdStat(stat, Stat.of([8192, 8192]), 8192, evicted=False),  # no eviction
+        ColdStat(stat, Stat.of([0, 8192]), 8192, evicted=True),  # one run from the page cache
+        ColdStat(stat, None, 8192, evicted=True),  # no /proc/self/io
+    ]
+    for cold in cases:
+        assert not cold.dropped and cold.why_not_cold
+        assert benchreport.fmt_stat(stat) not in benchreport.fmt_cold(cold)
+        assert cold.as_json()["page_cache_dropped"] is False
+    assert (
+        benchreport.fmt_cold(cases[0]) == benchreport.fmt_cold(cases[1]) == "page cache not dropped"
+    )
+    assert benchreport.fmt_cold(cases[2]) == "page cache drop not verified"
+    fine = ColdStat(stat, Stat.of([4096, 8192]), 8192, evicted=True)
+    assert fine.dropped and benchreport.fmt_cold(fine) == benchreport.fmt_stat(stat)
 
 
 def test_lookup_with_many_blocks_finds_the_stored_chain(result: BenchResult) -> None:
@@ -124,6 +211,12 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
     assert first["cold_ttft_s"]["median"] == result.sizes[0].cold_ttft.median
     assert set(first["warm_steps_s"]) == {*STEPS, RESTORE}
     assert first["llama_disk_cache"]["bytes"] == result.sizes[0].disk_cache.disk_bytes
+    cold = first["warm_ttft_evicted"]
+    assert cold["seconds"]["median"] == result.sizes[0].warm_evicted.time.median
+    assert cold["file_bytes"] == result.sizes[0].warm_evicted.file_bytes
+    assert set(cold) >= {"read_bytes", "evicted", "page_cache_dropped", "why_not_cold"}
+    assert first["llama_file"]["ttft_evicted"]["file_bytes"] > 0
+    assert first["encodings"][0]["decode_cold"]["file_bytes"] > 0
     assert data["lookup"]["blocks"] == 50
     assert data["config"]["decode_workers"] == result.config.workers
     enc = first["encodings"][1]
@@ -140,6 +233,22 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
         for e in s.encodings:
             assert benchreport.fmt_encoding(e).replace("|", "\\|") in page
     assert "| encoding hi-plane zstd-1: on disk / raw \\| decode |" in page
+    for label in (
+        "warm TTFT, block files not in page cache",
+        "llama.cpp-file TTFT, file not in page cache",
+        "read from storage per cold restore (ours / llama.cpp)",
+        "warm / llama.cpp-file TTFT, not in page cache",
+        "encoding raw: decode from disk \\| read from storage",
+        "encoding zstd-1: decode from disk \\| read from storage",
+        "encoding hi-plane zstd-1: decode from disk \\| read from storage",
+    ):
+        assert f"| {label} |" in page
+    for s in result.sizes:
+        assert benchreport.fmt_cold(s.warm_evicted) in page
+        for e in s.encodings:
+            assert benchreport.fmt_encoding_cold(e).replace("|", "\\|") in page
+    assert "posix_fadvise" in page and "/proc/self/io" in page
+    assert "dropping it needs root" not in page
     assert page.count("\n| ") == len(benchreport.CELLS) + 1  # header + one row per figure
 
     table = benchreport.rich_table(result)

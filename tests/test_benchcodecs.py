@@ -15,8 +15,8 @@ from conftest import tiny_config
 from tinymodels import TinyModels
 
 from localkv import benchcodecs as bc
-from localkv import codec
-from localkv.benchreport import fmt_encoding
+from localkv import benchdisk, codec
+from localkv.benchreport import fmt_encoding, fmt_encoding_cold
 from localkv.session import ModelSession
 
 N_TOKENS = 600  # two whole blocks of 256 and a partial one
@@ -47,11 +47,26 @@ def _by_name(results: list[bc.EncodingResult]) -> dict[str, bc.EncodingResult]:
 
 def test_every_encoding_decodes_the_f16_state(f16_state: bytes, tmp_path: Path) -> None:
     results = _by_name(bc.compare(f16_state, tmp_path, workers=2, repeats=2))
+    # evictions can be checked: posix_fadvise, /proc/self/io, files on a disk (not tmpfs)
+    checkable = (
+        benchdisk.EVICTION_AVAILABLE
+        and benchdisk.storage_reads() is not None
+        and benchdisk.file_system(tmp_path) not in benchdisk.IN_MEMORY_FILE_SYSTEMS
+    )
+    raw_kv = codec.parse(f16_state).nbytes
     for r in results.values():
         assert r.verified and r.decode is not None and r.decode.n == 2
         assert 0 < r.decode.min <= r.decode.median <= r.decode.max
         assert r.encode_s > 0
         assert "|" in fmt_encoding(r) and "NOT VERIFIED" not in fmt_encoding(r)
+        cold = r.decode_cold
+        assert cold is not None and cold.time.n == 2 and cold.time.min > 0
+        assert cold.file_bytes == round(r.ratio * raw_kv)
+        assert r.as_json()["decode_cold"] is not None
+        assert "NOT VERIFIED" not in fmt_encoding_cold(r)
+        if checkable:  # each decode fetched its files from storage, not the page cache
+            assert cold.read_bytes is not None and cold.read_bytes.min >= cold.file_bytes / 2
+            assert cold.dropped and "page cache" not in fmt_encoding_cold(r)
     assert results["raw"].ratio == 1.0  # the K and V rows, not a byte more
     # the tiny model's random f16 K/V compresses either way (it would not have to: the
     # default model's hi-plane beats zstd-1, here zstd-1 wins; no order is asserted)
@@ -148,8 +163,9 @@ def test_a_wrong_decoder_reports_no_time(
 ) -> None:
     (result,) = bc.compare(f16_state, tmp_path, workers=2, repeats=3, encodings=[broken])
     assert result.name == broken.name
-    assert not result.verified and result.decode is None
+    assert not result.verified and result.decode is None and result.decode_cold is None
     assert fmt_encoding(result).endswith("| NOT VERIFIED")
+    assert fmt_encoding_cold(result) == "NOT VERIFIED"
 
 
 def test_bad_arguments_are_refused(f16_state: bytes, tmp_path: Path) -> None:
