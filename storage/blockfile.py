@@ -46,6 +46,7 @@ __all__ = [
     "LEGACY_FORMAT",
     "DecodedBlock",
     "TensorSpec",
+    "block_of",
     "check_against",
     "check_metadata",
     "checksum",
@@ -345,6 +346,13 @@ def check_against(decoded: DecodedBlock, row: BlockRow, *, legacy: bool = False)
     tokens = check_tokens(tensors.pop("tokens", None), tensors.pop("pos", None), row)
     for name, arr in tensors.items():
         check_rows(name, arr.shape, row)
+    return block_of(row, tokens, tensors, caller_meta)
+
+
+def block_of(
+    row: BlockRow, tokens: np.ndarray, tensors: dict[str, np.ndarray], meta: dict[str, str]
+) -> Block:
+    """The block an index row describes, with its checked tokens, tensors and metadata."""
     return Block(
         hash=row.hash,
         parent=row.parent,
@@ -354,6 +362,6 @@ def check_against(decoded: DecodedBlock, row: BlockRow, *, legacy: bool = False)
         tokens=tokens,
         tensors=tensors,
         probe=row.probe,
-        meta=caller_meta,
+        meta=meta,
         prefill_seconds=row.prefill_seconds,
     )

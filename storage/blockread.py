@@ -35,6 +35,7 @@ import xxhash
 from .blockfile import (
     DecodedBlock,
     TensorSpec,
+    block_of,
     check_metadata,
     check_rows,
     check_tokens,
@@ -215,18 +216,7 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
     for arr in own.values():
         arr.setflags(write=False)
     tokens.setflags(write=False)
-    return Block(
-        hash=row.hash,
-        parent=row.parent,
-        identity=row.identity,
-        namespace=row.namespace,
-        start=row.start,
-        tokens=tokens,
-        tensors=own,
-        probe=row.probe,
-        meta=dict(opened.metadata),
-        prefill_seconds=row.prefill_seconds,
-    )
+    return block_of(row, tokens, own, dict(opened.metadata))
 
 
 def _copy_legacy(
