@@ -5,11 +5,10 @@
   file of N-1 tokens plus the last token decoded;
 - llama-cpp-python's ``LlamaDiskCache`` with a high-level ``llama_cpp.Llama``;
 - the physical floor: the raw state bytes read back from the page cache and
-  handed to ``llama_state_seq_set_data``, with no checks and no decode;
-- ``ColdStat``: runs timed with their files dropped from the page cache first
-  (``benchdisk``), with the bytes each read from storage;
+  handed to ``llama_state_seq_set_data``, with no checks and no decode.
 
-plus peak memory of a step and a description of the machine.
+Each is timed with ``benchstats``; the llama.cpp-file first token also from
+storage (``ColdStat``).
 """
 
 from __future__ import annotations
@@ -17,14 +16,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import os
-import platform
-import resource
-import shutil
-import statistics
-import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -33,116 +26,22 @@ from typing import Any
 import numpy as np
 
 from localkv.benchdisk import cold_call
-from localkv.native import llama_cpp, llama_cpp_version
+from localkv.benchstats import ColdStat, Stat, timed
+from localkv.native import llama_cpp
 from localkv.session import ModelSession
 
 __all__ = [
-    "ColdStat",
+    "ColdStat",  # imported from here by the tests
     "DiskCacheBench",
     "DiskCacheResult",
     "FloorResult",
     "LlamaFileResult",
     "LlamaFiles",
-    "PeakMemory",
-    "Stat",
-    "cpu_model",
-    "describe_machine",
+    "Stat",  # imported from here by the tests
     "dir_bytes",
     "floor",
     "get_data",
-    "gpu_description",
-    "load_average",
-    "peak_memory",
-    "timed",
-    "total_memory",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Stat:
-    """Median, min and max of repeated measurements (seconds unless named otherwise)."""
-
-    median: float
-    min: float
-    max: float
-    n: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Stat:
-        if not values:
-            raise ValueError("no measurements")
-        return cls(statistics.median(values), min(values), max(values), len(values))
-
-    def as_json(self) -> dict[str, float | int]:
-        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
-
-
-@dataclass(frozen=True, slots=True)
-class ColdStat:
-    """Runs timed with their files evicted from the page cache before each (``benchdisk``).
-
-    The times count as reads from storage only when ``dropped``: the eviction was
-    given for every file before every run and every run read at least half the
-    files' bytes from storage (``/proc/self/io`` ``read_bytes``). Otherwise some
-    or all of the bytes came from the page cache and the times are not cold.
-    """
-
-    time: Stat
-    read_bytes: Stat | None  # bytes read from storage per run; None: /proc/self/io unreadable
-    file_bytes: int  # bytes in the files evicted before each run
-    evicted: bool  # posix_fadvise(POSIX_FADV_DONTNEED) given for every file before every run
-
-    @classmethod
-    def of(cls, runs: Sequence[tuple[float, int | None, bool]], file_bytes: int) -> ColdStat:
-        """From ``(seconds, bytes read from storage, evicted)`` of each run."""
-        reads = [r for _, r, _ in runs]
-        known = [r for r in reads if r is not None]
-        return cls(
-            time=Stat.of([t for t, _, _ in runs]),
-            read_bytes=Stat.of(known) if known and len(known) == len(reads) else None,
-            file_bytes=file_bytes,
-            evicted=bool(runs) and all(e for _, _, e in runs),
-        )
-
-    @property
-    def dropped(self) -> bool:
-        """Every run read at least half the files' bytes from storage: the times are cold."""
-        return (
-            self.evicted
-            and self.read_bytes is not None
-            and self.read_bytes.min >= self.file_bytes / 2
-        )
-
-    @property
-    def why_not_cold(self) -> str | None:
-        """None when ``dropped``; else why the times are not from storage."""
-        if self.dropped:
-            return None
-        if not self.evicted:
-            return "eviction unavailable (no posix_fadvise, or it was refused)"
-        if self.read_bytes is None:
-            return "reads from storage unknown (no /proc/self/io)"
-        return (
-            f"a run read {self.read_bytes.min:.0f} of {self.file_bytes} bytes from storage: "
-            "the page cache was not dropped"
-        )
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "seconds": self.time.as_json(),
-            "read_bytes": None if self.read_bytes is None else self.read_bytes.as_json(),
-            "file_bytes": self.file_bytes,
-            "evicted": self.evicted,
-            "page_cache_dropped": self.dropped,
-            "why_not_cold": self.why_not_cold,
-        }
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Wall seconds of one call."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # ----------------------------------------------------------- llama.cpp files
@@ -349,104 +248,3 @@ class DiskCacheBench:
 def dir_bytes(directory: Path) -> int:
     """Total size of the files under ``directory``."""
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-
-
-# --------------------------------------------------------------- peak memory
-@dataclass(frozen=True, slots=True)
-class PeakMemory:
-    method: str
-    before_bytes: int  # resident set size before the step
-    peak_bytes: int  # highest resident set size during the step
-
-    @property
-    def delta_bytes(self) -> int:
-        return max(0, self.peak_bytes - self.before_bytes)
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def peak_memory(fn: Callable[[], object]) -> PeakMemory:
-    """Peak RSS while ``fn`` runs: VmHWM reset through ``/proc/self/clear_refs``
-    where the kernel allows it, else ``ru_maxrss`` (a lifetime peak: its delta is
-    zero unless the step sets a new high)."""
-    before = _status_kib("VmRSS")
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        reset = before is not None and _status_kib("VmHWM") is not None
-    except OSError:
-        reset = False
-    if reset and before is not None:
-        fn()
-        peak = _status_kib("VmHWM") or 0
-        return PeakMemory("VmHWM after clear_refs 5", before * 1024, peak * 1024)
-    scale = 1 if platform.system() == "Darwin" else 1024
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    return PeakMemory("ru_maxrss (lifetime peak)", start, peak)
-
-
-# ------------------------------------------------------------------ machine
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def load_average() -> str:
-    """The 1-minute load average, or ``unknown``."""
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except OSError:
-        return "unknown"
-
-
-def total_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def gpu_description() -> str:
-    """GPU names (from ``nvidia-smi`` where present) and whether llama.cpp can offload."""
-    build = "GPU offload" if llama_cpp.llama_supports_gpu_offload() else "CPU only"
-    names: list[str] = []
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(
-                [smi, "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=True,
-            ).stdout
-            names = [line.strip() for line in out.splitlines() if line.strip()]
-    return f"{', '.join(names) or 'none'} (llama.cpp build: {build})"
-
-
-def describe_machine() -> dict[str, object]:
-    """Cores, memory, CPU model, GPU (or none) and library versions."""
-    return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count() or 0,
-        "memory_bytes": total_memory(),
-        "gpu": gpu_description(),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "llama_cpp_python": llama_cpp_version(),
-        "gpu_offload_build": bool(llama_cpp.llama_supports_gpu_offload()),
-    }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from localkv.benchbaselines import Stat, timed
+from localkv.benchstats import Stat, timed
 from localkv.cache import PrefixCache
 from localkv.identity import Identity
 from localkv.storage.chain import chain_next
