@@ -387,16 +387,24 @@ class ModelSession:
     # ------------------------------------------------------------------ state
     def capture_state(self) -> bytes:
         """The raw llama.cpp state of sequence 0."""
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, 0)
+        return self.capture_array().tobytes()
+
+    def capture_array(self) -> np.ndarray:
+        """The raw llama.cpp state of sequence 0, written straight into a new uint8 array."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, 0))
+        arr = np.empty(size, dtype=np.uint8)
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, ptr, size, 0)
         if written != size:
             raise RuntimeError(f"state capture wrote {written} of {size} bytes")
-        return bytes(buf)
+        return arr
 
     def capture(self) -> codec.KVState:
-        """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown)."""
-        return codec.parse(self.capture_state())
+        """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown).
+
+        Its K/V rows are views of one capture buffer: no copy of the state is made.
+        """
+        return codec.parse(self.capture_array(), copy=False)
 
     def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
