@@ -404,7 +404,7 @@ class ModelSession:
 
         Its K/V rows are views of one capture buffer: no copy of the state is made.
         """
-        return codec.parse(self.capture_array(), copy=False)
+        return codec.parse(self.capture_array().data, copy=False)
 
     def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
