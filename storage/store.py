@@ -8,32 +8,36 @@ blocks. Reading never deletes; a block that fails a check raises
 
 Deleting is row first, then file: a crash leaves an orphan file that ``gc``
 removes, never a row that points at nothing it did not check.
+
+This module holds the store's lifecycle, identities, block writes and
+lookups, events and ``verify``; the rest it delegates, keeping each public
+method here. The snapshot catalogue (``put_snapshot``, ``get_snapshot``,
+``pin``, ``remove_snapshot``...) is in ``snapshots.py``; the privacy path
+(``forget``, ``scrub``) in ``forget.py``; ``quarantine``, ``evict`` and
+removing files after their rows in ``removal.py``; block reading in
+``reader.py`` and ``blockread.py``; the SQLite index in ``index.py``; ``gc``
+in ``maintenance.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
-import numpy as np
 import sqlite_utils
 
-from . import budget, faults, maintenance
+from . import budget, forget, maintenance, removal
 from .blockfile import encode, index_row
 from .blockread import OpenedBlock, Targets
 from .chain import chain_next, chain_root
 from .files import (
     check_free_space,
     link_into_place,
-    move_to_quarantine,
     remove_file,
     replace_into_place,
     stage_block_file,
@@ -41,6 +45,7 @@ from .files import (
 from .index import BlockIndex
 from .paths import CacheLayout, default_root, prepare_root
 from .reader import BlockReader
+from .snapshots import SnapshotCatalogue
 from .values import (
     Block,
     BlockCorrupt,
@@ -68,7 +73,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_RAW_BLOCK_BYTES = 4 << 30
-_SNAPSHOT_ID_HEX = 12
 _EVENT_KINDS = frozenset({"hit", "miss"})
 
 
@@ -81,6 +85,7 @@ class SnapshotStore:
         self._workers = workers or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
         self._reader = BlockReader(layout, self._executor, MAX_RAW_BLOCK_BYTES)
+        self._catalogue = SnapshotCatalogue(index, layout)
         self._closed = False
 
     @classmethod
@@ -171,13 +176,13 @@ class SnapshotStore:
             remove_file(tmp)
         if outcome == "orphan":
             logger.info("parent of %s was removed while saving it; not stored", block.hash)
-            self._remove_files([relpath])
+            removal.remove_files(self._index, self.layout, [relpath])
         return outcome == "inserted"
 
     def _discard_unindexed(self, relpath: str) -> None:
         """After a failed save: remove the file it placed, unless a row names it."""
         try:
-            self._remove_files([relpath])
+            removal.remove_files(self._index, self.layout, [relpath])
         except Exception as exc:  # the disk may still be failing: gc removes it later
             logger.warning("could not remove unsaved block file %s: %s", relpath, exc)
 
@@ -252,20 +257,7 @@ class SnapshotStore:
         Returns the hashes removed. The bad block's file goes to ``quarantine/``
         with the reason; its descendants' files (fine but unreachable) are deleted.
         """
-        with self._index.write() as db:
-            gone = self._index.descendants(db, [block_hash])
-            if block_hash not in gone:
-                return []  # already removed (evicted while being read): nothing to do
-            files = self._index.delete_blocks(db, gone - {block_hash})
-            own = self._index.delete_blocks(db, [block_hash])
-        with contextlib.suppress(ValueError):  # a malformed hash: its row named the file
-            own = [self.layout.block_relpath(block_hash)]
-        self._remove_files(own, quarantine_reason=reason)
-        self._remove_files(files)
-        logger.warning(
-            "quarantined block %s (%s); dropped %d descendant(s)", block_hash, reason, len(files)
-        )
-        return sorted(gone)
+        return removal.quarantine(self._index, self.layout, block_hash, reason)
 
     def touch(self, hashes: Sequence[str]) -> None:
         """Mark blocks (and snapshots whose tip is among them) as used now."""
@@ -288,6 +280,7 @@ class SnapshotStore:
         return self._index.stats()
 
     # -------------------------------------------------------------- snapshots
+    # The catalogue lives in ``snapshots.py``, the privacy path in ``forget.py``.
     def put_snapshot(
         self,
         tip: str,
@@ -300,162 +293,39 @@ class SnapshotStore:
         pinned: bool = False,
     ) -> str:
         """Name the chain ending at ``tip``; the same tip, label and namespace keep one id."""
-        h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
-        snap_id = h[:_SNAPSHOT_ID_HEX]
-        now = time.time()
-        with self._index.write() as db:
-            if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
-                if pinned:
-                    db.execute("UPDATE snapshots SET pinned = 1 WHERE id = ?", (snap_id,))
-                return snap_id
-            row = self._index.get_block(tip)
-            if row is None:
-                raise ValueError(f"snapshot tip {tip} is not stored")
-            if (row.identity, row.namespace, row.end) != (identity, namespace, n_tokens):
-                raise ValueError(
-                    f"snapshot says {n_tokens} tokens of {identity}/{namespace!r}, tip block "
-                    f"ends at {row.end} under {row.identity}/{row.namespace!r}"
-                )
-            self._index.insert_snapshot(
-                db,
-                SnapshotRow(
-                    snap_id,
-                    tip,
-                    label,
-                    source_path,
-                    source_sha256,
-                    n_tokens,
-                    identity,
-                    namespace,
-                    now,
-                    now,
-                    0,
-                    pinned,
-                ),
-            )
-        return snap_id
+        return self._catalogue.put(
+            tip, label, source_path, source_sha256, n_tokens, identity, namespace, pinned
+        )
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
         """All snapshots (of one namespace), oldest first."""
-        return self._index.snapshots(namespace)
+        return self._catalogue.snapshots(namespace)
 
     def get_snapshot(self, id_or_prefix: str) -> SnapshotRow:
         """The snapshot with this id or unique id prefix (KeyError otherwise)."""
-        found = self._index.snapshots_by_prefix(id_or_prefix) if id_or_prefix else []
-        exact = [s for s in found if s.id == id_or_prefix]
-        if exact:
-            return exact[0]
-        if not found:
-            raise KeyError(f"no snapshot {id_or_prefix!r}")
-        if len(found) > 1:
-            ids = ", ".join(s.id for s in found[:5])
-            raise KeyError(f"snapshot prefix {id_or_prefix!r} is ambiguous: {ids}")
-        return found[0]
+        return self._catalogue.get(id_or_prefix)
 
     def pin(self, snapshot_id: str) -> None:
         """Protect a snapshot's chain from eviction."""
-        self._set_pinned(snapshot_id, True)
+        self._catalogue.set_pinned(snapshot_id, True)
 
     def unpin(self, snapshot_id: str) -> None:
-        self._set_pinned(snapshot_id, False)
-
-    def _set_pinned(self, snapshot_id: str, pinned: bool) -> None:
-        snap = self.get_snapshot(snapshot_id)
-        with self._index.write() as db:
-            db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snap.id))
+        self._catalogue.set_pinned(snapshot_id, False)
 
     def remove_snapshot(self, snapshot_id: str) -> int:
         """Delete a snapshot and the blocks only it needed; return the bytes freed."""
-        snap = self.get_snapshot(snapshot_id)
-        with self._index.write() as db:
-            db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
-            needed = self._index.protected(db, pinned_only=False)
-            own = [r.hash for r in self._index.chain_of(snap.tip) if r.hash not in needed]
-            victims = self._index.descendants(db, own) - needed
-            freed = self._bytes_of(victims)
-            files = self._index.delete_blocks(db, victims)
-        self._remove_files(files)
-        logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
-        return freed
+        return self._catalogue.remove(snapshot_id)
 
     def forget(self, source_path: str | None, source_sha256: str | None) -> ForgetReport:
-        """Remove every trace of one document: its snapshots and the blocks only it needs.
-
-        A snapshot matches if its ``source_sha256`` equals ``source_sha256`` or its
-        ``source_path`` (one path, or several joined by ``"; "``) names
-        ``source_path``. Its chain's blocks that no other snapshot needs go, with
-        every block below them and every sibling that holds their tokens and more
-        (a longer prompt saved by ``ask``), their quarantined copies, and, through
-        ``scrub()``, the SQLite pages and WAL frames that held their rows.
-        """
-        matched = [
-            s
-            for s in self.snapshots()
-            if (source_sha256 is not None and s.source_sha256 == source_sha256)
-            or (source_path is not None and source_path in (s.source_path or "").split("; "))
-        ]
-        with self._index.write() as db:
-            for snap in matched:
-                db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
-            needed = self._index.protected(db, pinned_only=False)
-            own = {r.hash for s in matched for r in self._index.chain_of(s.tip)} - needed
-            victims = self._index.descendants(db, [*own, *self._extensions(own)]) - needed
-            freed = self._bytes_of(victims)
-            files = self._index.delete_blocks(db, victims)
-        self._remove_files(files)
-        quarantined = self._remove_quarantined(victims)
-        busy = self.scrub()
-        logger.info(
-            "forgot %d snapshot(s), %d block(s), %d bytes", len(matched), len(victims), freed
-        )
-        return ForgetReport(
-            snapshots=sorted(s.id for s in matched),
-            blocks=len(victims),
-            bytes_freed=freed,
-            quarantined_files=quarantined,
-            wal_truncated=not busy,
-        )
-
-    def _extensions(self, hashes: set[str]) -> set[str]:
-        """Blocks beside ``hashes`` (same parent and start) whose tokens begin with theirs."""
-        rows = self._index.get_blocks(list(hashes))
-        out: set[str] = set()
-        for row in rows.values():
-            for sib in self._index.children(row.parent, row.identity, row.namespace):
-                n = row.n_tokens
-                if (
-                    sib.hash not in hashes
-                    and sib.start == row.start
-                    and sib.n_tokens > n
-                    and np.array_equal(sib.tokens[:n], row.tokens)
-                ):
-                    out.add(sib.hash)
-        return out
-
-    def _remove_quarantined(self, hashes: set[str]) -> int:
-        names = {self.layout.block_relpath(h).rsplit("/", 1)[1] for h in hashes}
-        count = 0
-        for entry in os.scandir(self.layout.quarantine):
-            if entry.name.split(".lkv", 1)[0] + ".lkv" in names:
-                remove_file(Path(entry.path))
-                count += 1
-        return count
+        """Remove every trace of one document (see ``forget.forget``)."""
+        return forget.forget(self._index, self.layout, source_path, source_sha256)
 
     def scrub(self) -> bool:
-        """Overwrite what deleted rows left behind: VACUUM, then empty the WAL.
+        """VACUUM the index and empty its WAL; True if another process kept the WAL busy.
 
-        Deleted rows are zeroed as they go (``secure_delete``); this rebuilds the
-        file and truncates the WAL so no older page survives in it. Returns True
-        if a reader in another process kept the WAL from being emptied.
+        See ``forget.scrub``.
         """
-        try:
-            self._index.vacuum()
-        except sqlite3.OperationalError as exc:  # another process is writing: try later
-            logger.warning("could not vacuum the index: %s", exc)
-        busy, _, _ = self._index.checkpoint()
-        if busy:
-            logger.warning("the index WAL is in use by another process; not yet truncated")
-        return bool(busy)
+        return forget.scrub(self._index)
 
     # ---------------------------------------------------------------- budget
     def evict(self, budget_bytes: int) -> int:
@@ -464,56 +334,11 @@ class SnapshotStore:
         Never touches a pinned snapshot's chain or the middle of a chain;
         snapshots whose tip goes are dropped. Returns the bytes freed.
         """
-        with self._index.write() as db:
-            total = int(
-                db.execute("SELECT COALESCE(SUM(stored_bytes), 0) FROM blocks").fetchone()[0]
-            )
-            if total <= budget_bytes:
-                return 0
-            protected = self._index.protected(db, pinned_only=True)
-            infos = [
-                budget.LeafInfo(*r)
-                for r in db.execute(
-                    "SELECT hash, parent, stored_bytes, prefill_seconds, last_used FROM blocks"
-                ).fetchall()
-            ]
-            victims = budget.plan_eviction(infos, protected, total - budget_bytes, time.time())
-            freed = self._bytes_of(victims)
-            files = self._index.delete_blocks(db, victims)
-        self._remove_files(files)
-        logger.info("evicted %d block(s), %d bytes, budget %d", len(victims), freed, budget_bytes)
-        return freed
+        return removal.evict(self._index, self.layout, budget_bytes)
 
     def default_budget(self) -> int:
         """``$LOCALKV_BUDGET``, else 10% of free disk space at the root, at most 20 GiB."""
         return budget.default_budget(self.root)
-
-    def _bytes_of(self, hashes: set[str] | list[str]) -> int:
-        rows = self._index.get_blocks(list(hashes))
-        return sum(r.stored_bytes for r in rows.values())
-
-    def _remove_files(self, files: Sequence[str], quarantine_reason: str | None = None) -> None:
-        """Unlink files whose rows are gone, under the write lock.
-
-        A file that a row names again (the block was saved anew since its row
-        was deleted) is left alone. With ``quarantine_reason`` files are moved
-        to ``quarantine/`` instead.
-        """
-        if not files:
-            return
-        with self._index.write() as db:
-            in_use = self._index.files_in_use(db, files)
-            faults.point("before_unlink")
-            for f in files:
-                if f in in_use:
-                    continue
-                try:
-                    if quarantine_reason is None:
-                        remove_file(self.layout.resolve(f))
-                    else:
-                        move_to_quarantine(self.layout, f, quarantine_reason)
-                except (OSError, ValueError) as exc:
-                    logger.warning("could not remove %s: %s", f, exc)
 
     # ----------------------------------------------------------- maintenance
     def gc(self, grace_seconds: float = 3600.0) -> GcReport:

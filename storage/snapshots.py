@@ -1,0 +1,118 @@
+"""The snapshot catalogue: named chain tips, pinning, and removing a snapshot.
+
+A snapshot names the chain ending at its tip block, with the document it came
+from (path and SHA-256), its token count, identity and namespace. Its id is
+derived from tip, label and namespace, so saving the same one twice keeps one
+row. A pinned snapshot's chain is never evicted. ``SnapshotStore`` delegates
+its snapshot methods to ``SnapshotCatalogue``; ``forget.py`` removes snapshots
+by document instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+from .index import BlockIndex
+from .paths import CacheLayout
+from .removal import bytes_of, remove_files
+from .values import SnapshotRow
+
+__all__ = ["SnapshotCatalogue"]
+
+logger = logging.getLogger(__name__)
+
+_SNAPSHOT_ID_HEX = 12
+
+
+class SnapshotCatalogue:
+    """The snapshots in one store's index; removing one removes the blocks only it needed."""
+
+    def __init__(self, index: BlockIndex, layout: CacheLayout) -> None:
+        self._index = index
+        self._layout = layout
+
+    def put(
+        self,
+        tip: str,
+        label: str,
+        source_path: str | None,
+        source_sha256: str | None,
+        n_tokens: int,
+        identity: str,
+        namespace: str,
+        pinned: bool = False,
+    ) -> str:
+        """Name the chain ending at ``tip``; the same tip, label and namespace keep one id."""
+        h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
+        snap_id = h[:_SNAPSHOT_ID_HEX]
+        now = time.time()
+        with self._index.write() as db:
+            if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
+                if pinned:
+                    db.execute("UPDATE snapshots SET pinned = 1 WHERE id = ?", (snap_id,))
+                return snap_id
+            row = self._index.get_block(tip)
+            if row is None:
+                raise ValueError(f"snapshot tip {tip} is not stored")
+            if (row.identity, row.namespace, row.end) != (identity, namespace, n_tokens):
+                raise ValueError(
+                    f"snapshot says {n_tokens} tokens of {identity}/{namespace!r}, tip block "
+                    f"ends at {row.end} under {row.identity}/{row.namespace!r}"
+                )
+            self._index.insert_snapshot(
+                db,
+                SnapshotRow(
+                    snap_id,
+                    tip,
+                    label,
+                    source_path,
+                    source_sha256,
+                    n_tokens,
+                    identity,
+                    namespace,
+                    now,
+                    now,
+                    0,
+                    pinned,
+                ),
+            )
+        return snap_id
+
+    def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
+        """All snapshots (of one namespace), oldest first."""
+        return self._index.snapshots(namespace)
+
+    def get(self, id_or_prefix: str) -> SnapshotRow:
+        """The snapshot with this id or unique id prefix (KeyError otherwise)."""
+        found = self._index.snapshots_by_prefix(id_or_prefix) if id_or_prefix else []
+        exact = [s for s in found if s.id == id_or_prefix]
+        if exact:
+            return exact[0]
+        if not found:
+            raise KeyError(f"no snapshot {id_or_prefix!r}")
+        if len(found) > 1:
+            ids = ", ".join(s.id for s in found[:5])
+            raise KeyError(f"snapshot prefix {id_or_prefix!r} is ambiguous: {ids}")
+        return found[0]
+
+    def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
+        """Pin (protect its chain from eviction) or unpin a snapshot (KeyError if unknown)."""
+        snap = self.get(snapshot_id)
+        with self._index.write() as db:
+            db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snap.id))
+
+    def remove(self, snapshot_id: str) -> int:
+        """Delete a snapshot and the blocks only it needed; return the bytes freed."""
+        snap = self.get(snapshot_id)
+        with self._index.write() as db:
+            db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
+            needed = self._index.protected(db, pinned_only=False)
+            own = [r.hash for r in self._index.chain_of(snap.tip) if r.hash not in needed]
+            victims = self._index.descendants(db, own) - needed
+            freed = bytes_of(self._index, victims)
+            files = self._index.delete_blocks(db, victims)
+        remove_files(self._index, self._layout, files)
+        logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
+        return freed
