@@ -9,7 +9,6 @@ read-check-write sequence; ``busy_timeout`` makes the other one wait.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sqlite3
 import struct
 import threading
@@ -17,88 +16,20 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import sqlite_utils
 
 from . import faults
 from .migrations import MIGRATIONS, migrate
-from .values import BlockRow, Probe, SnapshotRow, StoreStats
+from .rows import BLOCK_COLUMNS, SNAPSHOT_COLUMNS, block_row, readable_rows, snapshot_row
+from .values import BlockRow, SnapshotRow, StoreStats
 
 __all__ = ["BlockIndex"]
 
-logger = logging.getLogger(__name__)
-
 _IN_CHUNK = 500
-_BLOCK_COLUMNS = (
-    "hash, parent, identity, namespace, start, tokens, tokens_sha, file, raw_bytes, "
-    "stored_bytes, checksum, probe_digest, probe_top, prefill_seconds, created, last_used, hits"
-)
-_SNAPSHOT_COLUMNS = (
-    "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
-    "last_used, hits, pinned"
-)
 _DESCENDANTS = (
     "WITH RECURSIVE d(hash) AS (SELECT hash FROM blocks WHERE hash IN ({marks}) "
     "UNION SELECT b.hash FROM blocks b JOIN d ON b.parent = d.hash) SELECT hash FROM d"
 )
-
-
-def block_row(r: Sequence[Any]) -> BlockRow:
-    """A ``blocks`` row (in ``_BLOCK_COLUMNS`` order) as a ``BlockRow``."""
-    tokens = np.frombuffer(r[5], dtype="<i4")
-    return BlockRow(
-        hash=r[0],
-        parent=r[1],
-        identity=r[2],
-        namespace=r[3],
-        start=int(r[4]),
-        tokens=tokens,
-        tokens_sha=r[6],
-        file=r[7],
-        raw_bytes=int(r[8]),
-        stored_bytes=int(r[9]),
-        checksum=r[10],
-        probe=Probe.from_row(r[11], r[12]),
-        prefill_seconds=float(r[13]),
-        created=float(r[14]),
-        last_used=float(r[15]),
-        hits=int(r[16]),
-    )
-
-
-def readable_rows(rows: Sequence[Sequence[Any]]) -> list[BlockRow]:
-    """``block_row`` of each row, up to the first that does not decode (logged).
-
-    A row edited or damaged outside localkv (a malformed digest, a token blob of
-    odd length) is treated as not stored: a lookup stops before it, and
-    ``unreadable_blocks`` reports it to ``verify``.
-    """
-    out: list[BlockRow] = []
-    for r in rows:
-        try:
-            out.append(block_row(r))
-        except (ValueError, TypeError) as exc:
-            logger.warning("index row %r cannot be read (%s); ignoring it", r[0], exc)
-            break
-    return out
-
-
-def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
-    """A ``snapshots`` row (in ``_SNAPSHOT_COLUMNS`` order) as a ``SnapshotRow``."""
-    return SnapshotRow(
-        id=r[0],
-        tip=r[1],
-        label=r[2],
-        source_path=r[3],
-        source_sha256=r[4],
-        n_tokens=int(r[5]),
-        identity=r[6],
-        namespace=r[7],
-        created=float(r[8]),
-        last_used=float(r[9]),
-        hits=int(r[10]),
-        pinned=bool(r[11]),
-    )
 
 
 def _chunks(items: Sequence[str]) -> Iterator[Sequence[str]]:
@@ -180,7 +111,7 @@ class BlockIndex:
         """The stored rows among ``hashes``, by hash (one indexed query per 500)."""
         found: dict[str, BlockRow] = {}
         for chunk in _chunks(list(dict.fromkeys(hashes))):
-            sql = f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE hash IN ({_marks(len(chunk))})"
+            sql = f"SELECT {BLOCK_COLUMNS} FROM blocks WHERE hash IN ({_marks(len(chunk))})"
             for r in self.query(sql, chunk):
                 found.update((row.hash, row) for row in readable_rows([r]))
         return found
@@ -190,13 +121,13 @@ class BlockIndex:
 
     def all_blocks(self) -> list[BlockRow]:
         """Every readable row (see ``unreadable_blocks`` for the others)."""
-        rows = self.query(f"SELECT {_BLOCK_COLUMNS} FROM blocks")
+        rows = self.query(f"SELECT {BLOCK_COLUMNS} FROM blocks")
         return [row for r in rows for row in readable_rows([r])]
 
     def unreadable_blocks(self) -> list[tuple[str, str]]:
         """(hash, reason) of every row that does not decode as a block row."""
         bad: list[tuple[str, str]] = []
-        for r in self.query(f"SELECT {_BLOCK_COLUMNS} FROM blocks"):
+        for r in self.query(f"SELECT {BLOCK_COLUMNS} FROM blocks"):
             try:
                 block_row(r)
             except (ValueError, TypeError) as exc:
@@ -206,8 +137,8 @@ class BlockIndex:
     def insert_block(self, db: sqlite_utils.Database, row: BlockRow) -> None:
         """Insert a row inside a ``write()`` transaction (ignored if the hash exists)."""
         db.execute(
-            f"INSERT INTO blocks ({_BLOCK_COLUMNS}, n_tokens) "
-            f"VALUES ({_marks(_BLOCK_COLUMNS.count(',') + 2)}) ON CONFLICT(hash) DO NOTHING",
+            f"INSERT INTO blocks ({BLOCK_COLUMNS}, n_tokens) "
+            f"VALUES ({_marks(BLOCK_COLUMNS.count(',') + 2)}) ON CONFLICT(hash) DO NOTHING",
             (
                 row.hash,
                 row.parent,
@@ -270,7 +201,7 @@ class BlockIndex:
             params = (*params, struct.pack("<i", first_token))
         params = (*params, identity, namespace)
         sql = (
-            f"SELECT {_BLOCK_COLUMNS} FROM blocks WHERE {cond} AND identity = ? "
+            f"SELECT {BLOCK_COLUMNS} FROM blocks WHERE {cond} AND identity = ? "
             "AND namespace = ? ORDER BY start, hash"
         )
         return [row for r in self.query(sql, params) for row in readable_rows([r])]
@@ -281,7 +212,7 @@ class BlockIndex:
             "WITH RECURSIVE c(hash, depth) AS (SELECT ?, 0 UNION ALL "
             "SELECT b.parent, c.depth + 1 FROM blocks b JOIN c ON b.hash = c.hash "
             "WHERE b.parent IS NOT NULL) "
-            f"SELECT {', '.join('b.' + c for c in _BLOCK_COLUMNS.split(', '))} "
+            f"SELECT {', '.join('b.' + c for c in BLOCK_COLUMNS.split(', '))} "
             "FROM c JOIN blocks b ON b.hash = c.hash ORDER BY c.depth DESC"
         )
         return readable_rows(self.query(sql, (tip,)))
@@ -371,7 +302,7 @@ class BlockIndex:
     def insert_snapshot(self, db: sqlite_utils.Database, snap: SnapshotRow) -> None:
         """Insert a snapshot row inside a ``write()`` transaction."""
         db.execute(
-            f"INSERT INTO snapshots ({_SNAPSHOT_COLUMNS}) VALUES ({_marks(12)})",
+            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(12)})",
             (
                 snap.id,
                 snap.tip,
@@ -390,12 +321,12 @@ class BlockIndex:
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
         where, params = ("", ()) if namespace is None else ("WHERE namespace = ?", (namespace,))
-        sql = f"SELECT {_SNAPSHOT_COLUMNS} FROM snapshots {where} ORDER BY created, id"
+        sql = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots {where} ORDER BY created, id"
         return [snapshot_row(r) for r in self.query(sql, params)]
 
     def snapshots_by_prefix(self, prefix: str) -> list[SnapshotRow]:
         escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        sql = f"SELECT {_SNAPSHOT_COLUMNS} FROM snapshots WHERE id LIKE ? ESCAPE '\\'"
+        sql = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id LIKE ? ESCAPE '\\'"
         return [snapshot_row(r) for r in self.query(sql, (escaped + "%",))]
 
     def protected(self, db: sqlite_utils.Database, *, pinned_only: bool) -> set[str]:

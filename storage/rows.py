@@ -1,0 +1,82 @@
+"""Index rows as values: the column lists and their decoding into ``BlockRow``/``SnapshotRow``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .values import BlockRow, Probe, SnapshotRow
+
+__all__ = ["BLOCK_COLUMNS", "SNAPSHOT_COLUMNS", "block_row", "readable_rows", "snapshot_row"]
+
+logger = logging.getLogger(__name__)
+
+BLOCK_COLUMNS = (
+    "hash, parent, identity, namespace, start, tokens, tokens_sha, file, raw_bytes, "
+    "stored_bytes, checksum, probe_digest, probe_top, prefill_seconds, created, last_used, hits"
+)
+SNAPSHOT_COLUMNS = (
+    "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
+    "last_used, hits, pinned"
+)
+
+
+def block_row(r: Sequence[Any]) -> BlockRow:
+    """A ``blocks`` row (in ``BLOCK_COLUMNS`` order) as a ``BlockRow``."""
+    tokens = np.frombuffer(r[5], dtype="<i4")
+    return BlockRow(
+        hash=r[0],
+        parent=r[1],
+        identity=r[2],
+        namespace=r[3],
+        start=int(r[4]),
+        tokens=tokens,
+        tokens_sha=r[6],
+        file=r[7],
+        raw_bytes=int(r[8]),
+        stored_bytes=int(r[9]),
+        checksum=r[10],
+        probe=Probe.from_row(r[11], r[12]),
+        prefill_seconds=float(r[13]),
+        created=float(r[14]),
+        last_used=float(r[15]),
+        hits=int(r[16]),
+    )
+
+
+def readable_rows(rows: Sequence[Sequence[Any]]) -> list[BlockRow]:
+    """``block_row`` of each row, up to the first that does not decode (logged).
+
+    A row edited or damaged outside localkv (a malformed digest, a token blob of
+    odd length) is treated as not stored: a lookup stops before it, and
+    ``unreadable_blocks`` reports it to ``verify``.
+    """
+    out: list[BlockRow] = []
+    for r in rows:
+        try:
+            out.append(block_row(r))
+        except (ValueError, TypeError) as exc:
+            logger.warning("index row %r cannot be read (%s); ignoring it", r[0], exc)
+            break
+    return out
+
+
+def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
+    """A ``snapshots`` row (in ``SNAPSHOT_COLUMNS`` order) as a ``SnapshotRow``."""
+    return SnapshotRow(
+        id=r[0],
+        tip=r[1],
+        label=r[2],
+        source_path=r[3],
+        source_sha256=r[4],
+        n_tokens=int(r[5]),
+        identity=r[6],
+        namespace=r[7],
+        created=float(r[8]),
+        last_used=float(r[9]),
+        hits=int(r[10]),
+        pinned=bool(r[11]),
+    )
