@@ -17,17 +17,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import mmap
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from localkv import codec
-from localkv.config import FLASH_ATTN_TYPES, LoraSpec, SessionConfig
-from localkv.native import ensure_backend, ggml_type_id, llama_cpp
+from localkv.config import LoraSpec, SessionConfig
+from localkv.loading import ModelLoadError, flash_attn_setting, large_buffer, open_native
+from localkv.native import ensure_backend, llama_cpp
 from localkv.sampling import Sampler, SamplingParams
 
 __all__ = [
@@ -42,10 +40,6 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 CancelFn = Callable[[], bool]
-
-
-class ModelLoadError(RuntimeError):
-    """The model, a LoRA adapter or the context could not be created."""
 
 
 class PrefillCancelled(Exception):
@@ -88,98 +82,20 @@ class ModelSession:
 
     # ----------------------------------------------------------------- setup
     def _open(self) -> None:
-        cfg = self.config
-        path = Path(cfg.model_path)
-        if not path.is_file():
-            raise ModelLoadError(f"model file not found: {path}")
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 2**31 - 1 if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        if not model:
-            raise ModelLoadError(f"llama.cpp could not load {path} (not a supported GGUF?)")
-        self._stack.callback(llama_cpp.llama_model_free, model)
-        self.model = model
-        self.vocab = llama_cpp.llama_model_get_vocab(model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
-        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-            log.warning("recurrent/hybrid memory: the KV cache codec will refuse this model")
-
-        self._check_kv_types()
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = cfg.n_ctx
-        cparams.n_batch = cfg.n_batch
-        cparams.n_ubatch = cfg.n_batch
-        cparams.n_seq_max = 1
-        threads = cfg.n_threads or max(1, os.cpu_count() or 1)
-        self.n_threads = threads
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.type_k = ggml_type_id(cfg.type_k)
-        cparams.type_v = ggml_type_id(cfg.type_v)
-        cparams.flash_attn_type = FLASH_ATTN_TYPES[self.flash_attn_setting()]
-        cparams.rope_freq_base = cfg.rope_freq_base
-        cparams.rope_freq_scale = cfg.rope_freq_scale
-        cparams.no_perf = True
-        ctx = llama_cpp.llama_init_from_model(model, cparams)
-        if not ctx:
-            raise ModelLoadError(
-                f"llama.cpp could not create a context (n_ctx={cfg.n_ctx}, type_k={cfg.type_k}, "
-                f"type_v={cfg.type_v}, flash_attn={cfg.flash_attn}); a quantized type_v "
-                "needs flash attention on"
-            )
-        self._stack.callback(llama_cpp.llama_free, ctx)
-        self.ctx = ctx
-        self.memory = llama_cpp.llama_get_memory(ctx)
-        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
-        self._attach_loras(cfg.loras)
-        # llama.cpp may lower the batch size (never above n_ctx): use what it took
-        self.n_batch = min(cfg.n_batch, int(llama_cpp.llama_n_batch(ctx)), self.n_ctx)
-        batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._stack.callback(llama_cpp.llama_batch_free, batch)
-        self._batch = batch
+        native = open_native(self.config, self._stack)
+        self.model = native.model
+        self.vocab = native.vocab
+        self.n_vocab = native.n_vocab
+        self.n_threads = native.n_threads
+        self.ctx = native.ctx
+        self.memory = native.memory
+        self.n_ctx = native.n_ctx
+        self.n_batch = native.n_batch
+        self._batch = native.batch
 
     def flash_attn_setting(self) -> str:
-        """The flash attention setting passed to llama.cpp (``auto`` lets it decide).
-
-        llama.cpp's ``auto`` enables flash attention where the backend supports it
-        (on CPU: yes). Flash attention keeps V untransposed, which makes restores
-        cheaper to assemble, but on CPU its logits depend on the thread count
-        (measured 0.05-0.4 apart between 1 and 2 threads), so the identity records
-        the thread count whenever it is on (see ``localkv.identity``).
-        """
-        return self.config.flash_attn
-
-    def _check_kv_types(self) -> None:
-        # llama.cpp does not always check this itself: with flash attention off a
-        # quantized K cache on a head size its block does not divide gives wrong
-        # logits or aborts the process.
-        cfg = self.config
-        head = int(llama_cpp.llama_model_n_embd(self.model)) // max(
-            1, int(llama_cpp.llama_model_n_head(self.model))
-        )
-        for name, kind in (("type_k", cfg.type_k), ("type_v", cfg.type_v)):
-            block = 32 if kind.startswith("q") else 1
-            if head % block:
-                raise ModelLoadError(
-                    f"{name}={kind} needs a head size divisible by {block}; this model's is {head}"
-                )
-
-    def _attach_loras(self, loras: tuple[LoraSpec, ...]) -> None:
-        if not loras:
-            return
-        handles = []
-        for spec in loras:
-            if not Path(spec.path).is_file():
-                raise ModelLoadError(f"LoRA adapter not found: {spec.path}")
-            adapter = llama_cpp.llama_adapter_lora_init(self.model, str(spec.path).encode())
-            if not adapter:
-                raise ModelLoadError(f"llama.cpp could not load LoRA adapter {spec.path}")
-            self._stack.callback(llama_cpp.llama_adapter_lora_free, adapter)
-            handles.append(adapter)
-        arr = (llama_cpp.llama_adapter_lora_p_ctypes * len(handles))(*handles)
-        scales = (ctypes.c_float * len(handles))(*(s.scale for s in loras))
-        if llama_cpp.llama_set_adapters_lora(self.ctx, arr, len(handles), scales) != 0:
-            raise ModelLoadError("llama.cpp refused the LoRA adapters")
+        """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
+        return flash_attn_setting(self.config)
 
     def close(self) -> None:
         """Free the native handles (idempotent)."""
@@ -477,23 +393,6 @@ class ModelSession:
         self.probes = {}
         self.batch_ends = []
         self._last_logits = None
-
-
-def large_buffer(nbytes: int) -> np.ndarray:
-    """A uint8 array for a restore buffer, backed by transparent huge pages where possible.
-
-    Its pages are touched for the first time by a restore; with 2 MiB pages
-    that costs one fault per 2 MiB instead of one per 4 KiB (measured on this
-    project's 2-core VM: 25 ms instead of 112 ms for the first 47 MB).
-    """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if advice is None or not flags:
-        return np.empty(nbytes, dtype=np.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=flags)
-    with contextlib.suppress(OSError):
-        mapping.madvise(advice)
-    return np.frombuffer(mapping, dtype=np.uint8)
 
 
 class ContextFullError(ValueError):
