@@ -47,7 +47,6 @@ __all__ = [
     "DecodedBlock",
     "TensorSpec",
     "block_of",
-    "check_against",
     "check_metadata",
     "checksum",
     "checksum_matches",
@@ -296,7 +295,7 @@ def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
         tokens=block.tokens,
         tokens_sha=tokens_sha(block.tokens),
         file=relpath,
-        raw_bytes=frame_content_size(data) if is_zstd(data) else len(data),
+        raw_bytes=len(data),
         stored_bytes=len(data),
         checksum=checksum(data),
         probe=block.probe,
@@ -337,16 +336,6 @@ def check_rows(name: str, shape: tuple[int, ...], row: BlockRow) -> None:
     """A block tensor must have one row per token."""
     if len(shape) < 1 or shape[0] != row.n_tokens:
         raise BlockCorrupt(f"tensor {name!r} does not have one row per token")
-
-
-def check_against(decoded: DecodedBlock, row: BlockRow, *, legacy: bool = False) -> Block:
-    """The block, if the decoded file is exactly the one the index row describes."""
-    caller_meta = check_metadata(decoded.metadata, row, legacy=legacy)
-    tensors = dict(decoded.tensors)
-    tokens = check_tokens(tensors.pop("tokens", None), tensors.pop("pos", None), row)
-    for name, arr in tensors.items():
-        check_rows(name, arr.shape, row)
-    return block_of(row, tokens, tensors, caller_meta)
 
 
 def block_of(

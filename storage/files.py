@@ -30,7 +30,6 @@ __all__ = [
     "link_into_place",
     "move_to_quarantine",
     "open_block_file",
-    "read_block_file",
     "read_exactly",
     "remove_file",
     "replace_into_place",
@@ -182,17 +181,6 @@ def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
     chunk = os.pread(fd, len(buffers[0]), offset)  # pragma: no cover - no preadv (Windows)
     buffers[0][: len(chunk)] = chunk  # pragma: no cover
     return len(chunk)  # pragma: no cover
-
-
-def read_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> bytearray:
-    """The stored bytes of a block file, or ``BlockCorrupt`` saying what is wrong."""
-    fd = open_block_file(layout, relpath, expected_size)
-    try:
-        buf = bytearray(expected_size)
-        read_exactly(fd, [memoryview(buf)], 0)
-        return buf
-    finally:
-        os.close(fd)
 
 
 def remove_file(path: Path) -> int:

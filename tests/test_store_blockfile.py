@@ -10,7 +10,8 @@ import zstandard
 from localkv.storage.blockfile import (
     FORMAT_VERSION,
     LEGACY_FORMAT,
-    check_against,
+    check_metadata,
+    check_tokens,
     checksum,
     checksum_matches,
     decode,
@@ -138,16 +139,21 @@ def test_round_trip_through_index_row_checks() -> None:
         last_used=0.0,
         hits=0,
     )
-    got = check_against(decode(data, row.raw_bytes, LIMIT), row)
-    assert got.meta == block.meta
-    np.testing.assert_array_equal(got.tokens, block.tokens)
+    got = decode(data, row.raw_bytes, LIMIT)
+    assert check_metadata(got.metadata, row) == block.meta
+    tokens = check_tokens(got.tensors["tokens"], got.tensors["pos"], row)
+    np.testing.assert_array_equal(tokens, block.tokens)
     for name, arr in block.tensors.items():
         np.testing.assert_array_equal(got.tensors[name], arr)
     other = make_chain(list(range(50)), 16)[1]
     with pytest.raises(BlockCorrupt, match="metadata 'hash'"):
-        check_against(decode(encode(other), len(encode(other)), LIMIT), row)
+        check_metadata(decode(encode(other), len(encode(other)), LIMIT).metadata, row)
     with pytest.raises(BlockCorrupt, match="metadata 'format'"):
-        check_against(decode(data, row.raw_bytes, LIMIT), row, legacy=True)
+        check_metadata(got.metadata, row, legacy=True)
+    with pytest.raises(BlockCorrupt, match="tokens differ"):
+        check_tokens(got.tensors["tokens"] + 1, got.tensors["pos"], row)
+    with pytest.raises(BlockCorrupt, match="positions"):
+        check_tokens(got.tensors["tokens"], got.tensors["pos"] + 1, row)
 
 
 def test_declared_size_is_checked_before_decompressing() -> None:
