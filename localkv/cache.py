@@ -291,14 +291,16 @@ class PrefixCache:
             start, end = block_file.row.start, block_file.row.end
             keep = min(end, n) - start
             places: dict[str, list[np.ndarray]] = {}
-            at = 0
+            spilled = 0
             for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
                 places[f"k.{i}"] = [k_rows[i][start : start + keep]]
                 places[f"v.{i}"] = [v_rows[i][start : start + keep]]
                 if end > n:
-                    places[f"k.{i}"].append(spill[at : at + k_bytes])
-                    places[f"v.{i}"].append(spill[at + k_bytes : at + k_bytes + v_bytes])
-                    at += k_bytes + v_bytes
+                    k_spill = spill[spilled : spilled + k_bytes]
+                    v_spill = spill[spilled + k_bytes : spilled + k_bytes + v_bytes]
+                    places[f"k.{i}"].append(k_spill)
+                    places[f"v.{i}"].append(v_spill)
+                    spilled += k_bytes + v_bytes
             targets.append(places)
         return self.store.fill_blocks(opened, targets), buffer
 
