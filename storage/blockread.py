@@ -125,7 +125,7 @@ def open_block(
         known = cache.size_of(row) if cache is not None else None
         first = os.pread(fd, min(known or _FIRST_READ, row.stored_bytes), 0)
         if is_zstd(first):
-            return _open_legacy(layout, row, fd, max_raw_bytes)
+            return _open_legacy(row, fd, max_raw_bytes)
         if row.stored_bytes != row.raw_bytes:
             raise BlockCorrupt(
                 f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
@@ -152,7 +152,7 @@ def _pread_all(fd: int, start: int, end: int) -> bytes:
     return bytes(buf)
 
 
-def _open_legacy(layout: CacheLayout, row: BlockRow, fd: int, max_raw_bytes: int) -> OpenedBlock:
+def _open_legacy(row: BlockRow, fd: int, max_raw_bytes: int) -> OpenedBlock:
     data = bytearray(row.stored_bytes)
     read_exactly(fd, [memoryview(data)], 0)
     problem = checksum_matches(row.checksum, data)
@@ -182,6 +182,9 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
     does not fit, ``BlockCorrupt`` for a file that fails a check.
     """
     targets = targets or {}
+    unknown = set(targets) - set(opened.specs)
+    if unknown:
+        raise ValueError(f"targets for tensors the block does not hold: {sorted(unknown)}")
     row = opened.row
     views: list[memoryview] = []
     own: dict[str, np.ndarray] = {}

@@ -229,6 +229,8 @@ def test_reading_into_targets_checks_the_whole_file(store: SnapshotStore) -> Non
     try:
         with pytest.raises(ValueError, match=r"targets of 'v\.1' hold"):
             store.fill_blocks(opened, [{"v.1": [np.empty(size - 1, dtype=np.uint8)]}])
+        with pytest.raises(ValueError, match="does not hold"):
+            store.fill_blocks(opened, [{"v.9": [np.empty(size, dtype=np.uint8)]}])
     finally:
         opened[0].close()
     # the flipped byte sits in a tensor that goes to a caller buffer: still caught
