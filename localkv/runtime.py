@@ -24,10 +24,10 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from localkv import codec
+from localkv.background import BackgroundWork
 from localkv.cache import PrefixCache, RestoreResult, SaveResult
 from localkv.conversation import stream_answer
 from localkv.identity import identity_of
@@ -71,8 +71,7 @@ class Runtime:
         self.namespace = namespace
         self.cache: PrefixCache | None = None
         self.cache_error: str | None = None if use_cache else "cache disabled"
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localkv-save")
-        self._pending: list[Future[SaveResult]] = []
+        self._work = BackgroundWork()  # saves and bookkeeping, after the answer
         self._seconds_per_token = 1 / 240  # updated from measured prefills
         if use_cache:
             self._open_cache(cache_dir)
@@ -106,7 +105,7 @@ class Runtime:
                 identity,
                 self.namespace,
                 self.session.config.block_size,
-                defer=self._defer,  # hit counts and stats after the first token
+                defer=self._work.defer,  # hit counts and stats after the first token
             )
         except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
             store.close()
@@ -116,8 +115,7 @@ class Runtime:
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Finish pending saves, then free the store and the model (idempotent)."""
-        self.wait_for_saves()
-        self._saver.shutdown(wait=True)
+        self._work.close()
         if self.cache is not None:
             self.cache.store.close()
             self.cache = None
@@ -130,14 +128,8 @@ class Runtime:
         self.close()
 
     def wait_for_saves(self) -> list[SaveResult]:
-        done = []
-        for fut in self._pending:
-            try:
-                done.append(fut.result())
-            except Exception:
-                log.warning("saving cache blocks failed", exc_info=True)
-        self._pending.clear()
-        return done
+        """Wait for the blocks being written in the background; their results."""
+        return self._work.wait()
 
     # ------------------------------------------------------------ information
     def model_info(self) -> dict[str, object]:
@@ -385,24 +377,6 @@ class Runtime:
             timing=Timing(report.restore_s, prefill_s, answer.ttft_s, total),
         )
 
-    def _defer(self, fn: Callable[[], None]) -> None:
-        def run() -> SaveResult:
-            fn()
-            return SaveResult(0, 0, 0, None)
-
-        self._submit(run)
-
-    def _submit(self, fn: Callable[[], SaveResult]) -> None:
-        """Queue background work; finished jobs are dropped (their errors logged)."""
-        keep = []
-        for fut in self._pending:
-            if not fut.done():
-                keep.append(fut)
-            elif fut.exception() is not None:
-                log.warning("background cache work failed: %s", fut.exception())
-        keep.append(self._saver.submit(fn))
-        self._pending = keep
-
     def _note_rate(self, seconds: float, tokens: int) -> None:
         if tokens >= 32 and seconds > 0:
             self._seconds_per_token = seconds / tokens
@@ -425,7 +399,7 @@ class Runtime:
                     cache.enforce_budget()
                 return result
 
-            self._submit(write_then_evict)
+            self._work.submit(write_then_evict)
 
 
 def _source_path(documents: Sequence[Document]) -> str | None:
