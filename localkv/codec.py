@@ -195,14 +195,26 @@ def _untranspose(rows: np.ndarray, n: int, elem: int) -> np.ndarray:
     return np.ascontiguousarray(as_elems.T).view(np.uint8).reshape(n, -1)
 
 
+def _check_same_layout(parts: Sequence[KVState]) -> None:
+    first = parts[0]
+    for p in parts[1:]:
+        if p.v_trans != first.v_trans or p.layout() != first.layout():
+            raise StateFormatError("blocks of different KV layouts cannot be joined")
+
+
+def _buffer(size: int, scratch: np.ndarray | None) -> np.ndarray:
+    """``size`` bytes: a view into ``scratch`` when it is a large enough uint8 array."""
+    if scratch is not None and scratch.dtype == np.uint8 and scratch.shape[0] >= size:
+        return scratch[:size]
+    return np.empty(size, dtype=np.uint8)
+
+
 def concat(parts: Sequence[KVState]) -> KVState:
     """Join consecutive pieces of one sequence (block after block)."""
     if not parts:
         raise ValueError("nothing to concatenate")
     first = parts[0]
-    for p in parts[1:]:
-        if p.v_trans != first.v_trans or p.layout() != first.layout():
-            raise StateFormatError("blocks of different KV layouts cannot be joined")
+    _check_same_layout(parts)
     if len(parts) == 1:
         return first
     layers = tuple(
@@ -250,10 +262,7 @@ def assembly(
     if n <= 0 or not layout:
         raise ValueError(f"cannot lay out {n} tokens of {len(layout)} layers")
     size = state_size(layout, False, n)
-    if scratch is not None and scratch.dtype == np.uint8 and scratch.shape[0] >= size:
-        out = scratch[:size]
-    else:
-        out = np.empty(size, dtype=np.uint8)
+    out = _buffer(size, scratch)
     struct.pack_into("<IiII", out, 0, STATE_MAGIC, seq_id, 1, n)  # type: ignore[arg-type]
     off = 16
     cells = out[off : off + 12 * n].view("<i4").reshape(n, 3)
@@ -293,9 +302,7 @@ def assemble(
     if not parts:
         raise ValueError("nothing to assemble")
     first = parts[0]
-    for p in parts[1:]:
-        if p.v_trans != first.v_trans or p.layout() != first.layout():
-            raise StateFormatError("blocks of different KV layouts cannot be joined")
+    _check_same_layout(parts)
     total = sum(p.n_tokens for p in parts)
     n = total if n_tokens is None else n_tokens
     if not 0 < n <= total:
@@ -309,10 +316,7 @@ def assemble(
         spans.append((p, at, rows))
         at += rows
     size = assembled_size(parts, n)
-    if scratch is not None and scratch.dtype == np.uint8 and scratch.shape[0] >= size:
-        out = scratch[:size]
-    else:
-        out = np.empty(size, dtype=np.uint8)
+    out = _buffer(size, scratch)
     off = 0
 
     def put(fmt: str, *values: int) -> None:
