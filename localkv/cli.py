@@ -116,6 +116,7 @@ def _chat_runtime(opts: dict[str, Any]) -> tuple[Runtime | None, str | None]:
             cache_dir=opts.get("cache_dir"),
             namespace=opts["namespace"],
             use_cache=not opts["no_cache"],
+            compact_cache=opts["compact_cache"],
         )
     except click.ClickException as exc:  # no model file (ModelNotFoundError)
         return None, exc.message

@@ -58,6 +58,7 @@ def _open_runtime(opts: dict[str, Any]) -> Runtime:
             cache_dir=opts.get("cache_dir"),
             namespace=opts["namespace"],
             use_cache=not opts["no_cache"],
+            compact_cache=opts["compact_cache"],
         )
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None

@@ -65,6 +65,7 @@ class Runtime:
         cache_dir: str | Path | None = None,
         namespace: str = "default",
         use_cache: bool = True,
+        compact_cache: bool = False,
     ) -> None:
         self.session = ModelSession(config)
         self.template = ChatTemplate(self.session)
@@ -74,7 +75,7 @@ class Runtime:
         self._work = BackgroundWork()  # saves and bookkeeping, after the answer
         self._seconds_per_token = 1 / 240  # updated from measured prefills
         if use_cache:
-            self._open_cache(cache_dir)
+            self._open_cache(cache_dir, compact_cache)
 
     @classmethod
     def open(
@@ -84,15 +85,25 @@ class Runtime:
         cache_dir: str | Path | None = None,
         namespace: str = "default",
         use_cache: bool = True,
+        compact_cache: bool = False,
         **options: object,
     ) -> Runtime:
-        """Open ``model`` (default: ``LOCALKV_MODEL``, then the default model package)."""
-        config = SessionConfig(model_path=resolve_model(model), **options)  # type: ignore[arg-type]
-        return cls(config, cache_dir=cache_dir, namespace=namespace, use_cache=use_cache)
+        """Open ``model`` (default: ``LOCALKV_MODEL``, then the default model package).
 
-    def _open_cache(self, cache_dir: str | Path | None) -> None:
+        ``compact_cache``: write new blocks compressed (see ``SnapshotStore.open``).
+        """
+        config = SessionConfig(model_path=resolve_model(model), **options)  # type: ignore[arg-type]
+        return cls(
+            config,
+            cache_dir=cache_dir,
+            namespace=namespace,
+            use_cache=use_cache,
+            compact_cache=compact_cache,
+        )
+
+    def _open_cache(self, cache_dir: str | Path | None, compact: bool) -> None:
         try:
-            store = SnapshotStore.open(Path(cache_dir) if cache_dir else None)
+            store = SnapshotStore.open(Path(cache_dir) if cache_dir else None, compact=compact)
         except (CacheDirError, sqlite3.Error, OSError) as exc:
             self.cache_error = f"cache unavailable: {exc}"
             log.warning("%s; continuing without the cache", self.cache_error)

@@ -38,8 +38,9 @@ import xxhash
 import zstandard
 from safetensors.numpy import save as _st_save
 
+from . import planes
 from .chain import tokens_sha
-from .values import Block, BlockCorrupt, BlockRow
+from .values import RESERVED_META, Block, BlockCorrupt, BlockRow
 
 __all__ = [
     "FORMAT_VERSION",
@@ -52,6 +53,7 @@ __all__ = [
     "checksum_matches",
     "decode",
     "encode",
+    "expand",
     "frame_content_size",
     "index_row",
     "is_zstd",
@@ -127,8 +129,11 @@ def is_zstd(data: bytes | bytearray | memoryview) -> bool:
     return bytes(data[:4]) == _ZSTD_MAGIC
 
 
-def encode(block: Block) -> bytes:
-    """A block as a safetensors file."""
+def encode(block: Block, *, compact: bool = False) -> bytes:
+    """A block as a safetensors file; ``compact``: its F16 tensors split into planes.
+
+    See ``planes`` for the compact format.
+    """
     tensors: dict[str, np.ndarray] = {}
     for name, arr in block.tensors.items():
         tensors[name] = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
@@ -144,6 +149,25 @@ def encode(block: Block) -> bytes:
         start=str(block.start),
         probe_digest=block.probe.digest,
     )
+    if compact:
+        tensors, metadata["planes"] = planes.split(tensors)
+        metadata["format"] = planes.PLANES_FORMAT
+    return bytes(_st_save(tensors, metadata=metadata))
+
+
+def expand(data: bytes | bytearray | memoryview) -> bytes:
+    """A compact block file as the plain safetensors file it stands for.
+
+    The same tensors and metadata as ``encode(block)`` (the metadata may be
+    serialized in another order). A plain file is returned as it is.
+    """
+    decoded = parse_safetensors(data)
+    if decoded.metadata.get("format") != planes.PLANES_FORMAT:
+        return bytes(data)
+    metadata = dict(decoded.metadata)
+    split = planes.parse_planes(metadata.pop("planes", None))
+    metadata["format"] = FORMAT_VERSION
+    tensors = planes.join(decoded.tensors, split)
     return bytes(_st_save(tensors, metadata=metadata))
 
 
@@ -284,8 +308,13 @@ def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:
     return TensorSpec(dtype, tuple(shape), begin, end)
 
 
-def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
-    """The index row of ``block`` stored as ``data`` at ``relpath``."""
+def index_row(
+    block: Block, data: bytes, relpath: str, now: float, raw_bytes: int | None = None
+) -> BlockRow:
+    """The index row of ``block`` stored as ``data`` at ``relpath``.
+
+    ``raw_bytes``: the size of the plain file, if ``data`` is a compact one.
+    """
     return BlockRow(
         hash=block.hash,
         parent=block.parent,
@@ -295,7 +324,7 @@ def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
         tokens=block.tokens,
         tokens_sha=tokens_sha(block.tokens),
         file=relpath,
-        raw_bytes=len(data),
+        raw_bytes=len(data) if raw_bytes is None else raw_bytes,
         stored_bytes=len(data),
         checksum=checksum(data),
         probe=block.probe,
@@ -306,10 +335,15 @@ def index_row(block: Block, data: bytes, relpath: str, now: float) -> BlockRow:
     )
 
 
-def check_metadata(meta: dict[str, str], row: BlockRow, *, legacy: bool = False) -> dict[str, str]:
-    """Check a block file's metadata against its index row; return the caller's part."""
+def check_metadata(
+    meta: dict[str, str], row: BlockRow, *, file_format: str = FORMAT_VERSION
+) -> dict[str, str]:
+    """Check a block file's metadata against its index row; return the caller's part.
+
+    A compact file's ``planes`` entry is not the caller's either.
+    """
     expect = {
-        "format": LEGACY_FORMAT if legacy else FORMAT_VERSION,
+        "format": file_format,
         "hash": row.hash,
         "parent": row.parent or "",
         "identity": row.identity,
@@ -320,7 +354,7 @@ def check_metadata(meta: dict[str, str], row: BlockRow, *, legacy: bool = False)
     for key, value in expect.items():
         if meta.get(key) != value:
             raise BlockCorrupt(f"metadata {key!r} is {meta.get(key)!r}, expected {value!r}")
-    return {k: v for k, v in meta.items() if k not in expect}
+    return {k: v for k, v in meta.items() if k not in RESERVED_META}
 
 
 def check_tokens(tokens: np.ndarray | None, pos: np.ndarray | None, row: BlockRow) -> np.ndarray:

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from . import planes
 from .blockfile import (
+    LEGACY_FORMAT,
     DecodedBlock,
     TensorSpec,
     block_of,
@@ -107,7 +109,9 @@ class OpenedBlock:
     fd: int
     header: bytes  # the file's bytes up to its data section
     metadata: dict[str, str]  # the caller's metadata (format fields removed)
-    specs: dict[str, TensorSpec]
+    specs: dict[str, TensorSpec]  # the block's tensors (a compact file's split ones joined)
+    physical: dict[str, TensorSpec] | None = None  # a compact file's own tensors
+    planes: dict[str, np.dtype[np.generic]] | None = None  # a compact file's split tensors
     legacy: DecodedBlock | None = None  # a first-format file, already decoded
 
     def close(self) -> None:
@@ -126,12 +130,8 @@ def open_block(
         first = os.pread(fd, min(known or _FIRST_READ, row.stored_bytes), 0)
         if is_zstd(first):
             return _open_legacy(row, fd, max_raw_bytes)
-        if row.stored_bytes != row.raw_bytes:
-            raise BlockCorrupt(
-                f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
-            )
         if row.raw_bytes > max_raw_bytes:
-            raise BlockCorrupt(f"file of {row.raw_bytes} bytes is over the limit {max_raw_bytes}")
+            raise BlockCorrupt(f"block of {row.raw_bytes} bytes is over the limit {max_raw_bytes}")
         body = header_span(first[:8], row.stored_bytes)
         header = first[:body] if body <= len(first) else first + _pread_all(fd, len(first), body)
         parsed = cache.get(row, header) if cache is not None else None
@@ -140,10 +140,37 @@ def open_block(
             if cache is not None:
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
+        if metadata.get("format") == planes.PLANES_FORMAT:
+            split = planes.parse_planes(metadata.get("planes"))
+            meta = check_metadata(metadata, row, file_format=planes.PLANES_FORMAT)
+            return OpenedBlock(row, fd, header, meta, _logical(specs, split), specs, split)
+        if row.stored_bytes != row.raw_bytes:
+            raise BlockCorrupt(
+                f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
+            )
         return OpenedBlock(row, fd, header, check_metadata(metadata, row), specs)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _logical(
+    specs: dict[str, TensorSpec], split: dict[str, np.dtype[np.generic]]
+) -> dict[str, TensorSpec]:
+    """A compact file's tensors as the block holds them: each split pair as one tensor.
+
+    The offsets of a joined tensor are 0..its size: it is not in the file as such.
+    """
+    out = dict(specs)
+    for name, dtype in split.items():
+        lo_name, hi_name = planes.plane_names(name)
+        lo, hi = out.pop(lo_name, None), out.pop(hi_name, None)
+        if lo is None or hi is None or lo.dtype != np.uint8 or hi.dtype != np.uint8:
+            raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 planes")
+        if len(hi.shape) != 1 or name in out:
+            raise BlockCorrupt(f"planes: tensor {name!r} is malformed")
+        out[name] = TensorSpec(dtype, lo.shape, 0, lo.nbytes * dtype.itemsize)
+    return out
 
 
 def _pread_all(fd: int, start: int, end: int) -> bytes:
@@ -159,12 +186,12 @@ def _open_legacy(row: BlockRow, fd: int, max_raw_bytes: int) -> OpenedBlock:
     if problem is not None:
         raise BlockCorrupt(problem)
     decoded = decode(data, row.raw_bytes, max_raw_bytes)
-    meta = check_metadata(decoded.metadata, row, legacy=True)
+    meta = check_metadata(decoded.metadata, row, file_format=LEGACY_FORMAT)
     specs = {
         name: TensorSpec(arr.dtype, arr.shape, 0, arr.nbytes)
         for name, arr in decoded.tensors.items()
     }
-    return OpenedBlock(row, fd, b"", meta, specs, decoded)
+    return OpenedBlock(row, fd, b"", meta, specs, legacy=decoded)
 
 
 def _byte_view(arr: np.ndarray) -> memoryview:
@@ -205,7 +232,9 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
             arr = np.empty(spec.shape, dtype=spec.dtype)
             own[name] = arr
             views.append(_byte_view(arr))
-    if opened.legacy is None:
+    if opened.planes is not None:
+        _fill_planes(opened, own, placed)
+    elif opened.legacy is None:
         read_exactly(opened.fd, views, len(opened.header))
         digest = xxhash.xxh3_128(opened.header)
         for view in views:
@@ -220,6 +249,61 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
         arr.setflags(write=False)
     tokens.setflags(write=False)
     return block_of(row, tokens, own, dict(opened.metadata))
+
+
+class _Scratch(threading.local):
+    """Each reading thread's buffer for a compact file's data section (reused)."""
+
+    def __init__(self) -> None:
+        self.buffer = np.empty(0, dtype=np.uint8)
+
+    def get(self, size: int) -> np.ndarray:
+        if size > _KEEP_SCRATCH:
+            return np.empty(size, dtype=np.uint8)
+        if self.buffer.shape[0] < size:
+            self.buffer = np.empty(size, dtype=np.uint8)
+        return self.buffer[:size]
+
+
+_scratch = _Scratch()
+_KEEP_SCRATCH = 64 << 20  # a larger buffer is not kept between reads
+
+
+def _fill_planes(
+    opened: OpenedBlock, own: dict[str, np.ndarray], placed: list[tuple[str, list[memoryview]]]
+) -> None:
+    """A compact file: read and checksum it whole, then join its planes into the targets."""
+    assert opened.physical is not None and opened.planes is not None
+    row = opened.row
+    data = _scratch.get(row.stored_bytes - len(opened.header))
+    read_exactly(opened.fd, [data.data], len(opened.header))
+    digest = xxhash.xxh3_128(opened.header)
+    digest.update(data.data)
+    found = "xxh3:" + digest.hexdigest()
+    if found != row.checksum:  # before anything is decompressed or written
+        raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
+    physical = opened.physical
+
+    def section(name: str) -> np.ndarray:
+        spec = physical[name]
+        return data[spec.begin : spec.end]
+
+    def write(name: str, parts: list[np.ndarray]) -> None:
+        if name in opened.planes:  # type: ignore[operator]
+            lo_name, hi_name = planes.plane_names(name)
+            lo = section(lo_name)
+            planes.interleave(lo, planes.high_plane(section(hi_name), lo.shape[0]), parts)
+            return
+        src = section(name)
+        at = 0
+        for part in parts:
+            part[...] = src[at : at + part.shape[0]]
+            at += part.shape[0]
+
+    for name, arr in own.items():
+        write(name, [arr.reshape(-1).view(np.uint8)])
+    for name, views in placed:
+        write(name, [np.frombuffer(v, dtype=np.uint8) for v in views])
 
 
 def _copy_legacy(

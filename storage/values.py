@@ -31,7 +31,7 @@ __all__ = [
 PROBE_TOP = 64
 RESERVED_TENSORS = frozenset({"tokens", "pos"})
 RESERVED_META = frozenset(
-    {"format", "hash", "parent", "identity", "namespace", "start", "probe_digest"}
+    {"format", "hash", "parent", "identity", "namespace", "start", "probe_digest", "planes"}
 )
 
 

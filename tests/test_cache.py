@@ -20,7 +20,10 @@ SYSTEM = "You answer questions about the document."
 
 def _runtime(path: Path, cache: Path, **kw: object) -> Runtime:
     namespace = str(kw.pop("namespace", "default"))
-    return Runtime(tiny_config(path, **kw), cache_dir=cache, namespace=namespace)
+    compact = bool(kw.pop("compact", False))
+    return Runtime(
+        tiny_config(path, **kw), cache_dir=cache, namespace=namespace, compact_cache=compact
+    )
 
 
 @pytest.fixture()
@@ -116,13 +119,17 @@ def test_other_computations_reuse_nothing_and_say_why(
         assert field in result.miss_reason
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 @pytest.mark.parametrize("flash_attn", ["auto", "off"])  # off: V is stored transposed
 def test_cached_answer_equals_uncached(
-    tiny_models: TinyModels, tmp_path: Path, doc: Document, flash_attn: str
+    tiny_models: TinyModels, tmp_path: Path, doc: Document, flash_attn: str, compact: bool
 ) -> None:
     question = "What is the document about?"
-    with _runtime(tiny_models.base, tmp_path, flash_attn=flash_attn) as rt:
+    with _runtime(tiny_models.base, tmp_path, flash_attn=flash_attn, compact=compact) as rt:
         rt.prefill([doc], system=SYSTEM)
+        assert rt.cache is not None
+        stats = rt.cache.store.stats()
+        assert (stats["stored_bytes"] < stats["raw_bytes"]) == compact
     with _runtime(tiny_models.base, tmp_path, flash_attn=flash_attn) as rt:
         cached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
         doc_end = rt.build([doc], system=SYSTEM).boundaries[-1]
@@ -193,10 +200,11 @@ def test_a_damaged_block_is_a_miss_with_a_reason(
     assert answer.cache.miss_reason or answer.cache.hit
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 def test_altered_values_with_a_consistent_checksum_are_caught_by_the_probe(
-    tiny_models: TinyModels, tmp_path: Path, doc: Document
+    tiny_models: TinyModels, tmp_path: Path, doc: Document, compact: bool
 ) -> None:
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    with _runtime(tiny_models.base, tmp_path, compact=compact) as rt:
         report = rt.prefill([doc], system=SYSTEM)
         assert rt.cache is not None
         store = rt.cache.store
@@ -220,6 +228,8 @@ def test_altered_values_with_a_consistent_checksum_are_caught_by_the_probe(
         )
         store.quarantine(last.hash, "replaced by the test")
         assert store.put_block(forged)
+        (row,) = store.match_chain([last.hash])
+        assert (row.stored_bytes < row.raw_bytes) == compact
         request = rt.build([doc], system=SYSTEM)
         result = rt.cache.restore(rt.session, request.tokens)
         assert result.reused == 0

@@ -218,3 +218,28 @@ def test_cache_verify_deep_catches_a_forged_probe(
     result = run(env, "cache", "verify", "--deep", "--threads", "1", "--json")
     assert result.code == 1
     assert result.json()["deep"][0]["ok"] is False  # type: ignore[index]
+
+
+def test_compact_cache_from_the_flag_and_the_environment(
+    env: dict[str, str], docs: tuple[Path, Path]
+) -> None:
+    a, b = docs
+    pre = run(env, "prefill", "--threads", "1", "--compact-cache", "--json", str(a))
+    assert pre.code == 0, pre.err
+    stats = run(env, "cache", "stats", "--json").json()
+    assert isinstance(stats["stored_bytes"], int) and isinstance(stats["raw_bytes"], int)
+    assert stats["stored_bytes"] < 0.9 * stats["raw_bytes"]
+    # another document, compact through the environment; the first is restored from
+    # its compact blocks, verified, and answers as without the cache
+    compact_env = {**env, "LOCALKV_COMPACT_CACHE": "1"}
+    question = ["--temperature", "0", "--max-tokens", "16"]
+    cached = subprocess_ask(compact_env, *question, str(a), str(b), "Which came first?")
+    uncached = subprocess_ask(env, *question, "--no-cache", str(a), str(b), "Which came first?")
+    assert cached["cache"]["hit"] is True and cached["cache"]["verified"] is True  # type: ignore[index]
+    assert cached["answer"] == uncached["answer"]
+    rows = _index_rows(env, "blocks")
+    db = Path(env["LOCALKV_HOME"]) / "index.db"
+    with sqlite3.connect(db) as conn:
+        sizes = list(conn.execute("SELECT stored_bytes, raw_bytes FROM blocks"))
+    assert len(sizes) == len(rows) > pre.json()["blocks"]  # type: ignore[operator]
+    assert all(stored < raw for stored, raw in sizes)

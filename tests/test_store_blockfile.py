@@ -149,7 +149,7 @@ def test_round_trip_through_index_row_checks() -> None:
     with pytest.raises(BlockCorrupt, match="metadata 'hash'"):
         check_metadata(decode(encode(other), len(encode(other)), LIMIT).metadata, row)
     with pytest.raises(BlockCorrupt, match="metadata 'format'"):
-        check_metadata(got.metadata, row, legacy=True)
+        check_metadata(got.metadata, row, file_format=LEGACY_FORMAT)
     with pytest.raises(BlockCorrupt, match="tokens differ"):
         check_tokens(got.tensors["tokens"] + 1, got.tensors["pos"], row)
     with pytest.raises(BlockCorrupt, match="positions"):
