@@ -61,6 +61,11 @@ def _size_json(s: SizeResult) -> dict[str, object]:
         "blocks": s.blocks,
         "stored_bytes": s.stored_bytes,
         "raw_kv_bytes": s.raw_bytes,
+        "compact": {
+            "warm_ttft_s": s.compact_ttft.as_json(),
+            "warm_steps_s": {k: v.as_json() for k, v in s.compact_steps.items()},
+            "stored_bytes": s.compact_bytes,
+        },
         "get_data_s": s.get_data_s.as_json(),
         "floor_s": s.floor.read_set.as_json(),
         "set_data_s": s.floor.set_only.as_json(),

@@ -98,6 +98,9 @@ class SizeResult:
     blocks: int
     stored_bytes: int
     raw_bytes: int
+    compact_ttft: Stat  # warm TTFT from the same blocks written compact (``storage.planes``)
+    compact_steps: dict[str, Stat]
+    compact_bytes: int
     get_data_s: Stat  # llama_state_seq_get_data into a ready buffer
     floor: FloorResult
     llama_file: LlamaFileResult
@@ -116,6 +119,9 @@ class SizeResult:
             "restore_over_floor": self.warm_steps[RESTORE].median / self.floor.read_set.median,
             "warm_over_floor": warm / self.floor.read_set.median,
             "stored_over_raw": self.stored_bytes / self.raw_bytes,
+            "compact_restore_over_load_file": self.compact_steps[RESTORE].median
+            / self.llama_file.load.median,
+            "compact_over_raw": self.compact_bytes / self.raw_bytes,
         }
 
 

@@ -26,7 +26,7 @@ from localkv.request import Document
 from localkv.runtime import Runtime
 from localkv.sampling import SamplingParams
 from localkv.session import ModelSession
-from localkv.storage.store import SnapshotStore
+from localkv.storage.store import Block, SnapshotStore
 
 __all__ = ["QUESTION", "ProgressFn", "bench_size", "prompt_tokens"]
 
@@ -68,6 +68,7 @@ class _SizeBench:
         self.store = SnapshotStore.open(work / f"store-{n}")
         self.deferred: list[Callable[[], None]] = []
         self.tip: str | None = None  # the saved chain's last block
+        self.blocks: list[Block] = []  # the saved chain's blocks
         self.cache = PrefixCache(
             self.store, identity, "bench", cfg.block_size, defer=self.deferred.append
         )
@@ -94,7 +95,7 @@ class _SizeBench:
         t2 = time.perf_counter()
         if saved.tip is None:
             raise RuntimeError("nothing was saved")
-        self.tip = saved.tip
+        self.tip, self.blocks = saved.tip, blocks
         chain = self.store.chain_of(saved.tip)
         return t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain)
 
@@ -120,14 +121,34 @@ class _SizeBench:
         """The files of the stored chain ending at ``tip``."""
         return [self.store.root / row.file for row in self.store.chain_of(tip)]
 
-    def warm(self) -> tuple[Stat, dict[str, Stat], bool, list[int]]:
-        self.say(f"  warm restore of {self.n:,} tokens x {self.cfg.repeats}")
+    def warm(self, what: str = "") -> tuple[Stat, dict[str, Stat], bool, list[int]]:
+        self.say(f"  warm restore of {self.n:,} tokens{what} x {self.cfg.repeats}")
         runs = [self._restore_once() for _ in range(self.cfg.repeats)]
         steps = {s: Stat.of([r[1].get(s, 0.0) for r in runs]) for s in STEPS}
         # the state restored, before the probe decode: what llama.cpp's load_file does
         steps[RESTORE] = Stat.of([sum(r[1].get(s, 0.0) for s in STEPS[:3]) for r in runs])
         verified = all(r[2] for r in runs)
         return Stat.of([r[0] for r in runs]), steps, verified, [r[3] for r in runs]
+
+    def compact(self) -> tuple[Stat, dict[str, Stat], bool, list[int], int]:
+        """``warm`` from a second store holding the same blocks in the compact format.
+
+        Returns ``warm``'s figures and the compact chain's bytes on disk.
+        """
+        store = SnapshotStore.open(self.work / f"store-{self.n}-compact", compact=True)
+        plain = self.cache
+        try:
+            self.cache = PrefixCache(
+                store, plain.identity, "bench", self.cfg.block_size, defer=self.deferred.append
+            )
+            saved = self.cache.write(self.blocks)
+            if saved.tip is None:
+                raise RuntimeError("nothing was saved")
+            stored = sum(r.stored_bytes for r in store.chain_of(saved.tip))
+            return (*self.warm(", compact blocks"), stored)
+        finally:
+            self.cache = plain
+            store.close()
 
     def warm_evicted(self) -> tuple[ColdStat, bool, list[int]]:
         """The warm restore with every block file of the chain evicted before each run."""
@@ -211,6 +232,7 @@ def bench_size(
         files.save_both(cfg.repeats)
         warm, steps, verified, warm_firsts = sb.warm()
         warm_evicted, cold_verified, cold_firsts = sb.warm_evicted()
+        compact_warm, compact_steps, compact_verified, compact_firsts, compact_bytes = sb.compact()
         memory = sb.restore_memory()
         say(f"  llama.cpp state files, physical floor, LlamaDiskCache ({n:,} tokens)")
         llama_file = files.measure(cfg.repeats)
@@ -228,20 +250,23 @@ def bench_size(
         )
     finally:
         sb.close()
-    firsts = {*warm_firsts, *cold_firsts, *llama_file.first_tokens}
+    firsts = {*warm_firsts, *cold_firsts, *compact_firsts, *llama_file.first_tokens}
     return SizeResult(
         tokens=n,
         cold_ttft=cold,
         warm_ttft=warm,
         warm_steps=steps,
         warm_evicted=warm_evicted,
-        warm_verified=verified and cold_verified,
+        warm_verified=verified and cold_verified and compact_verified,
         first_token_agrees=firsts == {cold_first},
         save_prepare_s=prepare_s,
         save_write_s=write_s,
         blocks=blocks,
         stored_bytes=stored,
         raw_bytes=len(raw),
+        compact_ttft=compact_warm,
+        compact_steps=compact_steps,
+        compact_bytes=compact_bytes,
         get_data_s=get_data,
         floor=floor,
         llama_file=llama_file,

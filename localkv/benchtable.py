@@ -34,6 +34,10 @@ def _step(name: str) -> Cell:
     return lambda s: fmt_stat(s.warm_steps[name])
 
 
+def _compact_step(name: str) -> Cell:
+    return lambda s: fmt_stat(s.compact_steps[name])
+
+
 def _ratio(name: str) -> Cell:
     return lambda s: fmt_ratio(s.ratios[name])
 
@@ -98,6 +102,15 @@ CELLS: list[tuple[str, Cell]] = [
     ("bytes on disk", lambda s: fmt_bytes(s.stored_bytes)),
     ("raw KV bytes", lambda s: fmt_bytes(s.raw_bytes)),
     ("  on disk / raw", lambda s: f"{s.ratios['stored_over_raw']:.3f}"),
+    ("compact blocks: warm TTFT", lambda s: fmt_stat(s.compact_ttft)),
+    *[(f"  compact: {k}", _compact_step(k)) for k in ("read", "load")],
+    ("  compact: restore without the probe", _compact_step(RESTORE)),
+    (
+        "  compact restore without the probe / llama.cpp load_file",
+        _ratio("compact_restore_over_load_file"),
+    ),
+    ("  compact: bytes on disk", lambda s: fmt_bytes(s.compact_bytes)),
+    ("  compact: on disk / raw", lambda s: f"{s.ratios['compact_over_raw']:.3f}"),
     *[(f"encoding {e.name}: on disk / raw | decode", _encoding(e.name)) for e in ENCODINGS],
     *[
         (

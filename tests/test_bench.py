@@ -101,8 +101,13 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             s.ask.ttft_cache_on,
             s.ask.ttft_cache_off,
             s.ask.background_write,
+            s.compact_ttft,
+            *s.compact_steps.values(),
         ]
         assert all(_positive(st) for st in stats)
+        assert set(s.compact_steps) == {*STEPS, RESTORE}
+        # the tiny model's f16 K/V: the compact blocks are smaller than the plain ones
+        assert 0 < s.compact_bytes < s.stored_bytes
         assert set(s.warm_steps) == {*STEPS, RESTORE}
         assert s.warm_verified and s.first_token_agrees
         assert s.blocks == -(-s.tokens // result.config.block_size)
@@ -117,6 +122,8 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             "restore_over_load_file",
             "restore_over_floor",
             "stored_over_raw",
+            "compact_restore_over_load_file",
+            "compact_over_raw",
         }
         restore = s.warm_steps[RESTORE]
         assert restore.min <= s.warm_ttft.min and restore.median < s.warm_ttft.max
