@@ -16,6 +16,11 @@ stores 0.853 and decodes in ~24 ms on two; raw files read straight into
 llama.cpp's state buffer (``blockread``) take ~6 ms, checksum included.
 ``localkv bench`` measures the three in every run.
 
+A store opened ``compact`` writes the second of these instead (format
+``lkv-planes1``, ``planes``): still a safetensors file, each F16 tensor as
+two U8 planes, the high one a zstd frame; ``expand`` gives the plain file it
+stands for. Its index row's ``raw_bytes`` is the plain file's size.
+
 Files of the first format (``lkv-block1``: the same safetensors compressed as
 one zstd frame with its content size and checksum, indexed with a CRC-32) are
 still read: ``decode`` checks the declared size against the index *before*
@@ -165,9 +170,9 @@ def expand(data: bytes | bytearray | memoryview) -> bytes:
     if decoded.metadata.get("format") != planes.PLANES_FORMAT:
         return bytes(data)
     metadata = dict(decoded.metadata)
-    split = planes.parse_planes(metadata.pop("planes", None))
+    order = planes.parse_planes(metadata.pop("planes", None))
     metadata["format"] = FORMAT_VERSION
-    tensors = planes.join(decoded.tensors, split)
+    tensors = planes.join(decoded.tensors, order)
     return bytes(_st_save(tensors, metadata=metadata))
 
 

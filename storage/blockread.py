@@ -17,8 +17,11 @@ read has two steps:
 Nothing a target receives may be used unless ``fill_block`` returns: a
 checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
 
-A first-format (zstd) block file is read whole, checked and decompressed in
-step 1; step 2 copies its tensors into the targets.
+A compact file (``planes``) is read whole into a per-thread buffer in step 2
+and its checksum compared before anything is decompressed; each split
+tensor's planes are then joined straight into its targets. A first-format
+(zstd) block file is read whole, checked and decompressed in step 1; step 2
+copies its tensors into the targets.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ class OpenedBlock:
     metadata: dict[str, str]  # the caller's metadata (format fields removed)
     specs: dict[str, TensorSpec]  # the block's tensors (a compact file's split ones joined)
     physical: dict[str, TensorSpec] | None = None  # a compact file's own tensors
-    planes: dict[str, np.dtype[np.generic]] | None = None  # a compact file's split tensors
+    planes: list[tuple[str, np.dtype[np.generic]]] | None = None  # a compact file's split ones
     legacy: DecodedBlock | None = None  # a first-format file, already decoded
 
     def close(self) -> None:
@@ -141,9 +144,9 @@ def open_block(
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
         if metadata.get("format") == planes.PLANES_FORMAT:
-            split = planes.parse_planes(metadata.get("planes"))
+            order = planes.parse_planes(metadata.get("planes"))
             meta = check_metadata(metadata, row, file_format=planes.PLANES_FORMAT)
-            return OpenedBlock(row, fd, header, meta, _logical(specs, split), specs, split)
+            return OpenedBlock(row, fd, header, meta, _logical(specs, order), specs, order)
         if row.stored_bytes != row.raw_bytes:
             raise BlockCorrupt(
                 f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
@@ -155,20 +158,20 @@ def open_block(
 
 
 def _logical(
-    specs: dict[str, TensorSpec], split: dict[str, np.dtype[np.generic]]
+    specs: dict[str, TensorSpec], order: list[tuple[str, np.dtype[np.generic]]]
 ) -> dict[str, TensorSpec]:
-    """A compact file's tensors as the block holds them: each split pair as one tensor.
+    """A compact file's tensors as the block holds them: each split tensor whole again.
 
-    The offsets of a joined tensor are 0..its size: it is not in the file as such.
+    The offsets of a split tensor are 0..its size: it is not in the file as such.
     """
     out = dict(specs)
-    for name, dtype in split.items():
-        lo_name, hi_name = planes.plane_names(name)
-        lo, hi = out.pop(lo_name, None), out.pop(hi_name, None)
-        if lo is None or hi is None or lo.dtype != np.uint8 or hi.dtype != np.uint8:
-            raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 planes")
-        if len(hi.shape) != 1 or name in out:
-            raise BlockCorrupt(f"planes: tensor {name!r} is malformed")
+    hi = out.pop(planes.HI, None)
+    if order and (hi is None or hi.dtype != np.uint8 or len(hi.shape) != 1):
+        raise BlockCorrupt(f"planes: the U8 tensor {planes.HI!r} is missing")
+    for name, dtype in order:
+        lo = out.pop(planes.lo_name(name), None)
+        if lo is None or lo.dtype != np.uint8 or name in out:
+            raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 low plane")
         out[name] = TensorSpec(dtype, lo.shape, 0, lo.nbytes * dtype.itemsize)
     return out
 
@@ -252,17 +255,18 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
 
 
 class _Scratch(threading.local):
-    """Each reading thread's buffer for a compact file's data section (reused)."""
+    """Each reading thread's buffers for compact files: data section, high bytes (reused)."""
 
     def __init__(self) -> None:
-        self.buffer = np.empty(0, dtype=np.uint8)
+        self.buffers: dict[str, np.ndarray] = {}
 
-    def get(self, size: int) -> np.ndarray:
+    def get(self, name: str, size: int) -> np.ndarray:
         if size > _KEEP_SCRATCH:
             return np.empty(size, dtype=np.uint8)
-        if self.buffer.shape[0] < size:
-            self.buffer = np.empty(size, dtype=np.uint8)
-        return self.buffer[:size]
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape[0] < size:
+            buf = self.buffers[name] = np.empty(size, dtype=np.uint8)
+        return buf[:size]
 
 
 _scratch = _Scratch()
@@ -274,36 +278,40 @@ def _fill_planes(
 ) -> None:
     """A compact file: read and checksum it whole, then join its planes into the targets."""
     assert opened.physical is not None and opened.planes is not None
-    row = opened.row
-    data = _scratch.get(row.stored_bytes - len(opened.header))
+    row, physical = opened.row, opened.physical
+    data = _scratch.get("data", row.stored_bytes - len(opened.header))
     read_exactly(opened.fd, [data.data], len(opened.header))
     digest = xxhash.xxh3_128(opened.header)
     digest.update(data.data)
     found = "xxh3:" + digest.hexdigest()
     if found != row.checksum:  # before anything is decompressed or written
         raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
-    physical = opened.physical
 
     def section(name: str) -> np.ndarray:
         spec = physical[name]
         return data[spec.begin : spec.end]
 
-    def write(name: str, parts: list[np.ndarray]) -> None:
-        if name in opened.planes:  # type: ignore[operator]
-            lo_name, hi_name = planes.plane_names(name)
-            lo = section(lo_name)
-            planes.interleave(lo, planes.high_plane(section(hi_name), lo.shape[0]), parts)
-            return
-        src = section(name)
-        at = 0
-        for part in parts:
-            part[...] = src[at : at + part.shape[0]]
-            at += part.shape[0]
-
-    for name, arr in own.items():
-        write(name, [arr.reshape(-1).view(np.uint8)])
-    for name, views in placed:
-        write(name, [np.frombuffer(v, dtype=np.uint8) for v in views])
+    outputs = {name: [arr.reshape(-1).view(np.uint8)] for name, arr in own.items()}
+    outputs.update(
+        (name, [np.frombuffer(v, dtype=np.uint8) for v in views]) for name, views in placed
+    )
+    for name, parts in outputs.items():
+        if name in physical:  # stored whole: copied
+            src, at = section(name), 0
+            for part in parts:
+                part[...] = src[at : at + part.shape[0]]
+                at += part.shape[0]
+    items: list[planes.Item] = []
+    for name, _ in opened.planes:
+        lo, at = section(planes.lo_name(name)), 0
+        for part in outputs[name]:
+            n = part.shape[0] // 2
+            items.append((lo[at : at + n], part))
+            at += n
+    if items:
+        hi = _scratch.get("hi", sum(lo.shape[0] for lo, _ in items))
+        planes.decompress_into(section(planes.HI), hi)
+        planes.join_into(hi, items)
 
 
 def _copy_legacy(

@@ -4,23 +4,22 @@ A KV cache of f16 values compresses badly as it is (zstd-1: 0.92 of raw):
 the low byte of each value is mantissa noise, and a byte-wise entropy coder
 that sees both bytes mixed cannot code the high bytes (sign, exponent, the
 top mantissa bits) well. Split apart, the high bytes compress to about 0.7
-of their size and the low bytes are kept as they are: 0.853 of raw on the
+of their size and the low bytes are kept as they are: 0.855 of raw on the
 default model.
 
 A compact block file is still a plain safetensors file. Each F16 tensor
-``name`` of the block is stored as two U8 tensors:
+``name`` of the block becomes ``name@lo``, a U8 tensor of its low bytes with
+the tensor's own shape; the high bytes of all of them, one tensor after the
+other in the order the metadata's ``planes`` entry lists them, are one zstd
+frame (level 1, content size declared), the U8 tensor ``@hi.zst``. Every
+other tensor, and every other metadata field, is as in the plain format.
+``blockfile.expand`` turns a compact file into the plain file it stands for.
 
-- ``name@lo``: the low bytes, with the tensor's own shape;
-- ``name@hi.zst``: one zstd frame (level 1, content size declared) of the
-  high bytes, in the same order.
-
-The metadata's ``planes`` entry (JSON) lists the split tensors and their
-dtype; every other tensor, and every other metadata field, is as in the
-plain format. ``expand`` turns a compact file into the plain one, byte for
-byte what the plain format would have written; ``join`` gives the tensors.
-
+One frame per file, not one per tensor: a restore then makes one
+decompression call and one join call (``_planes.c``) per block, both without
+the GIL, so the reader threads work in parallel instead of queueing for it.
 The whole file's xxh3-128 (the index's checksum) is checked before anything
-is decompressed, so the zstd frames carry no checksum of their own.
+is decompressed, so the frame carries no checksum of its own.
 """
 
 from __future__ import annotations
@@ -34,25 +33,34 @@ import zstandard
 
 from .values import BlockCorrupt
 
+try:  # one compiled loop (setup.py); optional: numpy does the same in three passes
+    from . import _planes
+except ImportError:  # pragma: no cover - depends on the build
+    _planes = None  # type: ignore[assignment]
+
 __all__ = [
     "HI",
     "LO",
     "PLANES_FORMAT",
-    "high_plane",
-    "interleave",
+    "Item",
+    "compiled",
+    "decompress_into",
     "join",
+    "join_into",
+    "lo_name",
     "logical_dtype",
     "parse_planes",
-    "plane_names",
     "split",
 ]
 
 PLANES_FORMAT = "lkv-planes1"
 LO = "@lo"
-HI = "@hi.zst"
+HI = "@hi.zst"  # the one tensor holding the frame of high bytes
 ZSTD_LEVEL = 1
 # the dtypes split into planes: little-endian 2-byte floats
 _SPLIT: dict[str, np.dtype[np.generic]] = {"F16": np.dtype("<f2")}
+
+Item = tuple[np.ndarray, np.ndarray]  # (low bytes, their output: twice as many bytes)
 
 
 class _Contexts(threading.local):
@@ -68,9 +76,14 @@ class _Contexts(threading.local):
 _contexts = _Contexts()
 
 
-def plane_names(name: str) -> tuple[str, str]:
-    """The names of ``name``'s low and high plane tensors."""
-    return name + LO, name + HI
+def compiled() -> bool:
+    """True if planes are joined by the compiled extension (``storage/_planes.c``)."""
+    return _planes is not None
+
+
+def lo_name(name: str) -> str:
+    """The name of tensor ``name``'s low plane."""
+    return name + LO
 
 
 def logical_dtype(text: str) -> np.dtype[np.generic]:
@@ -88,88 +101,115 @@ def split(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str
     others are returned as they are.
     """
     out: dict[str, np.ndarray] = {}
-    planes: dict[str, str] = {}
-    for name, arr in tensors.items():
+    order: list[list[str]] = []
+    highs: list[np.ndarray] = []
+    if HI in tensors:
+        raise ValueError(f"tensor name {HI!r} is taken")
+    for name in sorted(tensors):
+        arr = tensors[name]
         if arr.dtype != _SPLIT["F16"] or arr.ndim < 1:
             out[name] = arr
             continue
-        lo_name, hi_name = plane_names(name)
-        if lo_name in tensors or hi_name in tensors:
-            raise ValueError(f"tensor names {lo_name!r} or {hi_name!r} are taken")
+        if lo_name(name) in tensors:
+            raise ValueError(f"tensor name {lo_name(name)!r} is taken")
         pairs = np.ascontiguousarray(arr).view(np.uint8).reshape(*arr.shape, 2)
-        out[lo_name] = np.ascontiguousarray(pairs[..., 0])
-        frame = _contexts.cctx.compress(np.ascontiguousarray(pairs[..., 1]).data)
-        out[hi_name] = np.frombuffer(frame, dtype=np.uint8)
-        planes[name] = "F16"
-    return out, json.dumps(planes, sort_keys=True)
+        out[lo_name(name)] = np.ascontiguousarray(pairs[..., 0])
+        highs.append(pairs[..., 1].reshape(-1))
+        order.append([name, "F16"])
+    if order:
+        high = np.concatenate(highs) if len(highs) > 1 else np.ascontiguousarray(highs[0])
+        out[HI] = np.frombuffer(_contexts.cctx.compress(high.data), dtype=np.uint8)
+    return out, json.dumps(order)
 
 
-def parse_planes(text: str | None) -> dict[str, np.dtype[np.generic]]:
-    """The ``planes`` metadata entry: split tensor name -> logical dtype."""
+def parse_planes(text: str | None) -> list[tuple[str, np.dtype[np.generic]]]:
+    """The ``planes`` metadata entry: the split tensors, in frame order, and their dtypes."""
     if text is None:
         raise BlockCorrupt("planes: the metadata does not list the split tensors")
     try:
         entries = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BlockCorrupt(f"planes: metadata is not JSON: {exc}") from None
-    if not isinstance(entries, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in entries.items()
+    if not isinstance(entries, list) or not all(
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries
     ):
-        raise BlockCorrupt("planes: metadata must map tensor names to dtypes")
-    return {name: logical_dtype(dtype) for name, dtype in entries.items()}
+        raise BlockCorrupt("planes: metadata must list [tensor name, dtype] pairs")
+    if len({e[0] for e in entries}) != len(entries):
+        raise BlockCorrupt("planes: a tensor is listed twice")
+    return [(name, logical_dtype(dtype)) for name, dtype in entries]
 
 
-def high_plane(frame: np.ndarray, size: int) -> np.ndarray:
-    """Decompress one high-plane frame that must hold exactly ``size`` bytes."""
+def decompress_into(frame: np.ndarray, out: np.ndarray) -> None:
+    """Decompress the high-byte ``frame`` into ``out``, which it must fill exactly."""
+    size = out.nbytes
     try:
         params = zstandard.get_frame_parameters(frame.data)
     except zstandard.ZstdError as exc:
         raise BlockCorrupt(f"planes: not a zstd frame: {exc}") from None
     if params.content_size != size:
-        raise BlockCorrupt(f"planes: a frame declares {params.content_size} bytes, {size} expected")
-    try:
-        data = _contexts.dctx.decompress(
-            frame.data, max_output_size=size, read_across_frames=False, allow_extra_data=False
+        raise BlockCorrupt(
+            f"planes: the frame declares {params.content_size} bytes, {size} expected"
         )
+    target = out.reshape(-1).data
+    got = 0
+    try:
+        with _contexts.dctx.stream_reader(frame.data, read_across_frames=False) as reader:
+            while got < size:
+                n = reader.readinto(target[got:])
+                if not n:
+                    break
+                got += n
+            extra = reader.read(1)
     except zstandard.ZstdError as exc:
         raise BlockCorrupt(f"planes: zstd: {exc}") from None
-    if len(data) != size:
-        raise BlockCorrupt(f"planes: a frame decompressed to {len(data)} of {size} bytes")
-    return np.frombuffer(data, dtype=np.uint8)
+    if got != size or extra:
+        raise BlockCorrupt(f"planes: the frame decompressed to other than {size} bytes")
 
 
-def interleave(lo: np.ndarray, hi: np.ndarray, parts: Sequence[np.ndarray]) -> None:
-    """Write the 2-byte values of planes ``lo`` and ``hi`` into ``parts``, in order.
+def join_into(hi: np.ndarray, items: Sequence[Item], *, use_compiled: bool = True) -> None:
+    """For each (lo, out) in turn: ``out`` gets the values of ``lo`` and the next bytes of ``hi``.
 
-    ``parts`` are writable uint8 arrays whose sizes add up to twice the planes'.
+    All uint8, ``out`` writable and twice the size of ``lo``; ``hi`` must be
+    used up exactly. One compiled call (without the GIL) where the extension
+    is built and ``use_compiled``, else three numpy passes per item.
     """
+    if use_compiled and _planes is not None:
+        _planes.join(hi.data, [(lo.data, out.data) for lo, out in items])
+        return
     at = 0
-    for part in parts:
-        n = part.nbytes // 2
-        out = part.reshape(-1).view("<u2")
-        np.copyto(out, hi[at : at + n])
-        np.left_shift(out, 8, out=out)
-        np.bitwise_or(out, lo[at : at + n], out=out)
+    for lo, out in items:
+        n = lo.size
+        if out.nbytes != 2 * n:
+            raise ValueError(f"{n} low bytes cannot fill {out.nbytes} bytes")
+        values = out.reshape(-1).view("<u2")
+        np.copyto(values, hi[at : at + n])
+        np.left_shift(values, 8, out=values)
+        np.bitwise_or(values, lo.reshape(-1), out=values)
         at += n
-    if at != lo.shape[0]:
-        raise ValueError(f"targets hold {2 * at} bytes, the planes {2 * lo.shape[0]}")
+    if at != hi.size:
+        raise ValueError(f"the items take {at} high bytes, {hi.size} given")
 
 
 def join(
-    tensors: Mapping[str, np.ndarray], planes: Mapping[str, np.dtype[np.generic]]
+    tensors: Mapping[str, np.ndarray], order: Sequence[tuple[str, np.dtype[np.generic]]]
 ) -> dict[str, np.ndarray]:
     """The logical tensors of a compact file's ``tensors`` (new arrays for the split ones)."""
     out = dict(tensors)
-    for name, dtype in planes.items():
-        lo_name, hi_name = plane_names(name)
-        lo, hi = out.pop(lo_name, None), out.pop(hi_name, None)
-        if lo is None or hi is None or lo.dtype != np.uint8 or hi.dtype != np.uint8:
-            raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 planes")
-        if name in out:
-            raise BlockCorrupt(f"planes: tensor {name!r} is stored both whole and split")
+    frame = out.pop(HI, None)
+    items: list[Item] = []
+    for name, dtype in order:
+        lo = out.pop(lo_name(name), None)
+        if lo is None or lo.dtype != np.uint8 or name in out:
+            raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 low plane")
         arr = np.empty(lo.shape, dtype=dtype)
-        lo_flat = lo.reshape(-1)
-        interleave(lo_flat, high_plane(hi.reshape(-1), lo_flat.shape[0]), [arr.view(np.uint8)])
-        arr.setflags(write=False)
+        items.append((lo, arr.view(np.uint8)))
         out[name] = arr
+    if order:
+        if frame is None or frame.dtype != np.uint8 or frame.ndim != 1:
+            raise BlockCorrupt(f"planes: the U8 tensor {HI!r} is missing")
+        hi = np.empty(sum(lo.size for lo, _ in items), dtype=np.uint8)
+        decompress_into(frame, hi)
+        join_into(hi, items)
+    for name, _ in order:
+        out[name].setflags(write=False)
     return out

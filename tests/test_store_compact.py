@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 from localkv.storage import planes
 from localkv.storage.blockfile import FORMAT_VERSION, checksum, encode, expand
 from localkv.storage.store import BlockCorrupt, SnapshotStore
@@ -37,19 +38,22 @@ def test_compact_file_is_safetensors_with_planes() -> None:
     block = make_chain(list(range(10, 30)), 8)[1]
     data = encode(block, compact=True)
     loaded = st_load(data)
-    assert set(loaded) == {"k.0@lo", "k.0@hi.zst", "k.1@lo", "k.1@hi.zst"} | {
-        "v.0",
-        "v.1",
-        "tokens",
-        "pos",
-    }
-    k0 = block.tensors["k.0"]
+    assert set(loaded) == {"k.0@lo", "k.1@lo", "@hi.zst", "v.0", "v.1", "tokens", "pos"}
+    k0, k1 = block.tensors["k.0"], block.tensors["k.1"]
     assert loaded["k.0@lo"].dtype == np.uint8 and loaded["k.0@lo"].shape == k0.shape
     np.testing.assert_array_equal(loaded["k.0@lo"], k0.view(np.uint16) & 0xFF)
     np.testing.assert_array_equal(loaded["v.0"], block.tensors["v.0"])  # U8: not split
     meta = _meta(data)
     assert meta["format"] == planes.PLANES_FORMAT
-    assert json.loads(meta["planes"]) == {"k.0": "F16", "k.1": "F16"}
+    assert json.loads(meta["planes"]) == [["k.0", "F16"], ["k.1", "F16"]]
+    # one frame: the high bytes of k.0, then of k.1
+    high = zstandard.ZstdDecompressor().decompress(loaded["@hi.zst"].tobytes())
+    assert (
+        high
+        == np.concatenate([k0.view(np.uint16) >> 8, k1.view(np.uint16) >> 8])
+        .astype(np.uint8)
+        .tobytes()
+    )
 
 
 def test_expanded_compact_file_is_the_plain_file() -> None:
@@ -140,6 +144,11 @@ def _rewrite(store: SnapshotStore, row_hash: str, data: bytes) -> None:
         )
 
 
+def _frame(content: bytes) -> np.ndarray:
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(content)
+    return np.frombuffer(frame, dtype=np.uint8)
+
+
 def _forged(data: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
     tensors = {k: np.array(v) for k, v in st_load(data).items()}
     edit(tensors)
@@ -151,23 +160,27 @@ def _forged(data: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
     [
         (
             "frame declares another size",
-            lambda t: t.update(
-                {
-                    "k.0@hi.zst": np.frombuffer(
-                        planes._contexts.cctx.compress(b"x" * 7), dtype=np.uint8
-                    )
-                }
-            ),
+            lambda t: t.update({"@hi.zst": _frame(b"x" * 7)}),
             "declares",
         ),
-        ("frame is not zstd", lambda t: t["k.0@hi.zst"].fill(0), "zstd"),
-        ("a plane is missing", lambda t: t.pop("k.1@lo"), "lacks its U8 planes"),
+        (
+            "frame is cut short",
+            lambda t: t.update({"@hi.zst": t["@hi.zst"][: len(t["@hi.zst"]) // 2].copy()}),
+            "zstd|other than",
+        ),
+        ("frame is not zstd", lambda t: t["@hi.zst"].fill(0), "zstd"),
+        ("no frame", lambda t: t.pop("@hi.zst"), "is missing"),
+        ("a plane is missing", lambda t: t.pop("k.1@lo"), "lacks its U8 low plane"),
         (
             "a plane has the wrong dtype",
             lambda t: t.update({"k.0@lo": t["k.0@lo"].astype(np.int16)}),
-            "lacks its U8 planes",
+            "lacks its U8 low plane",
         ),
-        ("whole and split", lambda t: t.update({"k.0": np.zeros(2, np.float16)}), "malformed"),
+        (
+            "whole and split",
+            lambda t: t.update({"k.0": np.zeros(2, np.float16)}),
+            "lacks its U8 low plane",
+        ),
     ],
 )
 def test_forged_compact_files_with_a_matching_checksum_are_refused(
@@ -197,10 +210,40 @@ def test_a_flipped_byte_in_a_compact_file_fails_the_checksum(tmp_path: Path, whe
         at = {
             "header": 20,
             "low plane": 8 + n + header["k.0@lo"]["data_offsets"][0] + 3,
-            "high plane": 8 + n + header["k.0@hi.zst"]["data_offsets"][1] - 3,
+            "high plane": 8 + n + header["@hi.zst"]["data_offsets"][1] - 3,
         }[where]
         data[at] ^= 0x10
         path.write_bytes(bytes(data))
         with pytest.raises(BlockCorrupt) as info:
             store.read_blocks([row])
         assert "checksum" in info.value.reason or "metadata" in info.value.reason
+
+
+def test_the_compiled_join_is_built_and_agrees_with_numpy() -> None:
+    assert planes.compiled()  # setup.py builds it wherever llama-cpp-python builds
+    rng = np.random.default_rng(3)
+    lo = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5, 0, 4096, 3)]
+    hi = rng.integers(0, 256, sum(x.size for x in lo), dtype=np.uint8)
+    outs = {}
+    for use_compiled in (True, False):
+        out = [np.full(2 * x.size, 7, dtype=np.uint8) for x in lo]
+        planes.join_into(hi, list(zip(lo, out, strict=True)), use_compiled=use_compiled)
+        outs[use_compiled] = np.concatenate(out)
+    expected = np.stack([np.concatenate(lo), hi], axis=1).reshape(-1)
+    np.testing.assert_array_equal(outs[True], expected)
+    np.testing.assert_array_equal(outs[False], expected)
+
+
+@pytest.mark.parametrize("use_compiled", [True, False])
+def test_join_refuses_what_does_not_fit(use_compiled: bool) -> None:
+    lo, hi = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
+    with pytest.raises(ValueError):
+        planes.join_into(hi, [(lo, np.zeros(6, np.uint8))], use_compiled=use_compiled)
+    with pytest.raises(ValueError):
+        planes.join_into(hi[:3], [(lo, np.zeros(8, np.uint8))], use_compiled=use_compiled)
+    if use_compiled:
+        buf = np.zeros(16, np.uint8)
+        with pytest.raises(ValueError, match="overlaps"):
+            planes.join_into(buf[:4], [(lo, buf[:8])])
+        with pytest.raises(TypeError):
+            planes.join_into(hi, [(lo, np.frombuffer(bytes(8), np.uint8))])  # read-only

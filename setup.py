@@ -1,0 +1,20 @@
+"""The one compiled part of localkv: joining byte planes (``storage/_planes.c``).
+
+Everything else is configured in pyproject.toml. The extension is optional:
+where it cannot be built, ``localkv.storage.planes`` joins planes with numpy.
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "localkv.storage._planes",
+            ["storage/_planes.c"],
+            extra_compile_args=[] if sys.platform == "win32" else ["-O3"],
+            optional=True,
+        )
+    ]
+)
