@@ -10,16 +10,16 @@ against the row.
 
 Why uncompressed (``lkv-block2``): restoring is what the cache is for, and
 decompression dominated it. Measured on the default model's f16 K/V (2,048
-tokens, 47 MB, 2 cores): zstd-1 stores 0.92 of raw but decodes in ~45 ms on
-one core; a split storing the high byte plane with zstd-1 and the low plane raw
-stores 0.853 and decodes in ~24 ms on two; raw files read straight into
-llama.cpp's state buffer (``blockread``) take ~6 ms, checksum included.
-``localkv bench`` measures the three in every run.
+tokens, 47 MB, 2 cores): zstd-1 stores 0.92 of raw but decodes in ~21 ms;
+the high byte plane alone compressed stores 0.853 and decodes in ~17 ms;
+raw files read straight into llama.cpp's state buffer (``blockread``) take
+~6 ms, checksum included. ``localkv bench`` measures the three in every run.
 
 A store opened ``compact`` writes the second of these instead (format
-``lkv-planes1``, ``planes``): still a safetensors file, each F16 tensor as
-two U8 planes, the high one a zstd frame; ``expand`` gives the plain file it
-stands for. Its index row's ``raw_bytes`` is the plain file's size.
+``lkv-planes1``, see ``planes``): still a safetensors file, each F16 tensor
+as its U8 low plane plus one zstd frame of all high planes; ``expand`` gives
+the plain file it stands for. Its index row's ``raw_bytes`` is the plain
+file's size.
 
 Files of the first format (``lkv-block1``: the same safetensors compressed as
 one zstd frame with its content size and checksum, indexed with a CRC-32) are
