@@ -29,6 +29,7 @@ from pathlib import Path
 from localkv import codec
 from localkv.background import BackgroundWork
 from localkv.cache import PrefixCache, RestoreResult, SaveResult
+from localkv.catalogue import covering_snapshot, snapshot_listing
 from localkv.conversation import stream_answer
 from localkv.identity import identity_of
 from localkv.models import resolve_model
@@ -170,22 +171,7 @@ class Runtime:
         """This namespace's snapshots (label, tokens, bytes, hits, last used, pinned)."""
         if self.cache is None:
             return []
-        store = self.cache.store
-        out: list[dict[str, object]] = []
-        for snap in store.snapshots(self.namespace):
-            chain = store.chain_of(snap.tip)
-            out.append(
-                {
-                    "id": snap.id,
-                    "label": snap.label,
-                    "tokens": snap.n_tokens,
-                    "bytes_on_disk": sum(r.stored_bytes for r in chain),
-                    "hits": snap.hits,
-                    "last_used": snap.last_used,
-                    "pinned": snap.pinned,
-                }
-            )
-        return out
+        return snapshot_listing(self.cache.store, self.namespace)
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         if self.cache is None:
@@ -242,28 +228,15 @@ class Runtime:
         if result is None:
             return report
         try:
-            snapshot = self._snapshot_covering(result, tokens)
+            snapshot = (
+                None
+                if self.cache is None
+                else covering_snapshot(self.cache.store, self.namespace, result, tokens)
+            )
         except (OSError, sqlite3.Error) as exc:
             log.warning("could not name the snapshot: %s", exc)
             return report
         return dataclasses.replace(report, snapshot=snapshot)
-
-    def _snapshot_covering(self, result: RestoreResult, tokens: list[int]) -> str | None:
-        if self.cache is None or not result.chain:
-            return None
-        on_chain = set(result.chain)
-        best: tuple[int, str] | None = None
-        for snap in self.cache.store.snapshots(self.namespace):
-            if snap.n_tokens > result.reused or (best and snap.n_tokens <= best[0]):
-                continue
-            rows = self.cache.store.match_chain([snap.tip])
-            if not rows:
-                continue
-            tip = rows[0]
-            parent_ok = tip.parent is None or tip.parent in on_chain
-            if parent_ok and list(tip.tokens) == tokens[tip.start : tip.end]:
-                best = (snap.n_tokens, snap.id)
-        return best[1] if best else None
 
     def _check_fits(self, request: Request, room: int) -> None:
         if len(request.tokens) + room > self.session.n_ctx:
