@@ -247,3 +247,44 @@ def test_join_refuses_what_does_not_fit(use_compiled: bool) -> None:
             planes.join_into(buf[:4], [(lo, buf[:8])])
         with pytest.raises(TypeError):
             planes.join_into(hi, [(lo, np.frombuffer(bytes(8), np.uint8))])  # read-only
+
+
+def _huge_frame(t: dict[str, np.ndarray]) -> None:
+    """A frame header declaring 1 TiB (the rest of the frame is the real one's)."""
+    frame = bytes(t["@hi.zst"])
+    fhd = frame[4]
+    single = (fhd >> 5) & 1
+    fcs_len = ((1 if single else 0), 2, 4, 8)[fhd >> 6]
+    head = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    forged = (
+        frame[:4]
+        + bytes([(3 << 6) | (fhd & 0x3F)])
+        + frame[5:head]
+        + struct.pack("<Q", 1 << 40)
+        + frame[head + fcs_len :]
+    )
+    t["@hi.zst"] = np.frombuffer(forged, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("forge", [False, True], ids=["valid", "frame declares 1 TiB"])
+def test_reading_a_compact_block_stays_in_bounded_memory(tmp_path: Path, forge: bool) -> None:
+    import tracemalloc
+
+    blocks = _noisy_chain(64, 64)
+    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+        put_chain(store, blocks)
+        row = store.match_chain([blocks[0].hash])[0]
+        if forge:
+            _rewrite(store, row.hash, _forged((store.root / row.file).read_bytes(), _huge_frame))
+            row = store.match_chain([blocks[0].hash])[0]
+        tracemalloc.start()
+        try:
+            if forge:
+                with pytest.raises(BlockCorrupt, match="declares"):
+                    store.read_blocks([row])
+            else:
+                store.read_blocks([row])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak <= 2 * (row.stored_bytes + row.raw_bytes) + (1 << 20), peak
