@@ -12,7 +12,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 static void join_pair(const uint8_t *lo, const uint8_t *hi, uint8_t *out, Py_ssize_t n)
 {

@@ -59,11 +59,12 @@ def test_seed_example_reuses_exactly_two(tiny_models: TinyModels, tmp_path: Path
         assert _reuse(rt, [99, 24, 31, 42, 57]) == 0
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 @pytest.mark.parametrize("p", [1, 100, 255, 256, 300, 599])
 def test_a_different_token_at_p_reuses_exactly_p(
-    tiny_models: TinyModels, tmp_path: Path, long_text: str, p: int
+    tiny_models: TinyModels, tmp_path: Path, long_text: str, p: int, compact: bool
 ) -> None:
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    with _runtime(tiny_models.base, tmp_path, compact=compact) as rt:
         tokens = rt.session.tokenize(long_text)[:700]
         _save_tokens(rt, tokens)
         changed = list(tokens)
@@ -71,10 +72,11 @@ def test_a_different_token_at_p_reuses_exactly_p(
         assert _reuse(rt, changed) == p
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 def test_shifted_document_is_not_reused(
-    tiny_models: TinyModels, tmp_path: Path, doc: Document
+    tiny_models: TinyModels, tmp_path: Path, doc: Document, compact: bool
 ) -> None:
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    with _runtime(tiny_models.base, tmp_path, compact=compact) as rt:
         rt.prefill([doc], system=SYSTEM)
         other = rt.build([doc], system="A different, longer system prompt for this test.")
         first = rt.build([doc], system=SYSTEM)
@@ -96,6 +98,7 @@ def test_shifted_document_is_not_reused(
         ("base", {"namespace": "work"}, "namespace"),
     ],
 )
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 def test_other_computations_reuse_nothing_and_say_why(
     tiny_models: TinyModels,
     tmp_path: Path,
@@ -103,8 +106,9 @@ def test_other_computations_reuse_nothing_and_say_why(
     variant: str,
     kw: dict[str, object],
     field: str,
+    compact: bool,
 ) -> None:
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    with _runtime(tiny_models.base, tmp_path, compact=compact) as rt:
         rt.prefill([doc], system=SYSTEM)
     options = dict(kw)
     if "lora" in options:
