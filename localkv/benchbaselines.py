@@ -82,6 +82,11 @@ class LlamaFiles:
         if not read or n_out.value != n:
             raise RuntimeError(f"llama_state_seq_load_file failed for {path}")
 
+    def timed_load(self) -> float:
+        """Seconds for one ``load_file`` of the N-token file into the emptied session."""
+        self.session.reset()
+        return timed(lambda: self._load(self.full, len(self.tokens)))
+
     def save_both(self, repeats: int) -> None:
         """Save the session's N tokens ``repeats`` times (timed), then N-1 tokens once.
 
@@ -107,11 +112,7 @@ class LlamaFiles:
     def measure(self, repeats: int) -> LlamaFileResult:
         if not self.save_times:
             raise RuntimeError("save_both first")
-        n = len(self.tokens)
-        loads = []
-        for _ in range(repeats):
-            self.session.reset()
-            loads.append(timed(lambda: self._load(self.full, n)))
+        loads = [self.timed_load() for _ in range(repeats)]
         ttfts = [self._ttft() for _ in range(repeats)]
         # after the page-cache runs, so those are not disturbed by the evictions
         colds = [cold_call([self.head], self._ttft) for _ in range(repeats)]

@@ -81,7 +81,10 @@ METHOD = [
     "tokens; probe: the last token decoded alone, its logits compared bit for bit with "
     "the stored probe) and argmax. The probe decode yields the first token's logits, so "
     "it is the decode llama.cpp's own TTFT pays too. **restore without the probe** is "
-    "lookup + read + load: the state in place, as `load_file` leaves it.",
+    "lookup + read + load: the state in place, as `load_file` leaves it. Its ratio to "
+    "`load_file` comes twice: the ratio of the two medians, and, run by run, the restore "
+    "over a `load_file` of the same N tokens timed just before it in the same loop (median, "
+    "min to max), so that both sides of each ratio meet the same machine state.",
     "- **not in page cache** / **from disk**: the same measurement, run after the page-cache "
     "runs, with its files dropped from the page cache before each run, without root: each "
     "file is opened read-only, fsynced (a dirty page is not dropped) and given "

@@ -90,6 +90,8 @@ class SizeResult:
     cold_ttft: Stat
     warm_ttft: Stat
     warm_steps: dict[str, Stat]
+    # each run's restore (without the probe) over the load_file timed just before it
+    warm_over_load_file: Stat
     warm_evicted: ColdStat  # warm TTFT, the chain's block files evicted before each run
     warm_verified: bool  # every restore, from the page cache or not
     first_token_agrees: bool  # warm and llama.cpp-file first tokens equal the cold one
@@ -100,6 +102,7 @@ class SizeResult:
     raw_bytes: int
     compact_ttft: Stat  # warm TTFT from the same blocks written compact (``storage.planes``)
     compact_steps: dict[str, Stat]
+    compact_over_load_file: Stat  # as warm_over_load_file, from the compact blocks
     compact_bytes: int
     get_data_s: Stat  # llama_state_seq_get_data into a ready buffer
     floor: FloorResult
@@ -122,6 +125,8 @@ class SizeResult:
             "compact_restore_over_load_file": self.compact_steps[RESTORE].median
             / self.llama_file.load.median,
             "compact_over_raw": self.compact_bytes / self.raw_bytes,
+            "restore_over_load_file_paired": self.warm_over_load_file.median,
+            "compact_restore_over_load_file_paired": self.compact_over_load_file.median,
         }
 
 

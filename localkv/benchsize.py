@@ -121,16 +121,30 @@ class _SizeBench:
         """The files of the stored chain ending at ``tip``."""
         return [self.store.root / row.file for row in self.store.chain_of(tip)]
 
-    def warm(self, what: str = "") -> tuple[Stat, dict[str, Stat], bool, list[int]]:
+    def warm(
+        self, files: base.LlamaFiles, what: str = ""
+    ) -> tuple[Stat, dict[str, Stat], bool, list[int], Stat]:
+        """Warm restores from the page cache, each paired with a ``load_file`` just before it.
+
+        The last value is each run's restore (without the probe) over the
+        ``load_file`` timed right before it: both see the same machine state.
+        """
         self.say(f"  warm restore of {self.n:,} tokens{what} x {self.cfg.repeats}")
-        runs = [self._restore_once() for _ in range(self.cfg.repeats)]
+        runs, loads = [], []
+        for _ in range(self.cfg.repeats):
+            loads.append(files.timed_load())
+            runs.append(self._restore_once())
         steps = {s: Stat.of([r[1].get(s, 0.0) for r in runs]) for s in STEPS}
         # the state restored, before the probe decode: what llama.cpp's load_file does
-        steps[RESTORE] = Stat.of([sum(r[1].get(s, 0.0) for s in STEPS[:3]) for r in runs])
+        restores = [sum(r[1].get(s, 0.0) for s in STEPS[:3]) for r in runs]
+        steps[RESTORE] = Stat.of(restores)
+        paired = Stat.of([r / lf for r, lf in zip(restores, loads, strict=True)])
         verified = all(r[2] for r in runs)
-        return Stat.of([r[0] for r in runs]), steps, verified, [r[3] for r in runs]
+        return Stat.of([r[0] for r in runs]), steps, verified, [r[3] for r in runs], paired
 
-    def compact(self) -> tuple[Stat, dict[str, Stat], bool, list[int], int]:
+    def compact(
+        self, files: base.LlamaFiles
+    ) -> tuple[Stat, dict[str, Stat], bool, list[int], Stat, int]:
         """``warm`` from a second store holding the same blocks in the compact format.
 
         Returns ``warm``'s figures and the compact chain's bytes on disk.
@@ -145,7 +159,7 @@ class _SizeBench:
             if saved.tip is None:
                 raise RuntimeError("nothing was saved")
             stored = sum(r.stored_bytes for r in store.chain_of(saved.tip))
-            return (*self.warm(", compact blocks"), stored)
+            return (*self.warm(files, ", compact blocks"), stored)
         finally:
             self.cache = plain
             store.close()
@@ -230,9 +244,11 @@ def bench_size(
         prepare_s, write_s, blocks, stored = sb.save(cold.median / n)
         files = base.LlamaFiles(session, sb.tokens, work, n)
         files.save_both(cfg.repeats)
-        warm, steps, verified, warm_firsts = sb.warm()
+        warm, steps, verified, warm_firsts, paired = sb.warm(files)
         warm_evicted, cold_verified, cold_firsts = sb.warm_evicted()
-        compact_warm, compact_steps, compact_verified, compact_firsts, compact_bytes = sb.compact()
+        compact = sb.compact(files)
+        compact_warm, compact_steps, compact_verified, compact_firsts, compact_paired = compact[:5]
+        compact_bytes = compact[5]
         memory = sb.restore_memory()
         say(f"  llama.cpp state files, physical floor, LlamaDiskCache ({n:,} tokens)")
         llama_file = files.measure(cfg.repeats)
@@ -256,6 +272,7 @@ def bench_size(
         cold_ttft=cold,
         warm_ttft=warm,
         warm_steps=steps,
+        warm_over_load_file=paired,
         warm_evicted=warm_evicted,
         warm_verified=verified and cold_verified and compact_verified,
         first_token_agrees=firsts == {cold_first},
@@ -266,6 +283,7 @@ def bench_size(
         raw_bytes=len(raw),
         compact_ttft=compact_warm,
         compact_steps=compact_steps,
+        compact_over_load_file=compact_paired,
         compact_bytes=compact_bytes,
         get_data_s=get_data,
         floor=floor,

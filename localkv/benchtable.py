@@ -42,6 +42,11 @@ def _ratio(name: str) -> Cell:
     return lambda s: fmt_ratio(s.ratios[name])
 
 
+def _paired(s: SizeResult, compact: bool = False) -> str:
+    r = s.compact_over_load_file if compact else s.warm_over_load_file
+    return f"{fmt_ratio(r.median)} ({fmt_ratio(r.min)} to {fmt_ratio(r.max)})"
+
+
 def _save(s: SizeResult) -> str:
     return f"{fmt_s(s.save_prepare_s)} + {fmt_s(s.save_write_s)}"
 
@@ -98,6 +103,7 @@ CELLS: list[tuple[str, Cell]] = [
     ("warm / llama.cpp-file TTFT, not in page cache", _cold_ratio),
     ("warm / floor", _ratio("warm_over_floor")),
     ("restore without the probe / llama.cpp load_file", _ratio("restore_over_load_file")),
+    ("  the same, each run / the load_file just before it", _paired),
     ("restore without the probe / floor", _ratio("restore_over_floor")),
     ("bytes on disk", lambda s: fmt_bytes(s.stored_bytes)),
     ("raw KV bytes", lambda s: fmt_bytes(s.raw_bytes)),
@@ -109,6 +115,7 @@ CELLS: list[tuple[str, Cell]] = [
         "  compact restore without the probe / llama.cpp load_file",
         _ratio("compact_restore_over_load_file"),
     ),
+    ("  compact: each run / the load_file just before it", lambda s: _paired(s, compact=True)),
     ("  compact: bytes on disk", lambda s: fmt_bytes(s.compact_bytes)),
     ("  compact: on disk / raw", lambda s: f"{s.ratios['compact_over_raw']:.3f}"),
     *[(f"encoding {e.name}: on disk / raw | decode", _encoding(e.name)) for e in ENCODINGS],

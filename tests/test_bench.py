@@ -124,7 +124,13 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             "stored_over_raw",
             "compact_restore_over_load_file",
             "compact_over_raw",
+            "restore_over_load_file_paired",
+            "compact_restore_over_load_file_paired",
         }
+        # run by run: one ratio per warm restore, each over its own load_file
+        for paired in (s.warm_over_load_file, s.compact_over_load_file):
+            assert paired.n == result.config.repeats
+            assert 0 < paired.min <= paired.median <= paired.max
         restore = s.warm_steps[RESTORE]
         assert restore.min <= s.warm_ttft.min and restore.median < s.warm_ttft.max
         assert all(math.isfinite(v) and v > 0 for v in s.ratios.values())
@@ -218,6 +224,9 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
     assert first["cold_ttft_s"]["median"] == result.sizes[0].cold_ttft.median
     assert set(first["warm_steps_s"]) == {*STEPS, RESTORE}
     assert first["llama_disk_cache"]["bytes"] == result.sizes[0].disk_cache.disk_bytes
+    paired = first["compact"]["restore_over_load_file_paired"]
+    assert paired["median"] == result.sizes[0].compact_over_load_file.median
+    assert first["restore_over_load_file_paired"]["n"] == result.config.repeats
     cold = first["warm_ttft_evicted"]
     assert cold["seconds"]["median"] == result.sizes[0].warm_evicted.time.median
     assert cold["file_bytes"] == result.sizes[0].warm_evicted.file_bytes
@@ -248,6 +257,8 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
         "encoding raw: decode from disk \\| read from storage",
         "encoding zstd-1: decode from disk \\| read from storage",
         "encoding hi-plane zstd-1: decode from disk \\| read from storage",
+        "the same, each run / the load_file just before it",
+        "compact: each run / the load_file just before it",
     ):
         assert f"| {label} |" in page
     for s in result.sizes:
