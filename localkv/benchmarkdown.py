@@ -113,11 +113,12 @@ METHOD = [
     "`storage/blockfile.py`); raw KV is the size of llama.cpp's sequence state for the N "
     "tokens.",
     "- **compact blocks**: the same blocks written by a second store in the compact format "
-    "(`--compact-cache`; `storage/planes.py`: each f16 tensor as its low byte plane, stored "
-    "as is, and its high byte plane, zstd level 1, in one safetensors file), then the warm "
-    "restore of **warm TTFT** from them, files in the page cache. Its read step reads each "
-    "file whole, checks its xxh3-128, decompresses the high planes and interleaves the two "
-    "planes into the state buffer.",
+    "(`--compact-cache`; `storage/planes.py`, `storage/q6.py`: each f16 tensor as its low "
+    "byte plane, stored as is, and its high bytes as 6-bit indices into a table of the "
+    "tensor's 63 most frequent ones, the others escaped, in one safetensors file), then the "
+    "warm restore of **warm TTFT** from them, files in the page cache. Its read step reads "
+    "each file whole, checks its xxh3-128 and decodes the two planes into the state buffer "
+    "(compiled, AVX2 where the CPU has it).",
     "- **encoding rows** (`localkv.benchcodecs`): the N tokens' state, captured once after "
     "the cold prefill, cut into blocks and written as one file per block three ways: `raw` "
     "(the K and V rows as they are), `zstd-1` (one zstd level-1 frame per tensor) and "

@@ -169,9 +169,9 @@ def cache_options(func: F) -> F:
             "--compact-cache",
             is_flag=True,
             envvar="LOCALKV_COMPACT_CACHE",
-            help="Write new cache blocks compressed: about 0.86 of the disk space, "
-            "restores about 1.6x as long (see docs/BENCHMARKS.md). Blocks of both "
-            "kinds are read. [env: LOCALKV_COMPACT_CACHE=1]",
+            help="Write new cache blocks compact: about 0.89 of the disk space, "
+            "restores about 1.2x as long (see docs/BENCHMARKS.md). Blocks of every "
+            "kind are read. [env: LOCALKV_COMPACT_CACHE=1]",
         ),
     ]
     for opt in reversed(opts):

@@ -120,8 +120,9 @@ def bench(
     llama-cpp-python's LlamaDiskCache and the physical floor (raw state bytes
     into llama.cpp); repeats the restores with the files dropped from the page
     cache (checked in /proc/self/io); repeats them from compact block files
-    (--compact-cache); compares the block encodings (raw, zstd, high-byte plane
-    + zstd: bytes and decode time); and reports bytes on disk,
+    (--compact-cache: the high bytes in a 6-bit code); compares the block
+    encodings (raw, zstd, high-byte plane + zstd: bytes and decode time); and
+    reports bytes on disk,
     save time, peak memory and the lookup time with many blocks indexed. Caches
     live in a temporary directory. Takes about 10 minutes with the defaults:
     run it on an otherwise idle machine.

@@ -15,11 +15,13 @@ the high byte plane alone compressed stores 0.853 and decodes in ~17 ms;
 raw files read straight into llama.cpp's state buffer (``blockread``) take
 ~6 ms, checksum included. ``localkv bench`` measures the three in every run.
 
-A store opened ``compact`` writes the second of these instead (format
-``lkv-planes1``, see ``planes``): still a safetensors file, each F16 tensor
-as its U8 low plane plus one zstd frame of all high planes; ``expand`` gives
-the plain file it stands for. Its index row's ``raw_bytes`` is the plain
-file's size.
+A store opened ``compact`` writes a compact file instead (format
+``lkv-planes2``, see ``planes`` and ``q6``): still a safetensors file, each
+F16 tensor as its U8 low plane plus its high bytes in a 6-bit code; the
+earlier compact format ``lkv-planes1`` (the high bytes of all tensors in one
+zstd frame) is still read, and written with the ``zstd`` codec. ``expand``
+gives the plain file a compact one stands for. Its index row's
+``raw_bytes`` is the plain file's size.
 
 Files of the first format (``lkv-block1``: the same safetensors compressed as
 one zstd frame with its content size and checksum, indexed with a CRC-32) are
@@ -134,10 +136,10 @@ def is_zstd(data: bytes | bytearray | memoryview) -> bool:
     return bytes(data[:4]) == _ZSTD_MAGIC
 
 
-def encode(block: Block, *, compact: bool = False) -> bytes:
+def encode(block: Block, *, compact: bool = False, codec: str = "q6") -> bytes:
     """A block as a safetensors file; ``compact``: its F16 tensors split into planes.
 
-    See ``planes`` for the compact format.
+    See ``planes`` for the compact formats; ``codec`` (``q6`` or ``zstd``) picks one.
     """
     tensors: dict[str, np.ndarray] = {}
     for name, arr in block.tensors.items():
@@ -155,8 +157,7 @@ def encode(block: Block, *, compact: bool = False) -> bytes:
         probe_digest=block.probe.digest,
     )
     if compact:
-        tensors, metadata["planes"] = planes.split(tensors)
-        metadata["format"] = planes.PLANES_FORMAT
+        tensors, metadata["planes"], metadata["format"] = planes.split(tensors, codec)
     return bytes(_st_save(tensors, metadata=metadata))
 
 
@@ -167,12 +168,13 @@ def expand(data: bytes | bytearray | memoryview) -> bytes:
     serialized in another order). A plain file is returned as it is.
     """
     decoded = parse_safetensors(data)
-    if decoded.metadata.get("format") != planes.PLANES_FORMAT:
+    file_format = decoded.metadata.get("format", "")
+    if file_format not in planes.FORMATS.values():
         return bytes(data)
     metadata = dict(decoded.metadata)
     order = planes.parse_planes(metadata.pop("planes", None))
     metadata["format"] = FORMAT_VERSION
-    tensors = planes.join(decoded.tensors, order)
+    tensors = planes.join(decoded.tensors, order, file_format)
     return bytes(_st_save(tensors, metadata=metadata))
 
 

@@ -18,8 +18,8 @@ Nothing a target receives may be used unless ``fill_block`` returns: a
 checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
 
 A compact file (``planes``) is read whole into a per-thread buffer in step 2
-and its checksum compared before anything is decompressed; each split
-tensor's planes are then joined straight into its targets. A first-format
+and its checksum compared before anything is decoded; each split tensor is
+then decoded straight into its targets (``q6``: one compiled call per file). A first-format
 (zstd) block file is read whole, checked and decompressed in step 1; step 2
 copies its tensors into the targets.
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from . import planes
+from . import planes, q6
 from .blockfile import (
     LEGACY_FORMAT,
     DecodedBlock,
@@ -74,6 +74,7 @@ class HeaderCache:
         self._entries: OrderedDict[str, tuple[bytes, dict[str, str], dict[str, TensorSpec]]] = (
             OrderedDict()
         )
+        self._compact: dict[str, _Compact] = {}  # a compact file's parsed ``planes``, by checksum
 
     def get(
         self, row: BlockRow, header: bytes
@@ -84,6 +85,20 @@ class HeaderCache:
                 return None
             self._entries.move_to_end(row.checksum)
             return entry[1], entry[2]
+
+    def compact(self, row: BlockRow, header: bytes) -> _Compact | None:
+        """What ``put_compact`` recorded for this file's header (None if unknown)."""
+        with self._lock:
+            entry = self._entries.get(row.checksum)
+            if entry is None or entry[0] != header:
+                return None
+            return self._compact.get(row.checksum)
+
+    def put_compact(self, row: BlockRow, header: bytes, parsed: _Compact) -> None:
+        with self._lock:
+            entry = self._entries.get(row.checksum)
+            if entry is not None and entry[0] == header:
+                self._compact[row.checksum] = parsed
 
     def size_of(self, row: BlockRow) -> int | None:
         """The header length of this row's file when last read (None if unknown)."""
@@ -97,11 +112,14 @@ class HeaderCache:
         with self._lock:
             self._entries[row.checksum] = (header, meta, specs)
             self._entries.move_to_end(row.checksum)
+            self._compact.pop(row.checksum, None)
             while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+                self._compact.pop(self._entries.popitem(last=False)[0], None)
 
 
 Targets = Mapping[str, Sequence[np.ndarray]]
+# a compact file's split tensors (in order, with dtypes) and its tensors as the block holds them
+_Compact = tuple[list[tuple[str, np.dtype[np.generic]]], dict[str, TensorSpec]]
 
 
 @dataclass(slots=True, eq=False)
@@ -115,6 +133,7 @@ class OpenedBlock:
     specs: dict[str, TensorSpec]  # the block's tensors (a compact file's split ones joined)
     physical: dict[str, TensorSpec] | None = None  # a compact file's own tensors
     planes: list[tuple[str, np.dtype[np.generic]]] | None = None  # a compact file's split ones
+    planes_format: str = ""  # a compact file's format
     legacy: DecodedBlock | None = None  # a first-format file, already decoded
 
     def close(self) -> None:
@@ -143,10 +162,17 @@ def open_block(
             if cache is not None:
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
-        if metadata.get("format") == planes.PLANES_FORMAT:
-            order = planes.parse_planes(metadata.get("planes"))
-            meta = check_metadata(metadata, row, file_format=planes.PLANES_FORMAT)
-            return OpenedBlock(row, fd, header, meta, _logical(specs, order), specs, order)
+        file_format = metadata.get("format", "")
+        if file_format in planes.FORMATS.values():
+            meta = check_metadata(metadata, row, file_format=file_format)
+            known_compact = cache.compact(row, header) if cache is not None else None
+            if known_compact is None:
+                order = planes.parse_planes(metadata.get("planes"))
+                known_compact = (order, _logical(specs, order, file_format))
+                if cache is not None:
+                    cache.put_compact(row, header, known_compact)
+            order, logical = known_compact
+            return OpenedBlock(row, fd, header, meta, logical, specs, order, file_format)
         if row.stored_bytes != row.raw_bytes:
             raise BlockCorrupt(
                 f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
@@ -158,7 +184,7 @@ def open_block(
 
 
 def _logical(
-    specs: dict[str, TensorSpec], order: list[tuple[str, np.dtype[np.generic]]]
+    specs: dict[str, TensorSpec], order: list[tuple[str, np.dtype[np.generic]]], file_format: str
 ) -> dict[str, TensorSpec]:
     """A compact file's tensors as the block holds them: each split tensor whole again.
 
@@ -166,12 +192,19 @@ def _logical(
     """
     out = dict(specs)
     hi = out.pop(planes.HI, None)
-    if order and (hi is None or hi.dtype != np.uint8 or len(hi.shape) != 1):
-        raise BlockCorrupt(f"planes: the U8 tensor {planes.HI!r} is missing")
+    if file_format == planes.PLANES_FORMAT and order:
+        if hi is None or hi.dtype != np.uint8 or len(hi.shape) != 1:
+            raise BlockCorrupt(f"planes: the U8 tensor {planes.HI!r} is missing")
+    elif hi is not None:
+        raise BlockCorrupt(f"planes: {file_format} has no tensor {planes.HI!r}")
     for name, dtype in order:
         lo = out.pop(planes.lo_name(name), None)
         if lo is None or lo.dtype != np.uint8 or name in out:
             raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 low plane")
+        for part in planes.parts(name, file_format)[1:]:
+            spec = out.pop(part, None)
+            if spec is None or spec.dtype != np.uint8 or len(spec.shape) != 1:
+                raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 part {part!r}")
         out[name] = TensorSpec(dtype, lo.shape, 0, lo.nbytes * dtype.itemsize)
     return out
 
@@ -287,31 +320,42 @@ def _fill_planes(
     if found != row.checksum:  # before anything is decompressed or written
         raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
 
-    def section(name: str) -> np.ndarray:
-        spec = physical[name]
-        return data[spec.begin : spec.end]
+    whole = data.data
 
-    outputs = {name: [arr.reshape(-1).view(np.uint8)] for name, arr in own.items()}
-    outputs.update(
-        (name, [np.frombuffer(v, dtype=np.uint8) for v in views]) for name, views in placed
-    )
+    def section(name: str) -> memoryview:
+        spec = physical[name]
+        return whole[spec.begin : spec.end]
+
+    outputs = {name: [_byte_view(arr)] for name, arr in own.items()}
+    outputs.update(placed)
     for name, parts in outputs.items():
         if name in physical:  # stored whole: copied
             src, at = section(name), 0
             for part in parts:
-                part[...] = src[at : at + part.shape[0]]
-                at += part.shape[0]
-    items: list[planes.Item] = []
-    for name, _ in opened.planes:
-        lo, at = section(planes.lo_name(name)), 0
-        for part in outputs[name]:
-            n = part.shape[0] // 2
-            items.append((lo[at : at + n], part))
-            at += n
-    if items:
-        hi = _scratch.get("hi", sum(lo.shape[0] for lo, _ in items))
-        planes.decompress_into(section(planes.HI), hi)
-        planes.join_into(hi, items)
+                part[:] = src[at : at + len(part)]
+                at += len(part)
+    split = [name for name, _ in opened.planes]
+    if opened.planes_format == planes.Q6_FORMAT and q6.compiled():
+        # straight to the compiled decoder: one call, no arrays made (_logical checked the parts)
+        q6.decode_views(
+            [
+                (
+                    section(name + planes.LO),
+                    section(name + planes.Q6_INDEX),
+                    section(name + planes.Q6_TABLE),
+                    outputs[name],
+                )
+                for name in split
+            ]
+        )
+        return
+    stored = {name: np.frombuffer(section(name), dtype=np.uint8) for name in physical}
+    planes.decode_planes(
+        stored,
+        opened.planes,
+        {name: [np.frombuffer(v, dtype=np.uint8) for v in outputs[name]] for name in split},
+        opened.planes_format,
+    )
 
 
 def _copy_legacy(

@@ -20,6 +20,12 @@ decompression call and one join call (``_planes.c``) per block, both without
 the GIL, so the reader threads work in parallel instead of queueing for it.
 The whole file's xxh3-128 (the index's checksum) is checked before anything
 is decompressed, so the frame carries no checksum of its own.
+
+The second compact format, ``lkv-planes2`` (what a compact store writes),
+codes the high bytes with ``q6`` instead of zstd: each split tensor ``name``
+is ``name@lo`` as above, ``name@q6`` (its 6-bit indices) and ``name@tab``
+(its table and escaped bytes), all U8. About 0.887 of raw instead of 0.856,
+decoded about four times faster. Both formats are read.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import zstandard
 
+from . import q6
 from .values import BlockCorrupt
 
 try:  # one compiled loop (setup.py); optional: numpy does the same in three passes
@@ -39,23 +46,33 @@ except ImportError:  # pragma: no cover - depends on the build
     _planes = None  # type: ignore[assignment]
 
 __all__ = [
+    "CODECS",
+    "FORMATS",
     "HI",
     "LO",
     "PLANES_FORMAT",
+    "Q6_FORMAT",
     "Item",
     "compiled",
+    "decode_planes",
     "decompress_into",
     "join",
     "join_into",
     "lo_name",
     "logical_dtype",
     "parse_planes",
+    "parts",
     "split",
 ]
 
-PLANES_FORMAT = "lkv-planes1"
+PLANES_FORMAT = "lkv-planes1"  # high bytes in one zstd frame
+Q6_FORMAT = "lkv-planes2"  # high bytes in the 6-bit code of ``q6``
+FORMATS = {"q6": Q6_FORMAT, "zstd": PLANES_FORMAT}  # by codec name
+CODECS = tuple(FORMATS)
 LO = "@lo"
-HI = "@hi.zst"  # the one tensor holding the frame of high bytes
+HI = "@hi.zst"  # the one tensor holding the frame of high bytes (lkv-planes1)
+Q6_INDEX = "@q6"  # a tensor's 6-bit indices (lkv-planes2)
+Q6_TABLE = "@tab"  # its table and escaped high bytes (lkv-planes2)
 ZSTD_LEVEL = 1
 # the dtypes split into planes: little-endian 2-byte floats
 _SPLIT: dict[str, np.dtype[np.generic]] = {"F16": np.dtype("<f2")}
@@ -94,12 +111,24 @@ def logical_dtype(text: str) -> np.dtype[np.generic]:
     return dtype
 
 
-def split(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
-    """The compact file's tensors for ``tensors``, and its ``planes`` metadata (JSON).
+def parts(name: str, file_format: str) -> tuple[str, ...]:
+    """The stored tensors that hold split tensor ``name`` in a file of ``file_format``."""
+    if file_format == Q6_FORMAT:
+        return (name + LO, name + Q6_INDEX, name + Q6_TABLE)
+    return (name + LO,)
+
+
+def split(
+    tensors: Mapping[str, np.ndarray], codec: str = "q6"
+) -> tuple[dict[str, np.ndarray], str, str]:
+    """The compact file's tensors for ``tensors``, its ``planes`` metadata (JSON) and format.
 
     Every little-endian F16 tensor of at least one dimension is split; the
-    others are returned as they are.
+    others are returned as they are. ``codec``: ``q6`` or ``zstd``.
     """
+    file_format = FORMATS.get(codec)
+    if file_format is None:
+        raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {codec!r}")
     out: dict[str, np.ndarray] = {}
     order: list[list[str]] = []
     highs: list[np.ndarray] = []
@@ -110,16 +139,22 @@ def split(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str
         if arr.dtype != _SPLIT["F16"] or arr.ndim < 1:
             out[name] = arr
             continue
-        if lo_name(name) in tensors:
-            raise ValueError(f"tensor name {lo_name(name)!r} is taken")
-        pairs = np.ascontiguousarray(arr).view(np.uint8).reshape(*arr.shape, 2)
-        out[lo_name(name)] = np.ascontiguousarray(pairs[..., 0])
-        highs.append(pairs[..., 1].reshape(-1))
+        taken = [p for p in parts(name, file_format) if p in tensors]
+        if taken:
+            raise ValueError(f"tensor name {taken[0]!r} is taken")
+        if file_format == Q6_FORMAT:
+            lo, index, table = q6.encode(arr)
+            out[name + LO] = lo.reshape(arr.shape)
+            out[name + Q6_INDEX], out[name + Q6_TABLE] = index, table
+        else:
+            pairs = np.ascontiguousarray(arr).view(np.uint8).reshape(*arr.shape, 2)
+            out[lo_name(name)] = np.ascontiguousarray(pairs[..., 0])
+            highs.append(pairs[..., 1].reshape(-1))
         order.append([name, "F16"])
-    if order:
+    if highs:
         high = np.concatenate(highs) if len(highs) > 1 else np.ascontiguousarray(highs[0])
         out[HI] = np.frombuffer(_contexts.cctx.compress(high.data), dtype=np.uint8)
-    return out, json.dumps(order)
+    return out, json.dumps(order), file_format
 
 
 def parse_planes(text: str | None) -> list[tuple[str, np.dtype[np.generic]]]:
@@ -190,26 +225,71 @@ def join_into(hi: np.ndarray, items: Sequence[Item], *, use_compiled: bool = Tru
         raise ValueError(f"the items take {at} high bytes, {hi.size} given")
 
 
+def decode_planes(
+    stored: Mapping[str, np.ndarray],
+    order: Sequence[tuple[str, np.dtype[np.generic]]],
+    outputs: Mapping[str, Sequence[np.ndarray]],
+    file_format: str,
+) -> None:
+    """Decode the split tensors of a compact file into their outputs.
+
+    ``stored``: the file's own tensors (flat uint8 views will do); ``outputs``:
+    for each split tensor, flat uint8 buffers that take its bytes in order.
+    ``BlockCorrupt`` if a part is missing or the code does not decode.
+    """
+
+    def part(name: str, suffix: str) -> np.ndarray:
+        arr = stored.get(name + suffix)
+        if arr is None or arr.dtype != np.uint8:
+            raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 {suffix} part")
+        return arr.reshape(-1)
+
+    if file_format == Q6_FORMAT:
+        q6.decode_into(
+            [
+                (part(name, LO), part(name, Q6_INDEX), part(name, Q6_TABLE), outputs[name])
+                for name, _ in order
+            ]
+        )
+        return
+    items: list[Item] = []
+    for name, _ in order:
+        lo, at = part(name, LO), 0
+        for out in outputs[name]:
+            n = out.shape[0] // 2
+            if at + n > lo.shape[0]:
+                raise BlockCorrupt(f"planes: the low plane of {name!r} is too short")
+            items.append((lo[at : at + n], out))
+            at += n
+    if items:
+        frame = stored.get(HI)
+        if frame is None or frame.dtype != np.uint8 or frame.ndim != 1:
+            raise BlockCorrupt(f"planes: the U8 tensor {HI!r} is missing")
+        hi = np.empty(sum(lo.shape[0] for lo, _ in items), dtype=np.uint8)
+        decompress_into(frame, hi)
+        join_into(hi, items)
+
+
 def join(
-    tensors: Mapping[str, np.ndarray], order: Sequence[tuple[str, np.dtype[np.generic]]]
+    tensors: Mapping[str, np.ndarray],
+    order: Sequence[tuple[str, np.dtype[np.generic]]],
+    file_format: str = PLANES_FORMAT,
 ) -> dict[str, np.ndarray]:
     """The logical tensors of a compact file's ``tensors`` (new arrays for the split ones)."""
     out = dict(tensors)
-    frame = out.pop(HI, None)
-    items: list[Item] = []
+    out.pop(HI, None)
+    outputs: dict[str, list[np.ndarray]] = {}
     for name, dtype in order:
-        lo = out.pop(lo_name(name), None)
+        lo = tensors.get(lo_name(name))
         if lo is None or lo.dtype != np.uint8 or name in out:
             raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 low plane")
+        for p in parts(name, file_format):
+            out.pop(p, None)
         arr = np.empty(lo.shape, dtype=dtype)
-        items.append((lo, arr.view(np.uint8)))
+        outputs[name] = [arr.reshape(-1).view(np.uint8)]
         out[name] = arr
     if order:
-        if frame is None or frame.dtype != np.uint8 or frame.ndim != 1:
-            raise BlockCorrupt(f"planes: the U8 tensor {HI!r} is missing")
-        hi = np.empty(sum(lo.size for lo, _ in items), dtype=np.uint8)
-        decompress_into(frame, hi)
-        join_into(hi, items)
+        decode_planes(tensors, order, outputs, file_format)
     for name, _ in order:
         out[name].setflags(write=False)
     return out

@@ -31,7 +31,7 @@ from types import TracebackType
 
 import sqlite_utils
 
-from . import budget, forget, maintenance, removal
+from . import budget, forget, maintenance, planes, removal
 from .blockfile import encode, index_row
 from .blockread import OpenedBlock, Targets
 from .chain import chain_next, chain_root
@@ -86,9 +86,13 @@ class SnapshotStore:
         workers: int | None = None,
         *,
         compact: bool = False,
+        codec: str = "q6",
     ) -> None:
+        if codec not in planes.CODECS:
+            raise ValueError(f"codec must be one of {', '.join(planes.CODECS)}, not {codec!r}")
         self.layout = layout
-        self.compact = compact  # write new blocks in the compact format (``planes``)
+        self.compact = compact  # write new blocks in a compact format (``planes``)
+        self.codec = codec  # which one: ``q6`` (default) or ``zstd`` (smaller, slower)
         self._index = index
         self._workers = workers or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
@@ -97,14 +101,17 @@ class SnapshotStore:
         self._closed = False
 
     @classmethod
-    def open(cls, root: Path | None = None, *, compact: bool = False) -> SnapshotStore:
+    def open(
+        cls, root: Path | None = None, *, compact: bool = False, codec: str = "q6"
+    ) -> SnapshotStore:
         """Open (creating if needed) the store at ``root``, ``$LOCALKV_HOME`` or the default.
 
-        ``compact``: new blocks are written in the compact format (``planes``:
-        about 0.85 of the bytes, slower to restore). Both formats are read.
+        ``compact``: new blocks are written in a compact format (``planes``),
+        by ``codec``: ``q6`` (about 0.89 of the bytes, a little slower to
+        restore) or ``zstd`` (about 0.86, much slower). Every format is read.
         """
         layout = prepare_root(default_root(root))
-        return cls(layout, BlockIndex(layout.index), compact=compact)
+        return cls(layout, BlockIndex(layout.index), compact=compact, codec=codec)
 
     @property
     def root(self) -> Path:
@@ -168,7 +175,7 @@ class SnapshotStore:
         if self.has_block(block.hash):
             return False
         self._check_parent(block)
-        data = encode(block, compact=self.compact)
+        data = encode(block, compact=self.compact, codec=self.codec)
         raw_bytes = len(encode(block)) if self.compact else None
         relpath = self.layout.block_relpath(block.hash)
         row = index_row(block, data, relpath, time.time(), raw_bytes)

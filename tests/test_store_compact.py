@@ -1,4 +1,4 @@
-"""Compact block files (``lkv-planes1``): F16 tensors split into byte planes, one compressed."""
+"""Compact block files of the first compact format (``lkv-planes1``, codec ``zstd``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _noisy_chain(n: int = 64, block: int = 16):  # type: ignore[no-untyped-def]
 
 def test_compact_file_is_safetensors_with_planes() -> None:
     block = make_chain(list(range(10, 30)), 8)[1]
-    data = encode(block, compact=True)
+    data = encode(block, compact=True, codec="zstd")
     loaded = st_load(data)
     assert set(loaded) == {"k.0@lo", "k.1@lo", "@hi.zst", "v.0", "v.1", "tokens", "pos"}
     k0, k1 = block.tensors["k.0"], block.tensors["k.1"]
@@ -59,7 +59,7 @@ def test_compact_file_is_safetensors_with_planes() -> None:
 def test_expanded_compact_file_is_the_plain_file() -> None:
     for block in _noisy_chain():
         plain = encode(block)
-        expanded = expand(encode(block, compact=True))
+        expanded = expand(encode(block, compact=True, codec="zstd"))
         assert len(expanded) == len(plain)
         a, b = st_load(expanded), st_load(plain)
         assert a.keys() == b.keys()
@@ -74,13 +74,13 @@ def test_expanded_compact_file_is_the_plain_file() -> None:
 def test_expanded_compact_file_loads_with_safetensors_torch() -> None:
     torch_st = pytest.importorskip("safetensors.torch")
     block = _noisy_chain()[0]
-    loaded = torch_st.load(expand(encode(block, compact=True)))
+    loaded = torch_st.load(expand(encode(block, compact=True, codec="zstd")))
     np.testing.assert_array_equal(loaded["k.0"].numpy(), block.tensors["k.0"])
 
 
 def test_compact_store_round_trip_and_sizes(tmp_path: Path) -> None:
     blocks = _noisy_chain()
-    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+    with SnapshotStore.open(tmp_path / "c", compact=True, codec="zstd") as store:
         assert put_chain(store, blocks) == len(blocks)
         rows = store.match_chain([b.hash for b in blocks])
         for row, block in zip(rows, blocks, strict=True):
@@ -98,7 +98,7 @@ def test_compact_store_round_trip_and_sizes(tmp_path: Path) -> None:
 def test_compact_blocks_fill_split_targets(tmp_path: Path) -> None:
     """Targets cut a tensor in two parts (as a restore does for the final token)."""
     blocks = _noisy_chain()
-    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+    with SnapshotStore.open(tmp_path / "c", compact=True, codec="zstd") as store:
         put_chain(store, blocks)
         rows = store.match_chain([b.hash for b in blocks])
         opened = store.open_blocks(rows)
@@ -125,7 +125,7 @@ def test_plain_and_compact_blocks_join_in_one_chain(tmp_path: Path) -> None:
     blocks = _noisy_chain()
     with SnapshotStore.open(tmp_path / "c") as store:
         put_chain(store, blocks[:2])
-    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+    with SnapshotStore.open(tmp_path / "c", compact=True, codec="zstd") as store:
         put_chain(store, blocks[2:])
         rows = store.match_chain([b.hash for b in blocks])
         assert [r.stored_bytes == r.raw_bytes for r in rows] == [True, True, False, False]
@@ -187,7 +187,7 @@ def test_forged_compact_files_with_a_matching_checksum_are_refused(
     tmp_path: Path, name: str, edit: object, reason: str
 ) -> None:
     blocks = _noisy_chain()
-    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+    with SnapshotStore.open(tmp_path / "c", compact=True, codec="zstd") as store:
         put_chain(store, blocks)
         row = store.match_chain([blocks[1].hash])[0]
         _rewrite(store, row.hash, _forged((store.root / row.file).read_bytes(), edit))
@@ -197,10 +197,14 @@ def test_forged_compact_files_with_a_matching_checksum_are_refused(
         assert info.value.block_hash == row.hash
 
 
+@pytest.mark.parametrize("codec", planes.CODECS)
 @pytest.mark.parametrize("where", ["header", "low plane", "high plane"])
-def test_a_flipped_byte_in_a_compact_file_fails_the_checksum(tmp_path: Path, where: str) -> None:
+def test_a_flipped_byte_in_a_compact_file_fails_the_checksum(
+    tmp_path: Path, where: str, codec: str
+) -> None:
     blocks = _noisy_chain()
-    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+    high = {"zstd": planes.HI, "q6": "k.0" + planes.Q6_INDEX}[codec]
+    with SnapshotStore.open(tmp_path / "c", compact=True, codec=codec) as store:
         put_chain(store, blocks)
         row = store.match_chain([blocks[0].hash])[0]
         path = store.root / row.file
@@ -210,7 +214,7 @@ def test_a_flipped_byte_in_a_compact_file_fails_the_checksum(tmp_path: Path, whe
         at = {
             "header": 20,
             "low plane": 8 + n + header["k.0@lo"]["data_offsets"][0] + 3,
-            "high plane": 8 + n + header["@hi.zst"]["data_offsets"][1] - 3,
+            "high plane": 8 + n + header[high]["data_offsets"][1] - 3,
         }[where]
         data[at] ^= 0x10
         path.write_bytes(bytes(data))
@@ -271,7 +275,7 @@ def test_reading_a_compact_block_stays_in_bounded_memory(tmp_path: Path, forge: 
     import tracemalloc
 
     blocks = _noisy_chain(64, 64)
-    with SnapshotStore.open(tmp_path / "c", compact=True) as store:
+    with SnapshotStore.open(tmp_path / "c", compact=True, codec="zstd") as store:
         put_chain(store, blocks)
         row = store.match_chain([blocks[0].hash])[0]
         if forge:
