@@ -170,7 +170,7 @@ def cache_options(func: F) -> F:
             is_flag=True,
             envvar="LOCALKV_COMPACT_CACHE",
             help="Write new cache blocks compact: about 0.89 of the disk space, "
-            "restores about 1.2x as long (see docs/BENCHMARKS.md). Blocks of every "
+            "restores about 1.5x as long (see docs/BENCHMARKS.md). Blocks of every "
             "kind are read. [env: LOCALKV_COMPACT_CACHE=1]",
         ),
     ]
