@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 from localkv.native import llama_cpp, llama_cpp_version
+from localkv.storage import q6
 
 __all__ = ["cpu_model", "describe_machine", "gpu_description", "load_average", "total_memory"]
 
@@ -68,4 +69,12 @@ def describe_machine() -> dict[str, object]:
         "python": platform.python_version(),
         "llama_cpp_python": llama_cpp_version(),
         "gpu_offload_build": bool(llama_cpp.llama_supports_gpu_offload()),
+        "compact_decoder": compact_decoder(),
     }
+
+
+def compact_decoder() -> str:
+    """What decodes compact block files here: AVX2, plain C, or numpy (not built)."""
+    if q6.simd():
+        return "compiled, AVX2"
+    return "compiled, no AVX2" if q6.compiled() else "numpy (extension not built)"

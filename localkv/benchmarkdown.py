@@ -35,6 +35,7 @@ def markdown(result: BenchResult, command: str, chart: str | None = None) -> str
         f"- memory: {fmt_bytes(float(str(m.get('memory_bytes', 0))))}",
         f"- GPU: {m.get('gpu')}",
         f"- {m.get('os')}, Python {m.get('python')}, llama-cpp-python {m.get('llama_cpp_python')}",
+        f"- compact block decoder: {m.get('compact_decoder')}",
         "",
         "## Model and settings",
         "",

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv import benchdisk, benchreport
+from localkv import benchdisk, benchmachine, benchreport
 from localkv.bench import (
     RESTORE,
     STEPS,
@@ -145,6 +145,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
         for _, cold in cold_stats(s):
             assert cold.time.n == result.config.repeats and _positive(cold.time)
     assert result.machine["cores"] and result.machine["llama_cpp_python"] == "0.3.36"
+    assert result.machine["compact_decoder"] == benchmachine.compact_decoder()
     assert int(str(result.model["n_ctx"])) >= max(SIZES) + 64  # llama.cpp rounds it up
 
 
@@ -242,6 +243,7 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
 
     page = benchreport.markdown(result, command, "chart.png")
     assert command in page and str(result.machine["cpu"]) in page
+    assert f"compact block decoder: {result.machine['compact_decoder']}" in page
     assert "llama-cpp-python 0.3.36" in page and "![" in page
     for s in result.sizes:
         assert benchreport.fmt_stat(s.warm_ttft) in page

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,19 @@ def _cli(env: dict[str, str], *args: str) -> dict[str, object]:
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _formats(cache: Path) -> set[str]:
+    """The formats of the block files under ``cache``."""
+    out = set()
+    for path in cache.rglob("*.lkv"):
+        data = path.read_bytes()
+        (n,) = struct.unpack_from("<Q", data)
+        out.add(json.loads(data[8 : 8 + n])["__metadata__"]["format"])
+    return out
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 def test_restore_in_another_process_continues_exactly(
-    tmp_path: Path, default_model_path: Path, long_text: str
+    tmp_path: Path, default_model_path: Path, long_text: str, compact: bool
 ) -> None:
     """A prefills ~2,000 tokens and exits; B restores them verified; 64 greedy tokens match."""
     doc = tmp_path / "doc.txt"
@@ -34,8 +46,11 @@ def test_restore_in_another_process_continues_exactly(
     env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache")}
     env.pop("LOCALKV_MODEL", None)
     system = "You are a careful reader. Answer from the document."
-    pre = _cli(env, "prefill", "--system", system, str(doc))
+    pre = _cli(
+        env, "prefill", *(["--compact-cache"] if compact else []), "--system", system, str(doc)
+    )
     assert 1900 <= int(pre["tokens"]) <= 2300  # type: ignore[call-overload]
+    assert _formats(tmp_path / "cache") == {"lkv-planes2" if compact else "lkv-block2"}
     ask = ["ask", "--system", system, "--temperature", "0", "--max-tokens", "64"]
     question = "Who is the story about, and what does she do?"
     cached = _cli(env, *ask, str(doc), question)
