@@ -19,9 +19,9 @@ checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
 
 A compact file (``planes``) is read whole into a per-thread buffer in step 2
 and its checksum compared before anything is decoded; each split tensor is
-then decoded straight into its targets (``q6``: one compiled call per file). A first-format
-(zstd) block file is read whole, checked and decompressed in step 1; step 2
-copies its tensors into the targets.
+then decoded straight into its targets (``q6``: one compiled call per file).
+A first-format (zstd) block file is read whole, checked and decompressed in
+step 1; step 2 copies its tensors into the targets.
 """
 
 from __future__ import annotations
