@@ -38,12 +38,8 @@ import numpy as np
 import zstandard
 
 from . import q6
+from .compiled import extension as _planes
 from .values import BlockCorrupt
-
-try:  # one compiled loop (setup.py); optional: numpy does the same in three passes
-    from . import _planes
-except ImportError:  # pragma: no cover - depends on the build
-    _planes = None  # type: ignore[assignment]
 
 __all__ = [
     "CODECS",

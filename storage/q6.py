@@ -31,12 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .compiled import extension as _planes
 from .values import BlockCorrupt
-
-try:  # the compiled decoder (setup.py); optional: numpy does the same, slower
-    from . import _planes
-except ImportError:  # pragma: no cover - depends on the build
-    _planes = None  # type: ignore[assignment]
 
 __all__ = [
     "GROUP",
