@@ -4,7 +4,7 @@ The store writes each block's K and V rows uncompressed and reads them straight
 into the state buffer. ``localkv bench`` measures the alternatives that were
 rejected for it in the same run, on the KV state of the bench prompt, so the
 trade between bytes on disk and restore time is shown by measurement. The
-encodings (``raw``, ``zstd-1``, ``hi-plane zstd-1``) are in ``benchencodings``;
+encodings (``raw``, ``zstd-1``, ``hi-plane zstd-1``, ``hi-plane q6``) are in ``benchencodings``;
 this module writes a state's block files with each, decodes them and times it.
 
 Every encoding writes one file per block of ``block_size`` tokens and records

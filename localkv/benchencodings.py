@@ -17,6 +17,9 @@ A block file holds one block's tensor slices (``benchlayout``), written as:
   mantissa bits), compressed with zstd level 1. Decode: read, decompress the
   high plane, interleave the two planes into the destination as ``uint16``.
   Other tensors (F32, quantized rows) are stored as in ``zstd-1``.
+- ``hi-plane q6``: as ``hi-plane zstd-1``, but the high bytes in the 6-bit
+  code of ``storage.q6`` (the compact block format's): decoded with the two
+  planes interleaved in one compiled call per block.
 
 Every decode hashes the bytes it read and raises ``BlockMismatch`` when the
 xxh3-128 digest recorded at write time (``StoredBlock``) differs. Blocks are
@@ -40,11 +43,13 @@ import xxhash
 import zstandard
 
 from localkv.benchlayout import Layout
+from localkv.storage import q6
 
 __all__ = [
     "ENCODINGS",
     "BlockMismatch",
     "Encoding",
+    "HiPlaneQ6",
     "HiPlaneZstd",
     "Piece",
     "Raw",
@@ -257,4 +262,38 @@ class HiPlaneZstd(Encoding):
             np.bitwise_or(out16, lo, out=out16)
 
 
-ENCODINGS: tuple[Encoding, ...] = (Raw(), Zstd(), HiPlaneZstd())
+class HiPlaneQ6(Encoding):
+    """2-byte floats: low byte plane raw, high bytes in ``q6``'s code; others as ``Zstd``."""
+
+    name = "hi-plane q6"
+
+    def pieces(self, layout: Layout, slices: list[np.ndarray], local: _Local) -> list[Piece]:
+        out: list[Piece] = []
+        for ggml_type, s in zip(layout.types, slices, strict=True):
+            if ggml_type in _TWO_BYTE_FLOATS:
+                out.extend(part.data for part in q6.encode(s))
+            else:
+                out.append(local.cctx.compress(s.data))
+        return out
+
+    def decode_block(
+        self, layout: Layout, block: StoredBlock, dst: list[np.ndarray], local: _Local
+    ) -> None:
+        buf = _read_checked(block, local)
+        sizes = iter(block.pieces)
+        off = 0
+        items: list[q6.Item] = []
+        for ggml_type, d in zip(layout.types, dst, strict=True):
+            parts = []
+            for _ in range(3 if ggml_type in _TWO_BYTE_FLOATS else 1):
+                size = next(sizes)
+                parts.append(buf[off : off + size])
+                off += size
+            if ggml_type in _TWO_BYTE_FLOATS:
+                items.append((parts[0], parts[1], parts[2], [d]))
+            else:
+                _decompress_into(d, parts[0], local)
+        q6.decode_into(items)
+
+
+ENCODINGS: tuple[Encoding, ...] = (Raw(), Zstd(), HiPlaneZstd(), HiPlaneQ6())

@@ -121,9 +121,9 @@ def bench(
     into llama.cpp); repeats the restores with the files dropped from the page
     cache (checked in /proc/self/io); repeats them from compact block files
     (--compact-cache: the high bytes in a 6-bit code); compares the block
-    encodings (raw, zstd, high-byte plane + zstd: bytes and decode time); and
-    reports bytes on disk,
-    save time, peak memory and the lookup time with many blocks indexed. Caches
+    encodings (raw, zstd, high-byte plane + zstd or + the 6-bit code: bytes
+    and decode time); and reports bytes on disk, save time, peak memory and
+    the lookup time with many blocks indexed. Caches
     live in a temporary directory. Takes about 10 minutes with the defaults:
     run it on an otherwise idle machine.
     """

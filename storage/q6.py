@@ -39,6 +39,7 @@ __all__ = [
     "GROUP_BYTES",
     "TABLE",
     "Code",
+    "Item",
     "compiled",
     "decode_into",
     "decode_views",

@@ -134,7 +134,12 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
         restore = s.warm_steps[RESTORE]
         assert restore.min <= s.warm_ttft.min and restore.median < s.warm_ttft.max
         assert all(math.isfinite(v) and v > 0 for v in s.ratios.values())
-        assert [e.name for e in s.encodings] == ["raw", "zstd-1", "hi-plane zstd-1"]
+        assert [e.name for e in s.encodings] == [
+            "raw",
+            "zstd-1",
+            "hi-plane zstd-1",
+            "hi-plane q6",
+        ]
         for e in s.encodings:
             assert e.verified and e.decode is not None and _positive(e.decode)
             assert 0 < e.ratio <= 1.0 + 1e-3 and e.encode_s > 0
@@ -259,6 +264,7 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
         "encoding raw: decode from disk \\| read from storage",
         "encoding zstd-1: decode from disk \\| read from storage",
         "encoding hi-plane zstd-1: decode from disk \\| read from storage",
+        "encoding hi-plane q6: decode from disk \\| read from storage",
         "the same, each run / the load_file just before it",
         "compact: each run / the load_file just before it",
     ):

@@ -20,7 +20,7 @@ from localkv.benchreport import fmt_encoding, fmt_encoding_cold
 from localkv.session import ModelSession
 
 N_TOKENS = 600  # two whole blocks of 256 and a partial one
-NAMES = ["raw", "zstd-1", "hi-plane zstd-1"]
+NAMES = ["raw", "zstd-1", "hi-plane zstd-1", "hi-plane q6"]
 
 
 def _state(tiny_models: TinyModels, long_text: str, **overrides: object) -> bytes:
@@ -72,17 +72,19 @@ def test_every_encoding_decodes_the_f16_state(f16_state: bytes, tmp_path: Path) 
     # default model's hi-plane beats zstd-1, here zstd-1 wins; no order is asserted)
     assert results["zstd-1"].ratio < 1.0
     assert results["hi-plane zstd-1"].ratio < 1.0
+    assert results["hi-plane q6"].ratio < 1.0
     assert list(tmp_path.iterdir()) == []  # each encoding's files removed after it
 
 
 def test_quantized_tensors_are_stored_as_zstd_1(q8_state: bytes, tmp_path: Path) -> None:
-    """No f16 tensor to split: hi-plane zstd-1 writes exactly zstd-1's files."""
+    """No f16 tensor to split: the hi-plane encodings write exactly zstd-1's files."""
     state = codec.parse(q8_state)
     assert {t for layer in state.layout() for t in (layer[0], layer[2])} == {8}  # Q8_0
     results = _by_name(bc.compare(q8_state, tmp_path, workers=2, repeats=1))
     assert all(r.verified for r in results.values())
     assert results["raw"].ratio == 1.0
     assert results["hi-plane zstd-1"].ratio == results["zstd-1"].ratio
+    assert results["hi-plane q6"].ratio == results["zstd-1"].ratio
 
 
 def test_v_transposed_state_decodes_token_major(
