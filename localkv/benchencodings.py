@@ -223,77 +223,87 @@ class Zstd(Encoding):
             off += size
 
 
-class HiPlaneZstd(Encoding):
-    """2-byte floats: low byte plane raw, high byte plane zstd-1; others as ``Zstd``."""
+class _HiPlane(Encoding):
+    """2-byte float tensors split into ``parts`` pieces by ``split``; others as in ``Zstd``."""
 
-    name = "hi-plane zstd-1"
+    parts: int
+
+    @abstractmethod
+    def split(self, values: np.ndarray, local: _Local) -> list[Piece]:
+        """The pieces of one 2-byte float tensor's bytes."""
 
     def pieces(self, layout: Layout, slices: list[np.ndarray], local: _Local) -> list[Piece]:
         out: list[Piece] = []
         for ggml_type, s in zip(layout.types, slices, strict=True):
             if ggml_type in _TWO_BYTE_FLOATS:
-                pairs = s.reshape(-1, 2)  # little-endian: [low byte, high byte]
-                out.append(np.ascontiguousarray(pairs[:, 0]).data)
-                out.append(local.cctx.compress(np.ascontiguousarray(pairs[:, 1]).data))
+                out.extend(self.split(s, local))
             else:
                 out.append(local.cctx.compress(s.data))
         return out
 
-    def decode_block(
+    def split_tensors(
         self, layout: Layout, block: StoredBlock, dst: list[np.ndarray], local: _Local
-    ) -> None:
+    ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+        """Read ``block`` (checked) and decode its other tensors into ``dst``.
+
+        Returns each 2-byte float tensor's destination and pieces, for the
+        caller to decode.
+        """
         buf = _read_checked(block, local)
         sizes = iter(block.pieces)
         off = 0
+        out = []
         for ggml_type, d in zip(layout.types, dst, strict=True):
-            if ggml_type not in _TWO_BYTE_FLOATS:
+            split = ggml_type in _TWO_BYTE_FLOATS
+            parts = []
+            for _ in range(self.parts if split else 1):
                 size = next(sizes)
-                _decompress_into(d, buf[off : off + size], local)
+                parts.append(buf[off : off + size])
                 off += size
-                continue
-            lo_size, hi_size = next(sizes), next(sizes)
-            lo = buf[off : off + lo_size]
-            hi = local.buffer("hi", lo_size)
-            _decompress_into(hi, buf[off + lo_size : off + lo_size + hi_size], local)
-            off += lo_size + hi_size
+            if split:
+                out.append((d, parts))
+            else:
+                _decompress_into(d, parts[0], local)
+        return out
+
+
+class HiPlaneZstd(_HiPlane):
+    """2-byte floats: low byte plane raw, high byte plane zstd-1; others as ``Zstd``."""
+
+    name = "hi-plane zstd-1"
+    parts = 2
+
+    def split(self, values: np.ndarray, local: _Local) -> list[Piece]:
+        pairs = values.reshape(-1, 2)  # little-endian: [low byte, high byte]
+        high = local.cctx.compress(np.ascontiguousarray(pairs[:, 1]).data)
+        return [np.ascontiguousarray(pairs[:, 0]).data, high]
+
+    def decode_block(
+        self, layout: Layout, block: StoredBlock, dst: list[np.ndarray], local: _Local
+    ) -> None:
+        for d, (lo, frame) in self.split_tensors(layout, block, dst, local):
+            hi = local.buffer("hi", lo.size)
+            _decompress_into(hi, frame, local)
             out16 = d.view("<u2")
             np.copyto(out16, hi)
             np.left_shift(out16, 8, out=out16)
             np.bitwise_or(out16, lo, out=out16)
 
 
-class HiPlaneQ6(Encoding):
+class HiPlaneQ6(_HiPlane):
     """2-byte floats: low byte plane raw, high bytes in ``q6``'s code; others as ``Zstd``."""
 
     name = "hi-plane q6"
+    parts = 3
 
-    def pieces(self, layout: Layout, slices: list[np.ndarray], local: _Local) -> list[Piece]:
-        out: list[Piece] = []
-        for ggml_type, s in zip(layout.types, slices, strict=True):
-            if ggml_type in _TWO_BYTE_FLOATS:
-                out.extend(part.data for part in q6.encode(s))
-            else:
-                out.append(local.cctx.compress(s.data))
-        return out
+    def split(self, values: np.ndarray, local: _Local) -> list[Piece]:
+        return [part.data for part in q6.encode(values)]
 
     def decode_block(
         self, layout: Layout, block: StoredBlock, dst: list[np.ndarray], local: _Local
     ) -> None:
-        buf = _read_checked(block, local)
-        sizes = iter(block.pieces)
-        off = 0
-        items: list[q6.Item] = []
-        for ggml_type, d in zip(layout.types, dst, strict=True):
-            parts = []
-            for _ in range(3 if ggml_type in _TWO_BYTE_FLOATS else 1):
-                size = next(sizes)
-                parts.append(buf[off : off + size])
-                off += size
-            if ggml_type in _TWO_BYTE_FLOATS:
-                items.append((parts[0], parts[1], parts[2], [d]))
-            else:
-                _decompress_into(d, parts[0], local)
-        q6.decode_into(items)
+        split = self.split_tensors(layout, block, dst, local)
+        q6.decode_into([(lo, index, table, [d]) for d, (lo, index, table) in split])
 
 
 ENCODINGS: tuple[Encoding, ...] = (Raw(), Zstd(), HiPlaneZstd(), HiPlaneQ6())
