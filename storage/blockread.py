@@ -355,6 +355,7 @@ def _fill_planes(
         opened.planes,
         {name: [np.frombuffer(v, dtype=np.uint8) for v in outputs[name]] for name in split},
         opened.planes_format,
+        lambda size: _scratch.get("hi", size),
     )
 
 

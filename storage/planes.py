@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import zstandard
@@ -226,12 +226,15 @@ def decode_planes(
     order: Sequence[tuple[str, np.dtype[np.generic]]],
     outputs: Mapping[str, Sequence[np.ndarray]],
     file_format: str,
+    scratch: Callable[[int], np.ndarray] | None = None,
 ) -> None:
     """Decode the split tensors of a compact file into their outputs.
 
     ``stored``: the file's own tensors (flat uint8 views will do); ``outputs``:
-    for each split tensor, flat uint8 buffers that take its bytes in order.
-    ``BlockCorrupt`` if a part is missing or the code does not decode.
+    for each split tensor, flat uint8 buffers that take its bytes in order;
+    ``scratch(n)``: a reusable uint8 buffer of n bytes for the zstd format's
+    high bytes (a new one if None). ``BlockCorrupt`` if a part is missing or
+    the code does not decode.
     """
 
     def part(name: str, suffix: str) -> np.ndarray:
@@ -261,7 +264,8 @@ def decode_planes(
         frame = stored.get(HI)
         if frame is None or frame.dtype != np.uint8 or frame.ndim != 1:
             raise BlockCorrupt(f"planes: the U8 tensor {HI!r} is missing")
-        hi = np.empty(sum(lo.shape[0] for lo, _ in items), dtype=np.uint8)
+        size = sum(lo.shape[0] for lo, _ in items)
+        hi = scratch(size) if scratch is not None else np.empty(size, dtype=np.uint8)
         decompress_into(frame, hi)
         join_into(hi, items)
 
