@@ -6,7 +6,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # llama-cpp-python builds from source; the multimodal library is not needed.
 # Set CMAKE_ARGS yourself for a GPU build (see packaging/GPU.md).
-export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+# On x86-64 the CPU build targets AVX2 rather than -march=native: a native build
+# on a CPU that reports AMX uses AMX weight buffers, and in a virtual machine that
+# does not grant AMX tile state every decode of a Q4/Q8 model crashes (measured).
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CPU_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+endif
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF $(LLAMA_CPU_ARGS)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: chat test check lint typecheck imports pytest bench install clean help pkgtree

@@ -48,14 +48,14 @@ def thread_and_context(model: str, flash: str, tokens: list[int]) -> None:
 def batching(model: str, flash: str, tokens: list[int]) -> None:
     cfg = SessionConfig(resolve_model(model), n_ctx=2048, flash_attn=flash)
     with ModelSession(cfg) as s:
-        s.prefill(tokens, block_size=256)
+        s.prefill(tokens)
         full = s.capture()
         diffs = []
         for k in (5, 40, 100, 255, 256, 257, 300, 511, 600):
             s.restore(full.slice(0, k), tokens[:k])
             restored = s.decode_one(tokens[k])
             s.reset()
-            s.prefill(tokens[:k], block_size=256)
+            s.prefill(tokens[:k])
             plain = s.decode_one(tokens[k])
             diffs.append(f"k={k}: {np.abs(restored - plain).max():.3g}")
     print(f"flash {flash:3}  slice vs prefill  " + ", ".join(diffs))

@@ -19,6 +19,7 @@ import numpy as np
 from localkv.benchstats import Stat, timed
 from localkv.cache import PrefixCache
 from localkv.identity import Identity
+from localkv.schedule import request_ends
 from localkv.storage.chain import chain_next
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, Probe
@@ -73,10 +74,11 @@ def bench_lookup(
             if position == 0:
                 parent = None
             toks = rng.integers(0, VOCAB, size=block_size, dtype=np.int32)
-            block_hash = chain_next(parent or cache.root, toks)
+            ends = np.array([block_size - 1, block_size])
+            block_hash = chain_next(parent or cache.root, toks, ends)
             store.put_block(
                 Block(block_hash, parent, identity.digest, "lookup", position * block_size,
-                      toks, tensors, probe, {}, 0.0)
+                      toks, ends, tensors, probe, {}, 0.0)
             )  # fmt: skip
             parent = block_hash
             if i < per_chain:
@@ -88,7 +90,8 @@ def bench_lookup(
         extra = rng.integers(0, VOCAB, size=length, dtype=np.int32).tolist()
         hit_request = (first_chain + extra)[:length]
         miss_request = [VOCAB - 1 - t for t in hit_request]
-        reuse = cache.plan(hit_request).reuse
-        hit = Stat.of([timed(lambda: cache.plan(hit_request)) for _ in range(repeats)])
-        miss = Stat.of([timed(lambda: cache.plan(miss_request)) for _ in range(repeats)])
+        schedule = request_ends(length, [], block_size, block_size)
+        reuse = cache.plan(hit_request, schedule).reuse
+        hit = Stat.of([timed(lambda: cache.plan(hit_request, schedule)) for _ in range(repeats)])
+        miss = Stat.of([timed(lambda: cache.plan(miss_request, schedule)) for _ in range(repeats)])
     return LookupResult(blocks, per_chain, insert_s, length, reuse, hit, miss)

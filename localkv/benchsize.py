@@ -65,6 +65,7 @@ class _SizeBench:
     ) -> None:
         self.cfg, self.session, self.work, self.n, self.say = cfg, session, work, n, say
         self.tokens = prompt_tokens(session, n)
+        self.ends = session.schedule(n, [n])
         self.store = SnapshotStore.open(work / f"store-{n}")
         self.deferred: list[Callable[[], None]] = []
         self.tip: str | None = None  # the saved chain's last block
@@ -82,7 +83,7 @@ class _SizeBench:
             self.say(f"  cold prefill of {self.n:,} tokens ({i + 1}/{self.cfg.cold_repeats})")
             self.session.reset()
             t0 = time.perf_counter()
-            self.session.prefill(self.tokens, boundaries=[self.n])
+            self.session.prefill(self.tokens, ends=self.ends)
             first = _first_token(self.session)
             times.append(time.perf_counter() - t0)
         return Stat.of(times), first
@@ -101,7 +102,7 @@ class _SizeBench:
 
     def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
         t0 = time.perf_counter()
-        result = self.cache.restore(self.session, self.tokens)
+        result = self.cache.restore(self.session, self.tokens, self.ends)
         first = _first_token(self.session) if result.reused == self.n else -1
         seconds = time.perf_counter() - t0
         return seconds, dict(result.breakdown), bool(result.verified), first
@@ -182,7 +183,7 @@ class _SizeBench:
 
     def restore_memory(self) -> PeakMemory:
         self.session.reset()
-        peak = peak_memory(lambda: self.cache.restore(self.session, self.tokens))
+        peak = peak_memory(lambda: self.cache.restore(self.session, self.tokens, self.ends))
         for fn in self.deferred:
             fn()
         self.deferred.clear()

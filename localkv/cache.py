@@ -23,9 +23,10 @@ import numpy as np
 from localkv import codec
 from localkv.identity import Identity
 from localkv.kvblocks import block_layout, state_to_tensors, tensors_to_state
+from localkv.schedule import ends_after, shared_end
 from localkv.session import ModelSession
 from localkv.storage.blockread import OpenedBlock
-from localkv.storage.chain import chain_hashes, chain_next, chain_root, tokens_sha
+from localkv.storage.chain import block_ends, chain_hashes, chain_next, chain_root, tokens_sha
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, BlockCorrupt, BlockRow, Probe
 
@@ -48,6 +49,9 @@ class RestoreResult:
     # checked), load (llama_state_seq_set_data), probe (the verifying single-token decode)
     breakdown: dict[str, float] = field(default_factory=dict)
     chain: tuple[str, ...] = ()  # hashes of the blocks used, first block first
+    # tokens the stored chain has in common with the request; those after ``reused``
+    # were computed there in other batches than this request's, so they are recomputed
+    common: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +66,8 @@ class SaveResult:
 @dataclass(frozen=True, slots=True)
 class _Plan:
     chain: list[BlockRow]
-    reuse: int  # tokens of the request the chain holds
+    reuse: int  # tokens of the request the chain holds, computed in the request's batches
+    common: int  # tokens the chain has in common with the request
 
 
 def _guarded(fn: Callable[[], None]) -> Callable[[], None]:
@@ -116,25 +121,35 @@ class PrefixCache:
         self._run_deferred(_guarded(fn))
 
     # ---------------------------------------------------------------- lookup
-    def plan(self, tokens: Sequence[int]) -> _Plan:
-        """The longest stored chain sharing a prefix with ``tokens``."""
-        hashes = chain_hashes(self.root, tokens, self.block_size)
+    def plan(self, tokens: Sequence[int], ends: Sequence[int]) -> _Plan:
+        """The stored chain that holds the longest exact prefix of ``tokens``.
+
+        ``ends`` is the request's canonical schedule. Full blocks match by chain
+        hash, which covers their batch ends; among the blocks that follow, the one
+        sharing the most tokens *computed in the same batches* is taken, and the
+        reuse ends at the last batch end both computations share.
+        """
+        hashes = chain_hashes(self.root, tokens, self.block_size, ends)
         chain = list(self.store.match_chain(hashes))
         start = len(chain) * self.block_size
         parent = chain[-1].hash if chain else None
         best: BlockRow | None = None
-        best_len = 0
+        best_reuse = common = start
         if start < len(tokens):
             children = self.store.children(
                 parent, self.identity.digest, self.namespace, first_token=int(tokens[start])
             )
+            wanted = ends_after(ends, start)
             for child in children:
-                n = _common_prefix(child.tokens, tokens[start:])
-                if n > best_len:
-                    best, best_len = child, n
+                n = start + _common_prefix(child.tokens, tokens[start:])
+                stored = [start + int(e) for e in child.ends]
+                reuse = shared_end(stored, wanted, n, start)
+                common = max(common, n)
+                if reuse > best_reuse:
+                    best, best_reuse = child, reuse
         if best is not None:
             chain.append(best)
-        return _Plan(chain, start + best_len)
+        return _Plan(chain, best_reuse, common)
 
     def miss_reason(self, tokens: Sequence[int]) -> str:
         """Why nothing was found: the identity field that differs, or no stored prefix."""
@@ -151,37 +166,54 @@ class PrefixCache:
         return f"no stored prefix in namespace {self.namespace!r}"
 
     # --------------------------------------------------------------- restore
-    def restore(self, session: ModelSession, tokens: Sequence[int]) -> RestoreResult:
-        """Restore the longest verified prefix of ``tokens`` into the (emptied) session.
+    def restore(
+        self, session: ModelSession, tokens: Sequence[int], ends: Sequence[int]
+    ) -> RestoreResult:
+        """Restore the longest verified, exact prefix of ``tokens`` into the (emptied) session.
 
-        At most ``len(tokens) - 1`` tokens are reused unless the stored chain ends
-        exactly at the request's end, so the caller always has the last token's logits.
-        A damaged block is quarantined and the chain before it is tried again.
+        ``ends`` is the request's canonical schedule: the restore ends at one of
+        them, and every token before it was computed in the same batches as this
+        request's uncached run would compute it. At most ``len(tokens) - 1``
+        tokens are reused unless the stored chain ends exactly at the request's
+        end, so the caller always has the last token's logits. A damaged block is
+        quarantined and the chain before it is tried again.
         """
         t0 = time.perf_counter()
         reasons: list[str] = []
         for _ in range(3):
-            result = self._restore_once(session, tokens, t0, reasons)
+            result = self._restore_once(session, tokens, ends, t0, reasons)
             if result is not None:
                 return result
         return self._miss(tokens, reasons[-1], t0)
 
     def _restore_once(
-        self, session: ModelSession, tokens: Sequence[int], t0: float, reasons: list[str]
+        self,
+        session: ModelSession,
+        tokens: Sequence[int],
+        ends: Sequence[int],
+        t0: float,
+        reasons: list[str],
     ) -> RestoreResult | None:
         session.reset()
         marks = [time.perf_counter()]
-        plan = self.plan(tokens)
+        plan = self.plan(tokens, ends)
         marks.append(time.perf_counter())
         reuse = plan.reuse
+        if reuse == 0 and plan.common > 0 and not reasons:
+            reason = (
+                f"no batch end shared in the {plan.common:,} common tokens: "
+                "they were computed in other batches than this request's"
+            )
+            return self._miss(tokens, reason, t0, plan.common)
         if not plan.chain or reuse == 0:
             return self._miss(tokens, reasons[0] if reasons else self.miss_reason(tokens), t0)
         last = plan.chain[-1]
         end = last.start + last.n_tokens
         if reuse == len(tokens) and reuse < end:
-            reuse -= 1  # the last token's logits are needed: prefill it
+            # the last token's logits are needed: prefill it (n-1 is a batch end of both)
+            reuse -= 1
         if reuse == 0:
-            return self._miss(tokens, "no stored prefix", t0)
+            return self._miss(tokens, "no stored prefix", t0, plan.common)
         if end > session.n_ctx:
             return self._miss(tokens, f"stored chain of {end} tokens exceeds n_ctx", t0)
         try:
@@ -216,13 +248,17 @@ class PrefixCache:
 
         self.defer(bookkeeping)
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
-        return RestoreResult(reuse, True, None, seconds, last.hash, saved, steps, tuple(hashes))
+        return RestoreResult(
+            reuse, True, None, seconds, last.hash, saved, steps, tuple(hashes), plan.common
+        )
 
-    def _miss(self, tokens: Sequence[int], reason: str, t0: float) -> RestoreResult:
+    def _miss(
+        self, tokens: Sequence[int], reason: str, t0: float, common: int = 0
+    ) -> RestoreResult:
         n = len(tokens)
         self.defer(lambda: self.store.record_event("miss", reason, n, 0.0))
         log.info("cache miss: %s", reason)
-        return RestoreResult(0, None, reason, time.perf_counter() - t0)
+        return RestoreResult(0, None, reason, time.perf_counter() - t0, common=common)
 
     def _load(self, session: ModelSession, chain: list[BlockRow], marks: list[float]) -> np.ndarray:
         """Read, check and load the chain minus its final token; return the stored tokens."""
@@ -235,7 +271,9 @@ class PrefixCache:
         marks.append(time.perf_counter())
         parent: str | None = None
         for row, block in zip(chain, blocks, strict=True):
-            expected = chain_next(parent if parent is not None else self.root, block.tokens)
+            expected = chain_next(
+                parent if parent is not None else self.root, block.tokens, block.ends
+            )
             if block.hash != expected or block.hash != row.hash:
                 raise BlockCorrupt("tokens do not match the chain hash", row.hash)
             parent = block.hash
@@ -248,9 +286,7 @@ class PrefixCache:
             pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
             session.restore(pieces, held)
         marks.append(time.perf_counter())
-        session.batch_ends = sorted(
-            {e for b in blocks for e in json.loads(b.meta.get("batch_ends", "[]")) if e < n} | {n}
-        )
+        session.batch_ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e < n] + [n]
         return tokens
 
     def _read(
@@ -330,11 +366,16 @@ class PrefixCache:
             if parent is None:
                 break  # the block before this one could not be saved
             block_tokens = np.asarray(tokens[start:end], dtype=np.int32)
-            block_hash = chain_next(parent, block_tokens)
+            try:
+                offsets = np.asarray(block_ends(session.batch_ends, start, end))
+            except ValueError:
+                log.debug("no batch ends at token %d: not saved", end)
+                continue
+            block_hash = chain_next(parent, block_tokens, offsets)
             if self.store.has_block(block_hash):
                 if full:
                     full_hash_at[end] = block_hash
-                out.append(self._stub(block_hash, parent, start, block_tokens))
+                out.append(self._stub(block_hash, parent, start, block_tokens, offsets))
                 continue
             probe = session.probes.get(end - 1)
             if probe is None:
@@ -343,7 +384,6 @@ class PrefixCache:
             if full:
                 full_hash_at[end] = block_hash
             tensors, meta = state_to_tensors(state.slice(start, end))
-            meta["batch_ends"] = json.dumps([e for e in session.batch_ends if start < e <= end])
             out.append(
                 Block(
                     hash=block_hash,
@@ -352,6 +392,7 @@ class PrefixCache:
                     namespace=self.namespace,
                     start=start,
                     tokens=block_tokens,
+                    ends=offsets,
                     tensors=tensors,
                     probe=Probe.from_logits(probe),
                     meta=meta,
@@ -360,7 +401,9 @@ class PrefixCache:
             )
         return out
 
-    def _stub(self, block_hash: str, parent: str, start: int, tokens: np.ndarray) -> Block:
+    def _stub(
+        self, block_hash: str, parent: str, start: int, tokens: np.ndarray, ends: np.ndarray
+    ) -> Block:
         """A stand-in for a block already stored (nothing to write)."""
         return Block(
             hash=block_hash,
@@ -369,6 +412,7 @@ class PrefixCache:
             namespace=self.namespace,
             start=start,
             tokens=tokens,
+            ends=ends,
             tensors={},
             probe=Probe.from_logits(np.zeros(1, dtype=np.float32)),
             meta={},

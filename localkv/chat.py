@@ -2,9 +2,13 @@
 
 The conversation is kept as messages *and* as the exact token ids in the KV
 sequence (generated tokens as sampled, never re-tokenized), with the token
-counts where segments end. After every turn the new blocks are saved in the
-background; reopening the conversation later restores its prefix from the
-cache (verified) instead of recomputing it.
+counts where segments end and the spans of generated tokens. Those define the
+conversation's canonical batch schedule (``localkv.schedule``): prompt
+segments are batched by the block grid, each generated token is a batch of
+its own, as it was when it was sampled. The live sequence, a resumed one and
+an uncached recomputation are therefore the same bits. After every turn the
+new blocks are saved in the background; reopening the conversation later
+restores its prefix from the cache (verified) instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from localkv.prompt import Message
 from localkv.request import Document
 from localkv.runtime import CacheReport, Runtime
 from localkv.sampling import SamplingParams
+from localkv.schedule import shared_end
 from localkv.session import CancelFn, ContextFullError, PrefillCancelled, ProgressFn
 
 __all__ = ["ChatSession", "ChatState", "SyncReport", "TurnReport"]
@@ -34,6 +39,8 @@ class ChatState:
     tokens: list[int] = field(default_factory=list)
     boundaries: list[int] = field(default_factory=list)
     documents: list[tuple[str, int]] = field(default_factory=list)  # (name, tokens)
+    # (start, end) of each answer's tokens as sampled: each was decoded alone
+    generated: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +67,12 @@ class TurnReport:
         parts = [f"TTFT {self.ttft_s:.2f} s", f"{self.tokens_per_s:.0f} tok/s"]
         c = self.sync.cache
         if c is not None and c.hit:
-            parts.append(f"restored {c.reused:,} tokens (verified) in {c.restore_s * 1000:.0f} ms")
+            verified = " (verified)" if c.verified else ""
+            parts.append(f"restored {c.reused:,} tokens{verified} in {c.restore_s * 1000:.0f} ms")
         elif c is not None:
             parts.append(f"cache miss: {c.miss_reason}")
+        if c is not None and c.recomputed:
+            parts.append(c.exactness())
         parts.append(f"prefilled {self.sync.prefilled:,}")
         if c is not None and c.hit:
             parts.append(f"saved ≈ {c.saved_s:.1f} s")
@@ -109,10 +119,27 @@ class ChatSession:
         del self.state.messages[n_messages:]
         del self.state.tokens[n_tokens:]
         self.state.boundaries = [b for b in self.state.boundaries if b <= n_tokens]
+        self.state.generated = [
+            (a, min(b, n_tokens)) for a, b in self.state.generated if a < n_tokens
+        ]
         if self.runtime.session.n_tokens > n_tokens:
             self.runtime.session.truncate(n_tokens)
 
     # ------------------------------------------------------------------ sync
+    def schedule(self) -> list[int]:
+        """The conversation's canonical batch ends (see the module docstring)."""
+        return self.runtime.session.schedule(
+            len(self.state.tokens), self.state.boundaries, self.state.generated
+        )
+
+    def _live_is_exact(self, ends: list[int]) -> bool:
+        """The live sequence holds a prefix of the conversation, computed in its batches."""
+        session = self.runtime.session
+        n = session.n_tokens
+        if n == 0 or session.tokens != self.state.tokens[:n]:
+            return False
+        return shared_end(session.batch_ends, ends, n) == n
+
     def sync(
         self, progress: ProgressFn | None = None, cancel: CancelFn | None = None
     ) -> SyncReport:
@@ -121,20 +148,16 @@ class ChatSession:
         tokens = self.state.tokens
         if len(tokens) > session.n_ctx:
             raise ContextFullError(len(tokens), session.n_ctx)
+        ends = self.schedule()
         report: CacheReport | None = None
-        if session.tokens != tokens[: session.n_tokens] or session.n_tokens == 0:
-            _, report = self.runtime.restore(tokens)
+        if not self._live_is_exact(ends):
+            _, report = self.runtime.restore(tokens, ends)
         start = session.n_tokens
         t0 = time.perf_counter()
         cancelled = False
         if start < len(tokens):
             try:
-                session.prefill(
-                    tokens[start:],
-                    boundaries=self.state.boundaries,
-                    progress=progress,
-                    cancel=cancel,
-                )
+                session.prefill(tokens[start:], ends=ends, progress=progress, cancel=cancel)
             except PrefillCancelled:
                 cancelled = True
         return SyncReport(report, session.n_tokens - start, time.perf_counter() - t0, cancelled)
@@ -194,6 +217,10 @@ class ChatSession:
 
     def _close_turn(self, stream: Streamed) -> None:
         history = list(self.state.messages)
+        session = self.runtime.session
+        start = len(self.state.tokens)
+        if session.n_tokens > start:  # the answer's tokens each decoded alone, as sampled
+            self.state.generated.append((start, session.n_tokens))
         self.state.tokens.extend(stream.ids)
         self.state.messages.append(Message("assistant", stream.text))
         closing = self.runtime.template.assistant_end_tokens(history, stream.text)
@@ -202,8 +229,7 @@ class ChatSession:
         if room < 0:  # the closing tokens do not fit: keep the answer, drop the excess
             del self.state.tokens[self.n_ctx :]
         self.state.boundaries.append(len(self.state.tokens))
-        session = self.runtime.session
         pending = self.state.tokens[session.n_tokens :]
         if pending:
-            session.prefill(pending, boundaries=self.state.boundaries)
+            session.prefill(pending, ends=self.schedule())
         self.runtime.save_prefix(self.state.boundaries)

@@ -264,7 +264,7 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
                 results.append({"snapshot": snap.id, "ok": False, "detail": str(exc)})
                 continue
             tokens = [int(t) for b in blocks for t in b.tokens]
-            ends = [e for b in blocks for e in json.loads(b.meta.get("batch_ends", "[]"))]
+            ends = [b.start + int(e) for b in blocks for e in b.ends]
             probes = session.replay(tokens, ends)
             worst = 0.0
             bad = []

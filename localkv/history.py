@@ -87,6 +87,12 @@ def m001_conversations(db: sqlite_utils.Database) -> None:
     db.table("conversations").create_index(["updated"])
 
 
+@migration
+def m002_generated_spans(db: sqlite_utils.Database) -> None:
+    """The spans of generated tokens (each decoded alone): part of the batch schedule."""
+    db.table("conversations").add_column("generated", str, not_null_default="[]")
+
+
 class ConversationNotFound(KeyError):
     """No saved conversation has this id."""
 
@@ -195,6 +201,7 @@ class ConversationStore:
             "tokens": _encode_tokens(state.tokens),
             "boundaries": json.dumps(state.boundaries),
             "documents": json.dumps([[name, n] for name, n in state.documents]),
+            "generated": json.dumps([[a, b] for a, b in state.generated]),
             "n_messages": len(state.messages),
             "n_tokens": len(state.tokens),
             "updated": now,
@@ -249,17 +256,18 @@ class ConversationStore:
         """The saved state, exactly as it was saved."""
         with self._db() as db:
             row = db.execute(
-                "SELECT system, messages, tokens, boundaries, documents FROM conversations "
-                "WHERE id = ?",
+                "SELECT system, messages, tokens, boundaries, documents, generated "
+                "FROM conversations WHERE id = ?",
                 [id],
             ).fetchone()
         if row is None:
             raise ConversationNotFound(id)
-        system, messages, tokens, boundaries, documents = row
+        system, messages, tokens, boundaries, documents, generated = row
         return ChatState(
             system=system,
             messages=[Message(role, content) for role, content in json.loads(messages)],
             tokens=_decode_tokens(tokens),
             boundaries=[int(b) for b in json.loads(boundaries)],
             documents=[(str(name), int(n)) for name, n in json.loads(documents)],
+            generated=[(int(a), int(b)) for a, b in json.loads(generated)],
         )

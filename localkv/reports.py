@@ -16,15 +16,35 @@ class CacheReport:
     reused: int
     restore_s: float
     saved_s: float  # estimated prefill seconds the restore replaced
+    # tokens the stored chain shares with the request; those past ``reused`` were
+    # computed there in other batches, so they are recomputed for an exact answer
+    common: int = 0
+
+    @property
+    def recomputed(self) -> int:
+        """Common tokens prefilled again because the stored batches differ from ours."""
+        return max(0, self.common - self.reused)
+
+    def exactness(self) -> str:
+        """``reused 2,220 of 2,223 common tokens (exact)``, or "" when nothing was recomputed."""
+        if not self.recomputed:
+            return ""
+        return f"reused {self.reused:,} of {self.common:,} common tokens (exact)"
 
     def line(self, prompt_tokens: int) -> str:
         """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in 41 ms``."""
+        exact = self.exactness()
         if not self.hit:
-            return f"cache miss ({self.miss_reason}); prefilled {prompt_tokens:,} tokens"
-        return (
-            f"reused {self.reused:,} of {prompt_tokens:,} tokens (verified) in "
+            tail = f"; {exact}" if exact else ""
+            return f"cache miss ({self.miss_reason}); prefilled {prompt_tokens:,} tokens{tail}"
+        line = (
+            f"reused {self.reused:,} of {prompt_tokens:,} tokens "
+            f"({'verified' if self.verified else 'not verified'}) in "
             f"{self.restore_s * 1000:.0f} ms; saved ≈ {self.saved_s:.1f} s"
         )
+        if exact:
+            line += f"; {self.recomputed:,} common tokens recomputed for exactness ({exact})"
+        return line
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +85,8 @@ class Answer:
                 "verified": c.verified,
                 "snapshot": c.snapshot,
                 "miss_reason": c.miss_reason,
+                "common": c.common,
+                "recomputed": c.recomputed,
             },
             "timing": {
                 "restore_s": round(self.timing.restore_s, 6),

@@ -194,10 +194,17 @@ class Runtime:
     ) -> Request:
         return build_request(self.template, system=system, documents=documents, question=question)
 
-    def restore(self, tokens: list[int]) -> tuple[RestoreResult | None, CacheReport]:
-        """Empty the sequence and restore the longest verified cached prefix of ``tokens``.
+    def schedule(self, request: Request) -> list[int]:
+        """The request's canonical batch ends (``localkv.schedule``)."""
+        return self.session.schedule(len(request.tokens), request.boundaries)
 
-        Pending background saves finish first: they may hold exactly this prefix.
+    def restore(
+        self, tokens: list[int], ends: Sequence[int]
+    ) -> tuple[RestoreResult | None, CacheReport]:
+        """Empty the sequence and restore the longest verified, exact prefix of ``tokens``.
+
+        ``ends`` is the request's canonical schedule (``schedule``). Pending
+        background saves finish first: they may hold exactly this prefix.
         """
         self.wait_for_saves()
         self.session.reset()
@@ -205,7 +212,7 @@ class Runtime:
             reason = self.cache_error or "cache disabled"
             return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
         try:
-            result = self.cache.restore(self.session, tokens)
+            result = self.cache.restore(self.session, tokens, ends)
         except (OSError, sqlite3.Error) as exc:  # an unreadable index or disk: prefill instead
             log.warning("cache lookup failed (%s); continuing without it", exc)
             self.session.reset()
@@ -218,6 +225,7 @@ class Runtime:
             reused=result.reused,
             restore_s=result.seconds,
             saved_s=result.saved_seconds,
+            common=result.common,
         )
         return result, report
 
@@ -260,14 +268,15 @@ class Runtime:
         t0 = time.perf_counter()
         request = self.build(documents, system=system)
         self._check_fits(request, 0)
-        restored, report = self.restore(request.tokens)
+        ends = self.schedule(request)
+        restored, report = self.restore(request.tokens, ends)
         reused = self.session.n_tokens
         cancelled = False
         t1 = time.perf_counter()
         try:
             self.session.prefill(
                 request.tokens[reused:],
-                boundaries=request.boundaries,
+                ends=ends,
                 progress=progress,
                 cancel=cancel,
             )
@@ -340,12 +349,11 @@ class Runtime:
         t0 = time.perf_counter()
         request = self.build(documents, system=system, question=question)
         self._check_fits(request, 1)
-        restored, report = self.restore(request.tokens)
+        ends = self.schedule(request)
+        restored, report = self.restore(request.tokens, ends)
         reused = self.session.n_tokens
         t1 = time.perf_counter()
-        self.session.prefill(
-            request.tokens[reused:], boundaries=request.boundaries, progress=progress
-        )
+        self.session.prefill(request.tokens[reused:], ends=ends, progress=progress)
         prefill_s = time.perf_counter() - t1
         answer = stream_answer(self.session, params, t0, on_text, cancel)
         total = time.perf_counter() - t0

@@ -3,13 +3,12 @@
 The session owns its native handles (model, context, batch, LoRA adapters)
 through an ``ExitStack``; ``close()`` frees them once and is safe to repeat.
 
-Prefill is *block-aligned* (DESIGN §6): positions are 0..n-1 of sequence 0;
-inside each block of ``block_size`` tokens the tokens before the block's last
-are decoded in batches and the block's last token is decoded alone. Any extra
-boundary (a snapshot tip, the end of the request) is decoded alone too. The
-logits of every token decoded alone are returned as that position's probe:
-restoring the state of the tokens before it and decoding it alone reproduces
-them bit for bit.
+Prefill follows the request's canonical batch schedule (``localkv.schedule``):
+positions are 0..n-1 of sequence 0; the last token of every block, segment and
+request is decoded alone. The logits of a token decoded alone are that
+position's probe: restoring the state of the tokens before it and decoding it
+alone reproduces them bit for bit. ``batch_ends`` records how the sequence was
+actually batched; the cache keys blocks by it.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from localkv.config import LoraSpec, SessionConfig
 from localkv.loading import ModelLoadError, flash_attn_setting, large_buffer, open_native
 from localkv.native import ensure_backend, llama_cpp
 from localkv.sampling import Sampler, SamplingParams
+from localkv.schedule import ends_after, request_ends
 
 __all__ = [
     "LoraSpec",
@@ -214,43 +214,66 @@ class ModelSession:
             self.probes[pos] = logits
         return logits
 
+    def schedule(
+        self, n_tokens: int, boundaries: Iterable[int], singles: Iterable[tuple[int, int]] = ()
+    ) -> list[int]:
+        """The canonical batch ends of a request (see ``localkv.schedule``)."""
+        return request_ends(
+            n_tokens,
+            boundaries,
+            self.config.block_size,
+            min(self.n_batch, self.config.block_size),
+            singles,
+        )
+
     def prefill(
         self,
         tokens: list[int],
         *,
-        block_size: int | None = None,
+        ends: Sequence[int] | None = None,
         boundaries: Iterable[int] = (),
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
     ) -> PrefillResult:
-        """Append ``tokens`` to the sequence, block-aligned.
+        """Append ``tokens`` to the sequence, in the batches that end at ``ends``.
 
-        ``boundaries`` are absolute token counts (a snapshot tip after k tokens
-        means token k-1 is decoded alone). The end of ``tokens`` is always one.
+        ``ends`` is the request's whole schedule (absolute batch ends, see
+        ``schedule``; default: the schedule of a request that ends with
+        ``tokens`` and has segments ending at ``boundaries``). The sequence must
+        stand at one of them (or be empty) and the end of ``tokens`` is one. A
+        token decoded alone keeps its logits as a probe where a block can end
+        after it.
         ``progress(done, total)`` is called after each batch; when ``cancel()``
         turns true, prefill stops between batches and raises ``PrefillCancelled``.
         """
-        block_size = block_size or self.config.block_size
         start = len(self.tokens)
         end = start + len(tokens)
         if end > self.n_ctx:
             raise ContextFullError(end, self.n_ctx)
-        alone = {p for p in range(start, end) if (p + 1) % block_size == 0}
-        alone.update(b - 1 for b in boundaries if start < b <= end)
-        if end > start:
-            alone.add(end - 1)
         result = PrefillResult(start, end)
+        if end == start:
+            return result
+        if ends is None:
+            ends = self.schedule(end, boundaries)
+        if (start and start not in ends) or end not in ends:
+            raise ValueError(f"tokens {start}..{end} do not start and end at batch ends")
+        batches = ends_after(ends, start)
+        batches = batches[: batches.index(end) + 1]
         pos = start
-        while pos < end:
+        for i, stop in enumerate(batches):
             if cancel is not None and cancel():
                 raise PrefillCancelled(pos - start)
-            if pos in alone:
-                result.probes[pos] = self.decode_one(tokens[pos - start], probe=True)
-                pos += 1
+            if stop - pos > self.n_batch:
+                raise ValueError(f"batch of {stop - pos} tokens (limit {self.n_batch})")
+            if stop - pos == 1:
+                single_next = i + 1 < len(batches) and batches[i + 1] - stop == 1
+                keep = not single_next or stop % self.config.block_size == 0
+                logits = self.decode_one(tokens[pos - start], probe=keep)
+                if keep:
+                    result.probes[pos] = logits
             else:
-                stop = min(end, pos + self.n_batch, min((a for a in alone if a > pos), default=end))
                 self._decode(tokens[pos - start : stop - start], want_last=False)
-                pos = stop
+            pos = stop
             if progress is not None:
                 progress(pos - start, end - start)
         return result

@@ -3,8 +3,8 @@
 A block file is a safetensors file that ``safetensors.numpy`` (or
 ``safetensors.torch``) loads as it is: the caller's tensors as given, plus
 ``tokens`` and ``pos`` (int32), and ``__metadata__`` with the format version,
-hash, parent, identity, namespace, start, probe digest and the caller's
-metadata (all strings). The index row records its size and the xxh3-128 of
+hash, parent, identity, namespace, start, batch ends, probe digest and the
+caller's metadata (all strings). The index row records its size and the xxh3-128 of
 all its bytes; a read checks both, and the metadata, tokens and positions
 against the row.
 
@@ -154,6 +154,7 @@ def encode(block: Block, *, compact: bool = False, codec: str = "q6") -> bytes:
         identity=block.identity,
         namespace=block.namespace,
         start=str(block.start),
+        ends=ends_text(block.ends),
         probe_digest=block.probe.digest,
     )
     if compact:
@@ -329,6 +330,7 @@ def index_row(
         namespace=block.namespace,
         start=block.start,
         tokens=block.tokens,
+        ends=block.ends,
         tokens_sha=tokens_sha(block.tokens),
         file=relpath,
         raw_bytes=len(data) if raw_bytes is None else raw_bytes,
@@ -340,6 +342,11 @@ def index_row(
         last_used=now,
         hits=0,
     )
+
+
+def ends_text(ends: np.ndarray) -> str:
+    """A block's batch ends as file metadata: offsets joined by commas."""
+    return ",".join(str(int(e)) for e in ends)
 
 
 def check_metadata(
@@ -356,6 +363,7 @@ def check_metadata(
         "identity": row.identity,
         "namespace": row.namespace,
         "start": str(row.start),
+        "ends": ends_text(row.ends),
         "probe_digest": row.probe.digest,
     }
     for key, value in expect.items():
@@ -390,6 +398,7 @@ def block_of(
         namespace=row.namespace,
         start=row.start,
         tokens=tokens,
+        ends=row.ends,
         tensors=tensors,
         probe=row.probe,
         meta=meta,

@@ -1,16 +1,22 @@
-"""Chain hashes: a block's hash names its identity, namespace and whole token prefix.
+"""Chain hashes: a block's hash names its identity, namespace and whole computation.
 
 ``chain_root`` hashes a tag, the identity digest and the namespace;
-``chain_next`` hashes the parent hash with the block's tokens. Because every
-hash covers its parent, two token lists share exactly the hashes of the blocks
-before their first difference: equal tokens after a mismatch never match.
+``chain_next`` hashes the parent hash with the block's tokens *and the batch
+ends they were computed in*. llama.cpp's kernels are not batch-size invariant,
+so the same tokens batched differently give other K/V values: the schedule is
+part of what a block denotes, and a request whose own uncached run would batch
+differently computes another hash. Because every hash covers its parent, two
+requests share exactly the hashes of the blocks before their first difference
+(in tokens or in batching): equal tokens after a mismatch never match.
 
 Encodings are canonical and fixed (changing them invalidates every cache):
 
 - root: ``ROOT_TAG``, identity, namespace, each as u32 little-endian byte
   length followed by its UTF-8 bytes;
 - next: the parent's 32-byte digest, the token count as u32 little-endian,
-  then the tokens as int32 little-endian.
+  the tokens as int32 little-endian, the number of batch ends as u32
+  little-endian, then the batch ends as u32 little-endian offsets from the
+  block's start (strictly increasing, the last equal to the token count).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import numpy as np
 __all__ = [
     "HASH_PREFIX",
     "ROOT_TAG",
+    "block_ends",
     "chain_hashes",
     "chain_next",
     "chain_root",
@@ -32,7 +39,7 @@ __all__ = [
     "tokens_sha",
 ]
 
-ROOT_TAG = "lkv-chain1"
+ROOT_TAG = "lkv-chain2"
 HASH_PREFIX = "sha256:"
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
@@ -90,24 +97,61 @@ def chain_root(identity_digest: str, namespace: str) -> str:
     return HASH_PREFIX + h.hexdigest()
 
 
-def chain_next(parent: str, tokens: Tokens) -> str:
-    """The hash of a block of ``tokens`` following ``parent`` (a root or block hash)."""
+def ends_array(ends: Sequence[int] | np.ndarray, n_tokens: int) -> np.ndarray:
+    """A block's batch ends as u32 offsets (ValueError unless increasing, last = n_tokens)."""
+    arr = np.asarray(ends, dtype=np.int64)
+    if arr.ndim != 1 or arr.shape[0] == 0:
+        raise ValueError("a block's batch ends must be a non-empty flat sequence")
+    if arr[0] < 1 or np.any(np.diff(arr) <= 0) or arr[-1] != n_tokens:
+        raise ValueError(
+            f"batch ends must increase from 1 to the block's {n_tokens} tokens: "
+            f"{arr[:8].tolist()}{'...' if arr.shape[0] > 8 else ''}"
+        )
+    return arr.astype("<u4")
+
+
+def block_ends(ends: Sequence[int], start: int, end: int) -> list[int]:
+    """The batch ends of tokens ``start..end-1``, as offsets from ``start``.
+
+    ``ends`` are absolute batch ends of a whole sequence; ``end`` must be one
+    of them (a block ends where a batch ends), ``start`` too, or 0.
+    """
+    inside = [e - start for e in ends if start < e <= end]
+    if not inside or inside[-1] != end - start:
+        raise ValueError(f"no batch ends at {end}: a block must end where a batch ends")
+    return inside
+
+
+def chain_next(parent: str, tokens: Tokens, ends: Sequence[int] | np.ndarray) -> str:
+    """The hash of a block of ``tokens``, computed in batches ending at ``ends``
+    (offsets from the block's start), following ``parent`` (a root or block hash)."""
     arr = tokens_array(tokens)
+    offsets = ends_array(ends, int(arr.shape[0]))
     h = hashlib.sha256()
     h.update(digest_bytes(parent))
     h.update(struct.pack("<I", arr.shape[0]))
     h.update(arr.tobytes())
+    h.update(struct.pack("<I", offsets.shape[0]))
+    h.update(offsets.tobytes())
     return HASH_PREFIX + h.hexdigest()
 
 
-def chain_hashes(root: str, tokens: Tokens, block_size: int) -> list[str]:
-    """Hashes of the full blocks of ``tokens`` (a shorter tail block is left out)."""
+def chain_hashes(root: str, tokens: Tokens, block_size: int, ends: Sequence[int]) -> list[str]:
+    """Hashes of the full blocks of ``tokens`` (a shorter tail block is left out).
+
+    ``ends`` are the request's absolute batch ends; the chain stops before the
+    first full block that does not end at one of them.
+    """
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     arr = tokens_array(tokens)
     hashes: list[str] = []
     parent = root
     for start in range(0, arr.shape[0] - block_size + 1, block_size):
-        parent = chain_next(parent, arr[start : start + block_size])
+        try:
+            offsets = block_ends(ends, start, start + block_size)
+        except ValueError:
+            break
+        parent = chain_next(parent, arr[start : start + block_size], offsets)
         hashes.append(parent)
     return hashes

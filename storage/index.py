@@ -157,6 +157,7 @@ class BlockIndex:
                 row.created,
                 row.last_used,
                 row.hits,
+                row.ends.astype("<u4").tobytes(),
                 row.n_tokens,
             ),
         )

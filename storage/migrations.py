@@ -150,3 +150,18 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         {"kind": str, "reason": str, "tokens": int, "seconds": float, "at": float},
         not_null={"kind", "tokens", "seconds", "at"},
     )
+
+
+@migration
+def m002_batch_ends(db: sqlite_utils.Database) -> None:
+    """Blocks record the batch ends they were computed in; chain hashes cover them.
+
+    A block written before this migration is named by its tokens alone
+    (``lkv-chain1``) and may hold K/V computed on another batch schedule than
+    any request would use now, so it can never be proven to be a request's
+    uncached state: its row goes (with the snapshots on it), and ``gc``
+    removes its file as one without a row.
+    """
+    db.execute("DELETE FROM snapshots")
+    db.execute("DELETE FROM blocks")
+    db.table("blocks").add_column("ends", bytes)

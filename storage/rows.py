@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .chain import ends_array
 from .values import BlockRow, Probe, SnapshotRow
 
 __all__ = ["BLOCK_COLUMNS", "SNAPSHOT_COLUMNS", "block_row", "readable_rows", "snapshot_row"]
@@ -16,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 BLOCK_COLUMNS = (
     "hash, parent, identity, namespace, start, tokens, tokens_sha, file, raw_bytes, "
-    "stored_bytes, checksum, probe_digest, probe_top, prefill_seconds, created, last_used, hits"
+    "stored_bytes, checksum, probe_digest, probe_top, prefill_seconds, created, last_used, hits, "
+    "ends"
 )
 SNAPSHOT_COLUMNS = (
     "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
@@ -27,6 +29,8 @@ SNAPSHOT_COLUMNS = (
 def block_row(r: Sequence[Any]) -> BlockRow:
     """A ``blocks`` row (in ``BLOCK_COLUMNS`` order) as a ``BlockRow``."""
     tokens = np.frombuffer(r[5], dtype="<i4")
+    ends = ends_array(np.frombuffer(r[17], dtype="<u4"), int(tokens.shape[0]))
+    ends.setflags(write=False)
     return BlockRow(
         hash=r[0],
         parent=r[1],
@@ -34,6 +38,7 @@ def block_row(r: Sequence[Any]) -> BlockRow:
         namespace=r[3],
         start=int(r[4]),
         tokens=tokens,
+        ends=ends,
         tokens_sha=r[6],
         file=r[7],
         raw_bytes=int(r[8]),

@@ -164,11 +164,11 @@ class SnapshotStore:
         """Store a block; False (and nothing written) if it is already stored.
 
         The hash must be ``chain_next(parent or chain_root(identity, namespace),
-        tokens)`` and the parent must be stored, under the same identity and
+        tokens, ends)`` and the parent must be stored, under the same identity and
         namespace, ending where this block starts (ValueError otherwise).
         """
         expected = chain_next(
-            block.parent or chain_root(block.identity, block.namespace), block.tokens
+            block.parent or chain_root(block.identity, block.namespace), block.tokens, block.ends
         )
         if block.hash != expected:
             raise ValueError(f"block hash {block.hash} is not its chain hash {expected}")
@@ -388,8 +388,8 @@ class SnapshotStore:
     def _check_row(self, row: BlockRow) -> str | None:
         try:
             parent = row.parent or chain_root(row.identity, row.namespace)
-            if chain_next(parent, row.tokens) != row.hash:
-                return "hash does not match parent and tokens"
+            if chain_next(parent, row.tokens, row.ends) != row.hash:
+                return "hash does not match parent, tokens and batch ends"
         except ValueError as exc:  # a malformed parent or identity digest in the row
             return f"index row cannot be read: {exc}"
         try:

@@ -12,7 +12,7 @@ from typing import TypedDict
 
 import numpy as np
 
-from .chain import HASH_PREFIX, digest_bytes, tokens_array
+from .chain import HASH_PREFIX, digest_bytes, ends_array, tokens_array
 
 __all__ = [
     "PROBE_TOP",
@@ -31,7 +31,7 @@ __all__ = [
 PROBE_TOP = 64
 RESERVED_TENSORS = frozenset({"tokens", "pos"})
 RESERVED_META = frozenset(
-    {"format", "hash", "parent", "identity", "namespace", "start", "probe_digest", "planes"}
+    {"format", "hash", "parent", "identity", "namespace", "start", "ends", "probe_digest", "planes"}
 )
 
 
@@ -126,6 +126,7 @@ class Block:
     namespace: str
     start: int
     tokens: np.ndarray
+    ends: np.ndarray  # batch ends of the computation, offsets from start (see chain_next)
     tensors: dict[str, np.ndarray]
     probe: Probe
     meta: dict[str, str]
@@ -145,6 +146,7 @@ class Block:
             raise ValueError("a block needs at least one token")
         object.__setattr__(self, "tokens", tokens)
         n = tokens.shape[0]
+        object.__setattr__(self, "ends", _readonly(ends_array(self.ends, n)))
         for name, arr in self.tensors.items():
             if name in RESERVED_TENSORS or not name:
                 raise ValueError(f"tensor name {name!r} is reserved")
@@ -176,6 +178,7 @@ class BlockRow:
     namespace: str
     start: int
     tokens: np.ndarray  # int32, read-only
+    ends: np.ndarray  # u32 batch ends, offsets from start, read-only
     tokens_sha: str
     file: str
     raw_bytes: int

@@ -26,7 +26,7 @@ NAMES = ["raw", "zstd-1", "hi-plane zstd-1", "hi-plane q6"]
 def _state(tiny_models: TinyModels, long_text: str, **overrides: object) -> bytes:
     with ModelSession(tiny_config(tiny_models.base, **overrides)) as s:
         tokens = s.tokenize(long_text)[:N_TOKENS]
-        s.prefill(tokens, block_size=256)
+        s.prefill(tokens)
         return s.capture_state()
 
 
@@ -106,7 +106,7 @@ def test_files_hold_what_the_ratio_counts(f16_state: bytes, tmp_path: Path) -> N
     assert np.array_equal(views[-1], state.layers[-1].v)
     with bc.Workers(2) as pool:
         for enc in bc.ENCODINGS:
-            encoded = bc.encode(enc, state, tmp_path / enc.name, pool, block_size=256)
+            encoded = bc.encode(enc, state, tmp_path / enc.name, pool)
             assert [(b.start, b.stop) for b in encoded.blocks] == [(0, 256), (256, 512), (512, 600)]
             on_disk = sum(p.stat().st_size for p in (tmp_path / enc.name).iterdir())
             assert on_disk == encoded.stored_bytes

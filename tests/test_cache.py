@@ -9,7 +9,8 @@ import pytest
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv.request import Document
+from localkv.cache import RestoreResult
+from localkv.request import Document, Request
 from localkv.runtime import Runtime
 from localkv.sampling import SamplingParams
 from localkv.session import LoraSpec
@@ -39,18 +40,26 @@ def _save_tokens(rt: Runtime, tokens: list[int]) -> None:
     rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
 
 
-def _reuse(rt: Runtime, tokens: list[int]) -> int:
+def _restore(rt: Runtime, request: list[int] | Request) -> RestoreResult:
+    """Restore a request (raw tokens: one segment) on its canonical schedule."""
     assert rt.cache is not None
-    result = rt.cache.restore(rt.session, tokens)
+    if not isinstance(request, Request):
+        request = Request(request, [len(request)])
+    result = rt.cache.restore(rt.session, request.tokens, rt.schedule(request))
     assert result.reused == rt.session.n_tokens
     if result.reused:
         assert result.verified is True
-        assert rt.session.tokens == tokens[: result.reused]
-    return result.reused
+        assert rt.session.tokens == request.tokens[: result.reused]
+    return result
+
+
+def _reuse(rt: Runtime, request: list[int] | Request) -> int:
+    return _restore(rt, request).reused
 
 
 def test_seed_example_reuses_exactly_two(tiny_models: TinyModels, tmp_path: Path) -> None:
-    with _runtime(tiny_models.base, tmp_path) as rt:
+    """One token per batch (block size 1): every token ends a batch, so 2 are exact."""
+    with _runtime(tiny_models.base, tmp_path, block_size=1) as rt:
         _save_tokens(rt, [11, 24, 31, 42, 57])
         assert _reuse(rt, [11, 24, 99, 42, 57]) == 2
         assert _reuse(rt, [11, 24, 31, 42, 57, 60]) == 5
@@ -59,17 +68,36 @@ def test_seed_example_reuses_exactly_two(tiny_models: TinyModels, tmp_path: Path
         assert _reuse(rt, [99, 24, 31, 42, 57]) == 0
 
 
+def test_seed_example_in_one_batch_reuses_none_of_the_two(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """Batched as [31, 42 | 57]: no batch ends after 11, 24, so nothing is exact."""
+    with _runtime(tiny_models.base, tmp_path) as rt:
+        _save_tokens(rt, [11, 24, 31, 42, 57])
+        result = _restore(rt, [11, 24, 99, 42, 57])
+        assert (result.reused, result.common) == (0, 2)
+        assert result.miss_reason is not None and "batch" in result.miss_reason
+        # uncached, the longer request batches [11 .. 57 | 60]: the stored [11 .. 42 | 57]
+        # is another computation from its first batch on
+        longer = _restore(rt, [11, 24, 31, 42, 57, 60])
+        assert (longer.reused, longer.common) == (0, 5)
+
+
 @pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
 @pytest.mark.parametrize("p", [1, 100, 255, 256, 300, 599])
-def test_a_different_token_at_p_reuses_exactly_p(
+def test_a_different_token_at_p_reuses_up_to_the_last_shared_batch_end(
     tiny_models: TinyModels, tmp_path: Path, long_text: str, p: int, compact: bool
 ) -> None:
     with _runtime(tiny_models.base, tmp_path, compact=compact) as rt:
         tokens = rt.session.tokenize(long_text)[:700]
         _save_tokens(rt, tokens)
+        stored_ends = rt.session.batch_ends
+        assert stored_ends == [255, 256, 511, 512, 699, 700]
         changed = list(tokens)
         changed[p] = (tokens[p] + 1) % rt.session.n_vocab
-        assert _reuse(rt, changed) == p
+        result = _restore(rt, changed)
+        assert result.common == p
+        assert result.reused == max((e for e in stored_ends if e <= p), default=0)
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
@@ -83,8 +111,9 @@ def test_shifted_document_is_not_reused(
         common = next(
             i for i, (a, b) in enumerate(zip(first.tokens, other.tokens, strict=False)) if a != b
         )
-        reused = _reuse(rt, other.tokens)
-        assert reused == common < first.boundaries[0]
+        result = _restore(rt, other)
+        assert result.common == common < first.boundaries[0]
+        assert result.reused <= common
 
 
 @pytest.mark.parametrize(
@@ -116,7 +145,7 @@ def test_other_computations_reuse_nothing_and_say_why(
     with _runtime(getattr(tiny_models, variant), tmp_path, **options) as rt:
         request = rt.build([doc], system=SYSTEM)
         assert rt.cache is not None
-        result = rt.cache.restore(rt.session, request.tokens)
+        result = rt.cache.restore(rt.session, request.tokens, rt.schedule(request))
         assert result.reused == 0
         assert rt.session.n_tokens == 0
         assert result.miss_reason is not None
@@ -225,6 +254,7 @@ def test_altered_values_with_a_consistent_checksum_are_caught_by_the_probe(
             namespace=block.namespace,
             start=block.start,
             tokens=block.tokens,
+            ends=block.ends,
             tensors=tensors,
             probe=block.probe,
             meta=block.meta,
@@ -235,7 +265,7 @@ def test_altered_values_with_a_consistent_checksum_are_caught_by_the_probe(
         (row,) = store.match_chain([last.hash])
         assert (row.stored_bytes < row.raw_bytes) == compact
         request = rt.build([doc], system=SYSTEM)
-        result = rt.cache.restore(rt.session, request.tokens)
+        result = rt.cache.restore(rt.session, request.tokens, rt.schedule(request))
         assert result.reused == 0
         assert result.miss_reason is not None and "probe" in result.miss_reason
         assert rt.session.n_tokens == 0
@@ -270,7 +300,9 @@ def test_blocks_shared_by_two_documents_are_stored_once(
     common = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
     # everything the two requests share: the system prompt and the next turn's header
     assert system_end <= common < system_end + 8
-    assert rb.reused == common
+    # the turn header after the system prompt was batched with a's text, not b's: the
+    # reuse ends where the system prompt's last token was decoded alone
+    assert (rb.reused, rb.cache.common) == (system_end, common)
     assert rb.new_blocks < rb.blocks
     assert ra.snapshot != rb.snapshot
 
@@ -289,9 +321,9 @@ def test_a_small_budget_evicts_but_keeps_the_pinned_snapshot(
         kept = rt.cache.store.chain_of(rt.cache.store.get_snapshot(pinned.snapshot or "").tip)
         assert sum(r.stored_bytes for r in kept) == pinned.bytes_on_disk
         request = rt.build([a], system=SYSTEM)
-        assert _reuse(rt, request.tokens) == len(request.tokens)
+        assert _reuse(rt, request) == len(request.tokens)
         other = rt.build([b], system=SYSTEM)
-        assert _reuse(rt, other.tokens) < len(other.tokens) - 256
+        assert _reuse(rt, other) < len(other.tokens) - 256
 
 
 def test_bookkeeping_runs_off_the_restore_path(

@@ -31,7 +31,7 @@ def test_round_trip_is_byte_identical(
 ) -> None:
     cfg = tiny_config(tiny_models.base, type_k=type_k, type_v=type_v, flash_attn=flash)
     with ModelSession(cfg) as s:
-        s.prefill(prompt, block_size=256)
+        s.prefill(prompt)
         raw = s.capture_state()
         state = codec.parse(raw)
         assert state.n_tokens == len(prompt)
@@ -52,12 +52,12 @@ def test_slice_restores_the_state_of_a_shorter_prefill(
     k = 300
     cfg = tiny_config(tiny_models.base, type_k=type_k, type_v=type_v, flash_attn=flash)
     with ModelSession(cfg) as s:
-        s.prefill(prompt, block_size=256, boundaries=[k])
+        s.prefill(prompt, boundaries=[k])
         full = s.capture()
         s.restore(full.slice(0, k), prompt[:k])
         restored = s.decode_one(prompt[k])
         s.reset()
-        s.prefill(prompt[:k], block_size=256)
+        s.prefill(prompt[:k])
         sliced_raw = s.capture_state()
         uncached = s.decode_one(prompt[k])
     assert bytes(codec.assemble(full.slice(0, k))) == sliced_raw
@@ -66,7 +66,7 @@ def test_slice_restores_the_state_of_a_shorter_prefill(
 
 def test_concat_of_slices_is_the_whole(tiny_models: TinyModels, prompt: list[int]) -> None:
     with ModelSession(tiny_config(tiny_models.base, flash_attn="off")) as s:
-        s.prefill(prompt, block_size=256)
+        s.prefill(prompt)
         raw = s.capture_state()
     state = codec.parse(raw)
     parts = [state.slice(0, 256), state.slice(256, 512), state.slice(512, 700)]
@@ -75,7 +75,7 @@ def test_concat_of_slices_is_the_whole(tiny_models: TinyModels, prompt: list[int
 
 def test_parse_refuses_what_it_does_not_know(tiny_models: TinyModels, prompt: list[int]) -> None:
     with ModelSession(tiny_config(tiny_models.base)) as s:
-        s.prefill(prompt[:40], block_size=256)
+        s.prefill(prompt[:40])
         raw = s.capture_state()
     bad_magic = b"\0\0\0\0" + raw[4:]
     with pytest.raises(codec.StateFormatError, match="magic"):

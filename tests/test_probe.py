@@ -15,7 +15,7 @@ from localkv.session import ModelSession, SessionConfig
 def _probe_check(first: SessionConfig, second: SessionConfig, tokens: list[int]) -> None:
     n = len(tokens)
     with ModelSession(first) as a:
-        result = a.prefill(tokens, block_size=256)
+        result = a.prefill(tokens)
         probe = result.probes[n - 1]
         assert set(result.probes) == {255, 511, n - 1} & set(range(n))
         a.truncate(n - 1)
@@ -48,11 +48,11 @@ def test_probe_detects_a_changed_earlier_token(tiny_models: TinyModels, long_tex
     cfg = tiny_config(tiny_models.base)
     with ModelSession(cfg) as s:
         tokens = s.tokenize(long_text)[:300]
-        probe = s.prefill(tokens, block_size=256).probes[299]
+        probe = s.prefill(tokens).probes[299]
         changed = list(tokens)
         changed[100] = tokens[101]
         s.reset()
-        s.prefill(changed[:299], block_size=256)
+        s.prefill(changed[:299])
         assert not np.array_equal(s.decode_one(changed[299]), probe)
 
 

@@ -128,6 +128,7 @@ def test_round_trip_through_index_row_checks() -> None:
         namespace=block.namespace,
         start=block.start,
         tokens=block.tokens,
+        ends=block.ends,
         tokens_sha="",
         file="",
         raw_bytes=len(data),

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from localkv.storage.chain import chain_hashes, chain_next, chain_root, tokens_sha
+from localkv.storage.chain import chain_next, chain_root, tokens_sha
 from localkv.storage.store import Block, Probe, SnapshotStore
 from test_store_support import (
     IDENTITY,
     OTHER_IDENTITY,
     block_files,
+    grid_hashes,
     logits_for,
     make_chain,
     put_chain,
@@ -75,13 +76,13 @@ def test_shared_prefix_of_two_documents_is_stored_once(store: SnapshotStore) -> 
 def test_match_chain_stops_at_first_missing_block(store: SnapshotStore) -> None:
     tokens = list(range(80))
     put_chain(store, make_chain(tokens[:48], 16))
-    hashes = chain_hashes(chain_root(IDENTITY, ""), tokens, 16)
+    hashes = grid_hashes(chain_root(IDENTITY, ""), tokens, 16)
     assert len(hashes) == 5
     assert [r.start for r in store.match_chain(hashes)] == [0, 16, 32]
-    changed = chain_hashes(chain_root(IDENTITY, ""), [*tokens[:20], 7, *tokens[21:]], 16)
+    changed = grid_hashes(chain_root(IDENTITY, ""), [*tokens[:20], 7, *tokens[21:]], 16)
     assert [r.start for r in store.match_chain(changed)] == [0]
-    assert store.match_chain(chain_hashes(chain_root(IDENTITY, "other"), tokens, 16)) == []
-    assert store.match_chain(chain_hashes(chain_root(OTHER_IDENTITY, ""), tokens, 16)) == []
+    assert store.match_chain(grid_hashes(chain_root(IDENTITY, "other"), tokens, 16)) == []
+    assert store.match_chain(grid_hashes(chain_root(OTHER_IDENTITY, ""), tokens, 16)) == []
     # A stored block that does not follow the previous one does not extend the run.
     assert [r.hash for r in store.match_chain([hashes[1], hashes[0]])] == [hashes[1]]
     assert [r.hash for r in store.match_chain([hashes[0], hashes[2]])] == [hashes[0]]
@@ -126,12 +127,13 @@ def test_bad_blocks_are_refused(store: SnapshotStore) -> None:
     with pytest.raises(ValueError, match="not stored"):
         store.put_block(blocks[1])  # parent missing
     forged = Block(
-        hash=chain_next(chain_root(IDENTITY, ""), [1, 2]),
+        hash=chain_next(chain_root(IDENTITY, ""), [1, 2], [1, 2]),
         parent=None,
         identity=IDENTITY,
         namespace="",
         start=0,
         tokens=np.array([1, 3], dtype=np.int32),
+        ends=np.array([1, 2]),
         tensors={},
         probe=Probe.from_logits(logits_for(0)),
         meta={},
@@ -190,9 +192,9 @@ def test_lookup_over_ten_thousand_blocks(tmp_path: Path) -> None:
         with store._index.write() as db:  # bulk-load the index; files are not needed here
             for row in rows:
                 store._index.insert_block(db, row)
-        hashes = chain_hashes(chain_root(IDENTITY, ""), list(range(10_000)), 1)
+        hashes = grid_hashes(chain_root(IDENTITY, ""), list(range(10_000)), 1)
         assert len(store.match_chain(hashes)) == 10_000
-        broken = chain_hashes(
+        broken = grid_hashes(
             chain_root(IDENTITY, ""), [*range(6_000), -5, *range(6_001, 10_000)], 1
         )
         assert len(store.match_chain(broken)) == 6_000
@@ -210,6 +212,7 @@ def _row_for(store: SnapshotStore, b: Block):  # type: ignore[no-untyped-def]
         namespace=b.namespace,
         start=b.start,
         tokens=b.tokens,
+        ends=b.ends,
         tokens_sha=tokens_sha(b.tokens),
         file=store.layout.block_relpath(b.hash),
         raw_bytes=1,
@@ -249,7 +252,7 @@ def test_two_processes_share_one_store(tmp_path: Path) -> None:
     assert sum(saved) == 8
     with SnapshotStore.open(root) as store:
         for t in tokens:
-            hashes = chain_hashes(chain_root(IDENTITY, ""), t, 16)
+            hashes = grid_hashes(chain_root(IDENTITY, ""), t, 16)
             assert len(store.read_blocks(store.match_chain(hashes))) == len(hashes)
         assert store.verify() == []
         assert len(block_files(root)) == 8

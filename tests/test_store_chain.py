@@ -1,4 +1,4 @@
-"""Chain hashes: a block's hash names its identity, namespace and whole prefix."""
+"""Chain hashes: a block's hash names its identity, namespace, whole prefix and batching."""
 
 from __future__ import annotations
 
@@ -7,19 +7,60 @@ import struct
 
 import numpy as np
 import pytest
-from localkv.storage.chain import ROOT_TAG, chain_hashes, chain_next, chain_root, tokens_sha
+from localkv.storage.chain import (
+    ROOT_TAG,
+    block_ends,
+    chain_hashes,
+    chain_next,
+    chain_root,
+    tokens_sha,
+)
+from test_store_support import grid_ends
 
 ID_A = "sha256:" + "a" * 64
 ID_B = "sha256:" + "b" * 64
 
 
+def hashes(root: str, tokens: list[int] | np.ndarray, block_size: int) -> list[str]:
+    return chain_hashes(root, tokens, block_size, grid_ends(len(tokens), block_size))
+
+
 def test_seed_example_shares_exactly_the_first_two_blocks() -> None:
     root = chain_root(ID_A, "")
-    a = chain_hashes(root, [11, 24, 31, 42, 57], 1)
-    b = chain_hashes(root, [11, 24, 99, 42, 57], 1)
+    a = hashes(root, [11, 24, 31, 42, 57], 1)
+    b = hashes(root, [11, 24, 99, 42, 57], 1)
     assert len(a) == len(b) == 5
     shared = [x == y for x, y in zip(a, b, strict=True)]
     assert shared == [True, True, False, False, False]
+
+
+def test_the_batch_schedule_is_part_of_the_hash() -> None:
+    root = chain_root(ID_A, "")
+    tokens = list(range(8))
+    canonical = chain_hashes(root, tokens, 4, [3, 4, 7, 8])
+    shifted = chain_hashes(root, tokens, 4, [1, 3, 4, 7, 8])  # block 0 begun after a restore
+    assert canonical[0] != shifted[0]
+    assert canonical[1] != shifted[1]  # and every later block inherits the difference
+    later = chain_hashes(root, tokens, 4, [3, 4, 5, 7, 8])
+    assert later[0] == canonical[0] and later[1] != canonical[1]
+
+
+def test_a_block_that_does_not_end_a_batch_ends_the_chain() -> None:
+    root = chain_root(ID_A, "")
+    assert len(chain_hashes(root, list(range(8)), 4, [3, 5, 7, 8])) == 0
+    assert len(chain_hashes(root, list(range(8)), 4, [3, 4, 6, 7])) == 1
+
+
+def test_block_ends_are_offsets_within_the_block() -> None:
+    assert block_ends([3, 4, 7, 8], 4, 8) == [3, 4]
+    with pytest.raises(ValueError, match="batch ends"):
+        block_ends([3, 4, 7, 9], 4, 8)
+
+
+@pytest.mark.parametrize("bad", [[], [0, 3], [2, 2, 3], [3, 2], [1, 2]])
+def test_bad_batch_ends_are_refused(bad: list[int]) -> None:
+    with pytest.raises(ValueError, match="batch ends"):
+        chain_next(chain_root(ID_A, ""), [1, 2, 3], bad)
 
 
 def test_roots_differ_by_identity_and_namespace() -> None:
@@ -27,9 +68,7 @@ def test_roots_differ_by_identity_and_namespace() -> None:
     assert len(roots) == 6
     assert chain_root(ID_A, "x") == chain_root(ID_A, "x")
     tokens = [1, 2, 3, 4]
-    assert chain_hashes(chain_root(ID_A, ""), tokens, 2) != chain_hashes(
-        chain_root(ID_B, ""), tokens, 2
-    )
+    assert hashes(chain_root(ID_A, ""), tokens, 2) != hashes(chain_root(ID_B, ""), tokens, 2)
 
 
 def test_root_encoding_is_unambiguous() -> None:
@@ -42,27 +81,32 @@ def test_encoding_is_the_documented_one() -> None:
         return struct.pack("<I", len(s.encode())) + s.encode()
 
     root = chain_root(ID_A, "ns")
+    assert ROOT_TAG == "lkv-chain2"
     assert (
         root == "sha256:" + hashlib.sha256(field(ROOT_TAG) + field(ID_A) + field("ns")).hexdigest()
     )
     expected = hashlib.sha256(
-        bytes.fromhex(root[7:]) + struct.pack("<I", 3) + struct.pack("<3i", 5, -1, 70000)
+        bytes.fromhex(root[7:])
+        + struct.pack("<I", 3)
+        + struct.pack("<3i", 5, -1, 70000)
+        + struct.pack("<I", 2)
+        + struct.pack("<2I", 2, 3)
     ).hexdigest()
-    assert chain_next(root, [5, -1, 70000]) == "sha256:" + expected
+    assert chain_next(root, [5, -1, 70000], [2, 3]) == "sha256:" + expected
 
 
 def test_list_and_array_tokens_hash_alike() -> None:
     root = chain_root(ID_A, "")
-    as_list = chain_hashes(root, list(range(10)), 4)
-    assert as_list == chain_hashes(root, np.arange(10, dtype=np.int64), 4)
-    assert as_list == chain_hashes(root, np.arange(10, dtype=">i4"), 4)
+    as_list = hashes(root, list(range(10)), 4)
+    assert as_list == hashes(root, np.arange(10, dtype=np.int64), 4)
+    assert as_list == hashes(root, np.arange(10, dtype=">i4"), 4)
     assert len(as_list) == 2  # the 2-token tail is not a full block
 
 
 def test_hash_of_block_names_whole_prefix() -> None:
     root = chain_root(ID_A, "")
-    a = chain_hashes(root, [1, 2, 3, 4, 5, 6], 3)
-    b = chain_hashes(root, [9, 2, 3, 4, 5, 6], 3)
+    a = hashes(root, [1, 2, 3, 4, 5, 6], 3)
+    b = hashes(root, [9, 2, 3, 4, 5, 6], 3)
     assert a[1] != b[1]  # same second block, different first block
     assert tokens_sha([4, 5, 6]) == tokens_sha(np.array([4, 5, 6], dtype=np.int32))
 
@@ -73,13 +117,13 @@ def test_hash_of_block_names_whole_prefix() -> None:
 )
 def test_bad_tokens_are_refused(bad: object) -> None:
     with pytest.raises(ValueError):
-        chain_next(chain_root(ID_A, ""), bad)  # type: ignore[arg-type]
+        chain_next(chain_root(ID_A, ""), bad, [1])  # type: ignore[arg-type]
 
 
 def test_bad_parent_and_block_size_are_refused() -> None:
     with pytest.raises(ValueError):
-        chain_next("md5:abc", [1])
+        chain_next("md5:abc", [1], [1])
     with pytest.raises(ValueError):
-        chain_next("sha256:" + "z" * 64, [1])
+        chain_next("sha256:" + "z" * 64, [1], [1])
     with pytest.raises(ValueError):
-        chain_hashes(chain_root(ID_A, ""), [1, 2], 0)
+        chain_hashes(chain_root(ID_A, ""), [1, 2], 0, [1, 2])

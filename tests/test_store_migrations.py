@@ -26,6 +26,7 @@ EXPECTED = {
         "created": float,
         "last_used": float,
         "hits": int,
+        "ends": bytes,
     },
     "snapshots": {
         "id": str,
@@ -57,6 +58,20 @@ def test_migrations_build_the_schema() -> None:
     indexed = {tuple(ix.columns) for ix in db.table("blocks").indexes}
     assert ("parent",) in indexed
     assert ("tokens_sha",) in indexed
+
+
+def test_blocks_of_the_first_chain_format_are_dropped() -> None:
+    """Rows named by tokens alone (before batch ends joined the hash) are never served."""
+    db = sqlite_utils.Database(memory=True)
+    MIGRATIONS[0](db)
+    row = {c: 0 for c in EXPECTED["blocks"] if c != "ends"}
+    row.update(hash="sha256:" + "1" * 64, tokens=b"\0" * 4, probe_top=b"")
+    db.table("blocks").insert(row)
+    db.table("snapshots").insert({c: 0 for c in EXPECTED["snapshots"]} | {"id": "s"})
+    for fn in MIGRATIONS[1:]:
+        fn(db)
+    assert db.table("blocks").count == 0
+    assert db.table("snapshots").count == 0
 
 
 def test_migrations_run_once() -> None:

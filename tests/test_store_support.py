@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from localkv.storage.chain import chain_next, chain_root
+from localkv.storage.chain import chain_hashes, chain_next, chain_root
 from localkv.storage.store import Block, Probe, SnapshotStore
 
 IDENTITY = "sha256:" + "1" * 64
@@ -36,6 +36,24 @@ def tensors_for(tokens: np.ndarray, start: int, n_layers: int = 2) -> dict[str, 
     return out
 
 
+def tail_alone(n: int) -> list[int]:
+    """Batch ends of a block of ``n`` tokens whose last token was decoded alone."""
+    return [n - 1, n] if n > 1 else [1]
+
+
+def grid_ends(n: int, block_size: int) -> list[int]:
+    """Absolute batch ends of ``make_chain``'s blocks over ``n`` tokens."""
+    ends: list[int] = []
+    for start in range(0, n, block_size):
+        ends.extend(start + e for e in tail_alone(min(block_size, n - start)))
+    return ends
+
+
+def grid_hashes(root: str, tokens: Sequence[int], block_size: int) -> list[str]:
+    """``chain_hashes`` of the full blocks ``make_chain`` writes for ``tokens``."""
+    return chain_hashes(root, tokens, block_size, grid_ends(len(tokens), block_size))
+
+
 def make_chain(
     tokens: Sequence[int],
     block_size: int,
@@ -49,7 +67,8 @@ def make_chain(
     blocks: list[Block] = []
     for start in range(0, arr.shape[0], block_size):
         part = arr[start : start + block_size]
-        h = chain_next(parent or chain_root(identity, namespace), part)
+        ends = tail_alone(part.shape[0])
+        h = chain_next(parent or chain_root(identity, namespace), part, ends)
         blocks.append(
             Block(
                 hash=h,
@@ -58,6 +77,7 @@ def make_chain(
                 namespace=namespace,
                 start=start,
                 tokens=part,
+                ends=np.asarray(ends),
                 tensors=tensors_for(part, start),
                 probe=Probe.from_logits(logits_for(start + int(part[-1]))),
                 meta={"codec": "test", "n_layer": "2"},
