@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from localkv.cliopts import model_options, session_config
+from localkv.request import Document, DocumentError, read_document
 from localkv.session import ModelLoadError
 from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
@@ -167,29 +168,125 @@ def rm_cmd(snapshot_id: str, cache_dir: str | None) -> None:
 
 @cache.command("forget")
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option(
+    "--with-conversations",
+    is_flag=True,
+    help="Also delete the saved conversations that hold FILE (otherwise forget refuses).",
+)
 @_dir_option
 @_json_option
-def forget_cmd(file: str, cache_dir: str | None, as_json: bool) -> None:
-    """Remove every trace of FILE: its snapshots and every block only it needs.
+@model_options
+def forget_cmd(
+    file: str, with_conversations: bool, cache_dir: str | None, as_json: bool, **opts: Any
+) -> None:
+    """Remove every trace of FILE from the cache and, if asked, from saved chats.
 
-    Matches snapshots by FILE's content hash and by its path (FILE may be gone
-    already). Blocks shared with other snapshots (a common system prompt) stay;
-    freed index pages are overwritten and the WAL is emptied.
+    \b
+    Removed:
+    - the snapshots of FILE (by its content hash and by its path);
+    - every block, of any model and namespace, whose tokens contain a run of 6
+      of FILE's tokens (written by prefill, ask or a chat's /attach), even one
+      another snapshot shares, and every block after those, with the
+      snapshots on them;
+    - the quarantined copies of those blocks;
+    - only with --with-conversations, the saved conversations holding FILE's
+      text or tokens; without it, forget refuses and removes nothing while
+      any conversation holds FILE.
+    Then the freed index pages (and the conversation history's) are
+    overwritten and their WAL emptied.
+
+    FILE's tokens come from the vocabulary of --model (or LOCALKV_MODEL, or the
+    default model) and of each model the cache's entries were made with. If no
+    vocabulary loads (a warning says so), only FILE's snapshots and the blocks
+    only they need are removed; if FILE is gone already, only the snapshots
+    whose path names it and the blocks only they need.
     """
     path = Path(file).expanduser()
-    sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    document = _forgotten_document(path)
     with _store(cache_dir) as store:
-        report = store.forget(str(path.resolve()), sha)
-    fields = {k: getattr(report, k) for k in report.__dataclass_fields__}
+        runs = _forget_runs(store, document, opts.get("model"))
+        chats, chats_truncated = _forget_conversations(
+            store.root, document, runs, with_conversations
+        )
+        sha = document.sha256 if document is not None else None
+        report = store.forget(str(path.resolve()), sha, runs)
+    fields: dict[str, Any] = {k: getattr(report, k) for k in report.__dataclass_fields__}
+    fields["wal_truncated"] = report.wal_truncated and chats_truncated
+    fields["conversations"] = chats
     if as_json:
         click.echo(json.dumps(fields))
     else:
         click.echo(
             f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s), "
-            f"{report.bytes_freed / 1e6:.1f} MB"
+            f"{report.bytes_freed / 1e6:.1f} MB, {len(chats)} conversation(s)"
         )
-    if not report.wal_truncated:
+    if not fields["wal_truncated"]:
         click.echo("warning: another process holds the index open; run again later", err=True)
+
+
+def _forgotten_document(path: Path) -> Document | None:
+    """FILE as ``prefill`` read it, or None when it is gone (match by path only)."""
+    if not path.exists():
+        return None
+    try:
+        return read_document(path)
+    except DocumentError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _forget_runs(
+    store: SnapshotStore, document: Document | None, model: str | None
+) -> list[np.ndarray]:
+    """The document's tokens under each cached model's vocabulary (warns if none loads)."""
+    from localkv.forgetting import document_runs, tokenizer_models
+    from localkv.storage.forget import RUN_LENGTH
+
+    if document is None:
+        return []
+    runs = document_runs(document.text, tokenizer_models(store, model))
+    if not runs:
+        click.echo(
+            "warning: no model vocabulary could be loaded (give --model): only the "
+            "document's snapshots are forgotten, not blocks that ask or chat wrote",
+            err=True,
+        )
+    elif all(r.shape[0] < RUN_LENGTH for r in runs):
+        click.echo(
+            f"warning: the document is shorter than {RUN_LENGTH} tokens: only its "
+            "snapshots are forgotten",
+            err=True,
+        )
+    return runs
+
+
+def _forget_conversations(
+    root: Path, document: Document | None, runs: list[np.ndarray], allowed: bool
+) -> tuple[list[str], bool]:
+    """Delete the saved conversations holding the document (refuse unless ``allowed``).
+
+    Returns the ids deleted and whether the history's WAL could be emptied.
+    """
+    from localkv.history import HISTORY_FILE, ConversationStore
+
+    if document is None or not (root / HISTORY_FILE).is_file():
+        return [], True
+    try:
+        history = ConversationStore.open(root)
+    except (OSError, sqlite3.Error) as exc:
+        raise click.ClickException(f"cannot open the saved conversations: {exc}") from None
+    with history:
+        held = history.holding(document.text, runs)
+        if held and not allowed:
+            named = "\n".join(f"  {c.id}  {c.title}" for c in held)
+            raise click.ClickException(
+                f"{len(held)} saved conversation(s) hold {document.name}:\n{named}\n"
+                "Nothing was removed: run again with --with-conversations to delete them "
+                "too, or delete them in `localkv chat` (F3)."
+            )
+        if not held:
+            return [], True
+        deleted, truncated = history.forget([c.id for c in held])
+        return list(deleted), truncated
 
 
 @cache.command("gc")

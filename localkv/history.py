@@ -19,7 +19,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import sqlite_utils
 
 from localkv.chat import ChatState
 from localkv.prompt import Message
+from localkv.storage.forget import DocumentRuns
 from localkv.storage.migrations import Migrations
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
 
@@ -271,3 +272,58 @@ class ConversationStore:
             documents=[(str(name), int(n)) for name, n in json.loads(documents)],
             generated=[(int(a), int(b)) for a, b in json.loads(generated)],
         )
+
+    # --------------------------------------------------------------- privacy
+    def holding(self, text: str, runs: Sequence[np.ndarray] = ()) -> tuple[ConversationInfo, ...]:
+        """Conversations that hold a document, most recently updated first.
+
+        One holds it if its system prompt or a message contains the document's
+        text (an attached document is a message holding the text alone), or if
+        its tokens contain ``RUN_LENGTH`` consecutive tokens of one of ``runs``
+        (the document tokenized by a model's vocabulary, see
+        ``localkv.forgetting``). ``cache forget`` must not leave it there.
+        """
+        needle = text.strip()
+        document = DocumentRuns.of(runs)
+        with self._db() as db:
+            rows = db.execute("SELECT id, system, messages, tokens FROM conversations").fetchall()
+        found = {
+            str(id)
+            for id, system, messages, tokens in rows
+            if (needle and self._mentions(needle, system, messages))
+            or document.holds(np.frombuffer(tokens, dtype="<i4"))
+        }
+        return tuple(info for info in self.list() if info.id in found)
+
+    def forget(self, ids: Sequence[str]) -> tuple[tuple[str, ...], bool]:
+        """Delete these conversations, then overwrite what their rows left behind.
+
+        Rows are deleted with ``secure_delete`` on (their pages zeroed), then the
+        file is rebuilt (VACUUM) and the WAL emptied, so no page or WAL frame
+        still holds them. Returns the ids deleted, and False if another
+        connection (a running ``localkv chat``) kept the WAL from being emptied.
+        """
+        with self._db() as db:
+            if db.execute("PRAGMA secure_delete").fetchone()[0] != 1:
+                db.execute("PRAGMA secure_delete = ON")
+            deleted: list[str] = []
+            with db.atomic():
+                for id in dict.fromkeys(ids):
+                    if db.execute("DELETE FROM conversations WHERE id = ?", [id]).rowcount:
+                        deleted.append(id)
+            try:
+                db.execute("VACUUM")
+            except sqlite3.OperationalError as exc:  # another connection is writing
+                log.warning("could not vacuum the conversation history: %s", exc)
+            row = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        truncated = row is None or not row[0]
+        if not truncated:
+            log.warning("the conversation history's WAL is in use; not yet truncated")
+        return tuple(deleted), truncated
+
+    @staticmethod
+    def _mentions(needle: str, system: str | None, messages: str) -> bool:
+        """The system prompt or a message (JSON ``[[role, content], ...]``) holds ``needle``."""
+        if system and needle in system:
+            return True
+        return any(needle in str(content) for _, content in json.loads(messages))

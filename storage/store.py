@@ -336,15 +336,14 @@ class SnapshotStore:
         """Delete a snapshot and the blocks only it needed; return the bytes freed."""
         return self._catalogue.remove(snapshot_id)
 
-    def forget(self, source_path: str | None, source_sha256: str | None) -> ForgetReport:
+    def forget(
+        self, source_path: str | None, source_sha256: str | None, runs: forget.Runs = ()
+    ) -> ForgetReport:
         """Remove every trace of one document (see ``forget.forget``)."""
-        return forget.forget(self._index, self.layout, source_path, source_sha256)
+        return forget.forget(self._index, self.layout, source_path, source_sha256, runs)
 
     def scrub(self) -> bool:
-        """VACUUM the index and empty its WAL; True if another process kept the WAL busy.
-
-        See ``forget.scrub``.
-        """
+        """VACUUM the index, empty its WAL; True if another process kept it (``forget.scrub``)."""
         return forget.scrub(self._index)
 
     # ---------------------------------------------------------------- budget

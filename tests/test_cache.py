@@ -210,10 +210,12 @@ def test_a_damaged_block_is_a_miss_with_a_reason(
 ) -> None:
     question = "Summarize."
     with _runtime(tiny_models.base, tmp_path) as rt:
-        rt.prefill([doc], system=SYSTEM)
-    files = _block_files(tmp_path)
-    assert files
-    target = files[len(files) // 2]
+        report = rt.prefill([doc], system=SYSTEM)
+        assert rt.cache is not None
+        store = rt.cache.store
+        chain = store.chain_of(store.get_snapshot(report.snapshot or "").tip)
+        assert len(chain) >= 2
+        target = store.root / chain[len(chain) // 2].file  # a block the document needs
     data = target.read_bytes()
     if damage.startswith("flip"):
         at = 100 if damage == "flip header" else len(data) - 100

@@ -104,7 +104,10 @@ def test_prefill_then_ask_in_a_new_process(env: dict[str, str], docs: tuple[Path
         "verified": None,
         "snapshot": None,
         "miss_reason": "cache disabled",
+        "common": 0,
+        "recomputed": 0,
     }
+    assert (cache["common"], cache["recomputed"]) == (tokens["reused"], 0)
     assert set(cached["timing"]) == {"restore_s", "prefill_s", "ttft_s", "total_s"}  # type: ignore[arg-type]
     hits = [row for row in _index_rows(env, "events") if row[0] == "hit"]
     assert hits

@@ -60,3 +60,40 @@ def test_restore_in_another_process_continues_exactly(
     assert cached["tokens"]["generated"] == uncached["tokens"]["generated"]  # type: ignore[index]
     assert cached["tokens"]["generated"] > 8  # type: ignore[index]
     assert cached["answer"] == uncached["answer"]
+
+
+def test_a_document_attached_after_a_chat_turn_answers_as_uncached(
+    tmp_path: Path, default_model_path: Path, long_text: str
+) -> None:
+    """The sequence that once served blocks computed from position 3 as canonical ones.
+
+    A chat turn, ``/new``, then a document attached: the attach shares only the
+    user-turn opener with the first conversation's blocks. A later ``ask`` over
+    the document must answer exactly as ``--no-cache`` does.
+    """
+    licence = Path("/usr/share/common-licenses/Apache-2.0")
+    doc = tmp_path / "Apache-2.0"
+    text = licence.read_text(encoding="utf-8") if licence.is_file() else long_text[:11000]
+    doc.write_text(text, encoding="utf-8")
+    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache")}
+    env.pop("LOCALKV_MODEL", None)
+    chat_input = (
+        f"What is the capital of France?\n/new\n/attach {doc}\n"
+        "Can I use this license for commercial software? Answer in one word.\n/quit\n"
+    )
+    command = [sys.executable, "-m", "localkv", "chat", "--plain", "--temperature", "0"]
+    chat = subprocess.run(
+        [*command, "--max-tokens", "16"],
+        env=env,
+        input=chat_input,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert chat.returncode == 0, chat.stderr
+    ask = ["ask", str(doc), "Who owns the copyright?", "--temperature", "0", "--max-tokens", "24"]
+    cached = _cli(env, *ask)
+    uncached = _cli(env, *ask, "--no-cache")
+    assert cached["tokens"]["reused"] > 1000  # type: ignore[index]
+    assert cached["cache"]["verified"] is True  # type: ignore[index]
+    assert cached["answer"] == uncached["answer"]

@@ -25,7 +25,6 @@ from localkv.chat import ChatSession, ChatState
 from localkv.request import Document, Request
 from localkv.runtime import Runtime
 from localkv.sampling import SamplingParams
-from localkv.session import PrefillCancelled
 
 SEEDS = range(16)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -97,10 +96,8 @@ def _write(rt: Runtime, rng: random.Random, words: list[str], case: Case) -> str
             batches[0] += 1
             return batches[0] > stop_after
 
-        try:
-            rt.prefill(case.documents, system=case.system, cancel=cancel)
-        except PrefillCancelled:
-            pass
+        report = rt.prefill(case.documents, system=case.system, cancel=cancel)
+        assert report.cancelled == (report.prefilled < len(n))
     rt.wait_for_saves()
     return how
 

@@ -32,6 +32,7 @@ EXPECTED = {
     "n_tokens": int,
     "created": float,
     "updated": float,
+    "generated": str,
 }
 
 
@@ -47,6 +48,7 @@ def _state(question: str = "What is due on Friday?") -> ChatState:
         tokens=[1, 9, 49151, 0, 2**31 - 1, 77, 5],
         boundaries=[2, 4, 7],
         documents=[("notes.txt", 2)],
+        generated=[(4, 6)],
     )
 
 

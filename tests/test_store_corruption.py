@@ -140,7 +140,7 @@ def test_tokens_differ_from_index(store: SnapshotStore) -> None:
         store.db.execute("UPDATE blocks SET tokens = ? WHERE hash = ?", (bad, rows[1].hash))
     with pytest.raises(BlockCorrupt, match="tokens differ"):
         store.read_blocks(store.match_chain([r.hash for r in rows]))
-    assert store.verify()[0] == (rows[1].hash, "hash does not match parent and tokens")
+    assert store.verify()[0] == (rows[1].hash, "hash does not match parent, tokens and batch ends")
 
 
 def test_symlinked_block_file_is_refused(store: SnapshotStore, tmp_path: Path) -> None:
