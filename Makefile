@@ -51,7 +51,7 @@ lint: $(VENV)/.dev
 PKGTREE := build/pkgtree
 pkgtree:
 	@rm -rf $(PKGTREE) && mkdir -p $(PKGTREE)/localkv
-	@for f in localkv/*.py; do ln -s "$(CURDIR)/$$f" $(PKGTREE)/localkv/; done
+	@for f in localkv/*; do ln -s "$(CURDIR)/$$f" $(PKGTREE)/localkv/; done
 	@ln -s "$(CURDIR)/storage" $(PKGTREE)/localkv/storage
 	@ln -s "$(CURDIR)/tui" $(PKGTREE)/localkv/tui
 

@@ -20,10 +20,10 @@ import statistics
 import tempfile
 import time
 
-from localkv.benchsize import prompt_tokens
-from localkv.request import Document
+from localkv.bench.size import prompt_tokens
+from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import Document
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 QUESTION = "What happens next?"

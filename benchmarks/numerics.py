@@ -19,9 +19,9 @@ import argparse
 
 import numpy as np
 
-from localkv.benchtext import bench_text
-from localkv.models import resolve_model
-from localkv.session import ModelSession, SessionConfig
+from localkv.bench.text import bench_text
+from localkv.model.resolve import resolve_model
+from localkv.model.session import ModelSession, SessionConfig
 
 
 def thread_and_context(model: str, flash: str, tokens: list[int]) -> None:

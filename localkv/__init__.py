@@ -12,10 +12,10 @@ See ``localkv.runtime`` for the API and ``examples/rag_loop.py`` for a RAG loop.
 
 from __future__ import annotations
 
-from localkv.request import Document, DocumentError, read_document
+from localkv.model.sampling import SamplingParams
+from localkv.model.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
+from localkv.prompt.request import Document, DocumentError, read_document
 from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
-from localkv.sampling import SamplingParams
-from localkv.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
 
 __all__ = [
     "Answer",

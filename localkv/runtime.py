@@ -26,25 +26,25 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from localkv import codec
-from localkv.background import BackgroundWork
-from localkv.cache import PrefixCache, RestoreResult, SaveResult
-from localkv.catalogue import covering_snapshot, snapshot_listing
-from localkv.conversation import stream_answer
-from localkv.identity import identity_of
-from localkv.models import resolve_model
-from localkv.native import llama_cpp
-from localkv.prompt import ChatTemplate
-from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
-from localkv.request import Document, Request, build_request
-from localkv.sampling import SamplingParams
-from localkv.session import (
+from localkv.cache.background import BackgroundWork
+from localkv.cache.catalogue import covering_snapshot, snapshot_listing
+from localkv.cache.identity import identity_of
+from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
+from localkv.kv import codec
+from localkv.model.native import llama_cpp
+from localkv.model.resolve import resolve_model
+from localkv.model.sampling import SamplingParams
+from localkv.model.session import (
     CancelFn,
     ContextFullError,
     ModelSession,
     ProgressFn,
     SessionConfig,
 )
+from localkv.prompt.conversation import stream_answer
+from localkv.prompt.request import Document, Request, build_request
+from localkv.prompt.template import ChatTemplate
+from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 from localkv.storage.filehash import FileHasher
 from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
@@ -195,7 +195,7 @@ class Runtime:
         return build_request(self.template, system=system, documents=documents, question=question)
 
     def schedule(self, request: Request) -> list[int]:
-        """The request's canonical batch ends (``localkv.schedule``)."""
+        """The request's canonical batch ends (``localkv.model.schedule``)."""
         return self.session.schedule(len(request.tokens), request.boundaries)
 
     def restore(
@@ -281,7 +281,7 @@ class Runtime:
                 cancel=cancel,
             )
         except Exception as exc:  # PrefillCancelled or an error: keep what is complete
-            from localkv.session import PrefillCancelled
+            from localkv.model.session import PrefillCancelled
 
             if not isinstance(exc, PrefillCancelled):
                 raise

@@ -4,7 +4,7 @@
 tokens, whatever wrote it (``prefill``, ``ask``, a chat's ``/attach``): a
 block holds the document when its tokens contain ``RUN_LENGTH`` consecutive
 tokens of one of the document's token runs (its text tokenized by each
-model's vocabulary, see ``localkv.forgetting``). Every block after those
+model's vocabulary, see ``localkv.cache.forgetting``). Every block after those
 goes too, with their quarantined copies; then ``scrub`` overwrites the
 index so no SQLite page or WAL frame still holds their rows.
 ``SnapshotStore.forget`` and ``SnapshotStore.scrub`` delegate here.

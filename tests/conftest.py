@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tinymodels import TinyModels, build_tiny_models
 
-from localkv.models import default_model_path as default_model_path_or_none
-from localkv.session import SessionConfig
+from localkv.model.resolve import default_model_path as default_model_path_or_none
+from localkv.model.session import SessionConfig
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,11 @@ from click.testing import CliRunner
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv import benchdisk, benchmachine, benchreport
-from localkv.bench import (
+from localkv.bench import disk as benchdisk
+from localkv.bench import machine as benchmachine
+from localkv.bench import report as benchreport
+from localkv.bench.baselines import ColdStat, Stat
+from localkv.bench.run import (
     RESTORE,
     STEPS,
     BenchConfig,
@@ -29,9 +32,8 @@ from localkv.bench import (
     prompt_tokens,
     run_bench,
 )
-from localkv.benchbaselines import ColdStat, Stat
-from localkv.commands_bench import bench, parse_sizes
-from localkv.session import ModelSession
+from localkv.cli.bench import bench, parse_sizes
+from localkv.model.session import ModelSession
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 SIZES = (64, 300)

@@ -14,10 +14,11 @@ import pytest
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv import benchcodecs as bc
-from localkv import benchdisk, codec
-from localkv.benchreport import fmt_encoding, fmt_encoding_cold
-from localkv.session import ModelSession
+from localkv.bench import codecs as bc
+from localkv.bench import disk as benchdisk
+from localkv.bench.report import fmt_encoding, fmt_encoding_cold
+from localkv.kv import codec
+from localkv.model.session import ModelSession
 
 N_TOKENS = 600  # two whole blocks of 256 and a partial one
 NAMES = ["raw", "zstd-1", "hi-plane zstd-1", "hi-plane q6"]

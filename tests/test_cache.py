@@ -9,11 +9,11 @@ import pytest
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv.cache import RestoreResult
-from localkv.request import Document, Request
+from localkv.cache.prefix import RestoreResult
+from localkv.model.sampling import SamplingParams
+from localkv.model.session import LoraSpec
+from localkv.prompt.request import Document, Request
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
-from localkv.session import LoraSpec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 SYSTEM = "You answer questions about the document."

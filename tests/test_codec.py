@@ -7,8 +7,8 @@ import pytest
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv import codec
-from localkv.session import ModelSession
+from localkv.kv import codec
+from localkv.model.session import ModelSession
 
 LAYOUTS = [
     ("f16", "f16", "on"),

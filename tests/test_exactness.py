@@ -21,10 +21,10 @@ import pytest
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv.chat import ChatSession, ChatState
-from localkv.request import Document, Request
+from localkv.chat.session import ChatSession, ChatState
+from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import Document, Request
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 SEEDS = range(16)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from localkv.chat import ChatState
-from localkv.history import (
+from localkv.chat.history import (
     HISTORY_FILE,
     MIGRATIONS,
     ConversationNotFound,
@@ -18,7 +17,8 @@ from localkv.history import (
     migrate,
     title_of,
 )
-from localkv.prompt import Message
+from localkv.chat.session import ChatState
+from localkv.prompt.template import Message
 
 EXPECTED = {
     "id": str,

@@ -11,8 +11,8 @@ from conftest import tiny_config
 from localkv.storage.filehash import FileHasher
 from tinymodels import TinyModels
 
-from localkv.identity import Identity, identity_of
-from localkv.session import LoraSpec, ModelSession
+from localkv.cache.identity import Identity, identity_of
+from localkv.model.session import LoraSpec, ModelSession
 
 
 def _identity(path: Path, **kw: object) -> Identity:
@@ -106,7 +106,8 @@ def test_model_hash_is_remembered_across_hashers(tmp_path: Path, tiny_models: Ti
 
 def test_engine_and_store_import_without_textual() -> None:
     code = (
-        "import sys, localkv, localkv.storage, localkv.session, localkv.codec, localkv.cli; "
+        "import sys, localkv, localkv.storage, localkv.model.session, localkv.kv.codec; "
+        "import localkv.cli; "
         "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

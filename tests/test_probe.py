@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_config
 from tinymodels import TinyModels
 
-from localkv.session import ModelSession, SessionConfig
+from localkv.model.session import ModelSession, SessionConfig
 
 
 def _probe_check(first: SessionConfig, second: SessionConfig, tokens: list[int]) -> None:

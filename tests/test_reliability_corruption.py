@@ -22,9 +22,9 @@ from reliability_support import long_run, record
 from test_store_support import OTHER_IDENTITY, make_chain, put_chain
 from tinymodels import TinyModels
 
-from localkv.request import Document
+from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import Document
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 Damage = Callable[[bytes, "Others"], bytes]
 

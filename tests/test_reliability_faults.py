@@ -21,9 +21,9 @@ from reliability_support import check_store, record
 from test_store_support import make_chain, put_chain
 from tinymodels import TinyModels
 
-from localkv.request import Document
+from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import Document
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 SYSTEM = "You answer questions about the document."

@@ -22,11 +22,11 @@ from localkv.storage.store import SnapshotStore
 from reliability_support import record
 from tinymodels import TinyModels
 
+from localkv.chat.history import ConversationStore
 from localkv.cli import cli
-from localkv.history import ConversationStore
-from localkv.request import Document
+from localkv.model.session import ModelSession
+from localkv.prompt.request import Document
 from localkv.runtime import Runtime
-from localkv.session import ModelSession
 
 SYSTEM = "Answer from the document."
 CANARY = (
@@ -339,8 +339,8 @@ def test_a_document_that_repeats_its_opening_leaves_the_shared_block_before_it(
 
 
 def test_saved_conversations_holding_a_document_by_text_or_tokens(tmp_path: Path) -> None:
-    from localkv.chat import ChatState
-    from localkv.prompt import Message
+    from localkv.chat.session import ChatState
+    from localkv.prompt.template import Message
 
     doc = np.arange(2000, 2040, dtype=np.int32)
     path = tmp_path / "conversations.db"

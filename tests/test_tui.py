@@ -21,7 +21,6 @@ from localkv.tui.cache_screen import CacheScreen
 from localkv.tui.chat_screen import ChatScreen
 from localkv.tui.context_full_screen import ContextFullScreen
 from localkv.tui.context_panel import ContextPanel
-from localkv.tui.controller import ChatController
 from localkv.tui.history_screen import HistoryScreen
 from localkv.tui.load_error_screen import LoadErrorScreen
 from localkv.tui.path_suggester import PathSuggester
@@ -34,9 +33,10 @@ from textual.pilot import Pilot
 from textual.widgets import ProgressBar
 from tinymodels import TinyModels
 
-from localkv.history import ConversationStore
+from localkv.chat.controller import ChatController
+from localkv.chat.history import ConversationStore
+from localkv.model.sampling import SamplingParams
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 M = TypeVar("M", bound=Message)
 SHORT = SamplingParams(temperature=0, max_tokens=24)

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config
 from localkv.tui.app import LocalKVApp, build_app
-from localkv.tui.controller import SnapshotInfo
 from localkv.tui.conversation_view import ConversationView
 from localkv.tui.prompt_input import PromptInput
 from textual.pilot import Pilot
 from tinymodels import TinyModels
 
+from localkv.chat.controller import SnapshotInfo
+from localkv.model.sampling import SamplingParams
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 SnapCompare = Callable[..., bool]
 PARAMS = SamplingParams(temperature=0, max_tokens=8)

@@ -14,12 +14,12 @@ from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.logging import TextualHandler
 
-from localkv.history import ConversationStore
+from localkv import SamplingParams
+from localkv.chat.controller import ChatController
+from localkv.chat.history import ConversationStore
 from localkv.runtime import Runtime
-from localkv.sampling import SamplingParams
 
 from .chat_screen import ChatScreen
-from .controller import ChatController
 from .load_error_screen import LoadErrorScreen
 
 __all__ = ["LocalKVApp", "build_app", "logs_to_textual", "run_app"]

@@ -15,8 +15,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Static
 
-from .controller import ChatController, SnapshotInfo
-from .formats import ago, human_bytes
+from localkv.chat.controller import ChatController, SnapshotInfo
+from localkv.chat.formats import ago, human_bytes
 
 __all__ = ["CacheScreen"]
 

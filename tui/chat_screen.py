@@ -20,18 +20,16 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
-from localkv.request import DocumentError
-from localkv.sampling import SamplingParams
-from localkv.session import ContextFullError
+from localkv import ContextFullError, DocumentError, SamplingParams
+from localkv.chat.commands import HELP, Command, parse_command
+from localkv.chat.controller import Answered, Attached, ChatController, Opened
+from localkv.chat.formats import sync_line
 
 from .assistant_message import AssistantMessage
 from .cache_screen import CacheScreen
-from .commands import HELP, Command, parse_command
 from .context_full_screen import ContextFullScreen
 from .context_panel import ContextPanel
-from .controller import Answered, Attached, ChatController, Opened
 from .conversation_view import ConversationView
-from .formats import sync_line
 from .history_screen import HistoryScreen
 from .path_suggester import PathSuggester
 from .prefill_progress import PrefillProgress

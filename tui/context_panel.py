@@ -7,8 +7,8 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Label, ProgressBar, Static
 
-from .controller import ContextInfo, ModelInfo
-from .formats import human_bytes
+from localkv.chat.controller import ContextInfo, ModelInfo
+from localkv.chat.formats import human_bytes
 
 __all__ = ["ContextPanel"]
 

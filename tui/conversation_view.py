@@ -6,8 +6,9 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Markdown, Static
 
+from localkv.chat.controller import Entry
+
 from .assistant_message import AssistantMessage
-from .controller import Entry
 
 __all__ = ["ConversationView"]
 

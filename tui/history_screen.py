@@ -11,10 +11,9 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Static
 
-from localkv.history import ConversationInfo
-
-from .controller import ChatController
-from .formats import ago
+from localkv.chat.controller import ChatController
+from localkv.chat.formats import ago
+from localkv.chat.history import ConversationInfo
 
 __all__ = ["HistoryScreen"]
 

@@ -1,0 +1,63 @@
+"""Cache work that runs after the answer, on one worker thread.
+
+Writing new blocks, evicting down to the budget, and the bookkeeping of a
+restore (hit counts, statistics) never run on the path to the first token:
+the runtime queues them here. Jobs run in order; a finished job's error is
+logged when the next one is queued, and ``wait`` returns every result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from localkv.cache.prefix import SaveResult
+
+__all__ = ["BackgroundWork"]
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundWork:
+    """One worker thread for cache writes and bookkeeping; ``close()`` waits for it."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localkv-save")
+        self._pending: list[Future[SaveResult]] = []
+
+    def submit(self, fn: Callable[[], SaveResult]) -> None:
+        """Queue a save; finished jobs are dropped (their errors logged)."""
+        keep = []
+        for fut in self._pending:
+            if not fut.done():
+                keep.append(fut)
+            elif fut.exception() is not None:
+                log.warning("background cache work failed: %s", fut.exception())
+        keep.append(self._pool.submit(fn))
+        self._pending = keep
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Queue bookkeeping that returns nothing."""
+
+        def run() -> SaveResult:
+            fn()
+            return SaveResult(0, 0, 0, None)
+
+        self.submit(run)
+
+    def wait(self) -> list[SaveResult]:
+        """Wait for every queued job; the results of those that did not fail."""
+        done = []
+        for fut in self._pending:
+            try:
+                done.append(fut.result())
+            except Exception:
+                log.warning("saving cache blocks failed", exc_info=True)
+        self._pending.clear()
+        return done
+
+    def close(self) -> None:
+        """Wait for the queued jobs and stop the thread (idempotent)."""
+        self.wait()
+        self._pool.shutdown(wait=True)

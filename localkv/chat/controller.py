@@ -1,0 +1,303 @@
+"""What the chat app asks of the engine: one conversation, saved after every change.
+
+The methods that touch the model are called from worker threads and take one
+lock, so a new request waits for the previous one (a cancel makes that short).
+They return values (frozen dataclasses); the app never reads engine state itself.
+No Textual here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+from localkv.chat.history import ConversationInfo, ConversationStore, title_of
+from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport
+from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import Document, read_document
+from localkv.runtime import Runtime
+
+__all__ = [
+    "Answered",
+    "Attached",
+    "ChatController",
+    "ContextInfo",
+    "Entry",
+    "ModelInfo",
+    "Opened",
+    "SnapshotInfo",
+]
+
+log = logging.getLogger(__name__)
+
+CancelFn = Callable[[], bool]
+ProgressFn = Callable[[int, int], None]
+TextFn = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    description: str
+    file_bytes: int
+    n_gpu_layers: int
+    type_k: str
+    type_v: str
+    flash_attn: str
+
+    @classmethod
+    def of(cls, runtime: Runtime) -> ModelInfo:
+        info = runtime.model_info()
+        return cls(
+            name=str(info["name"]),
+            description=str(info["description"]),
+            file_bytes=cast(int, info["file_bytes"]),
+            n_gpu_layers=cast(int, info["n_gpu_layers"]),
+            type_k=str(info["type_k"]),
+            type_v=str(info["type_v"]),
+            flash_attn=str(info["flash_attn"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ContextInfo:
+    """What the context panel shows about the conversation."""
+
+    system: str | None
+    documents: tuple[tuple[str, int], ...]
+    used: int
+    total: int
+    title: str
+    cache: str  # "on · namespace default", or why it is off
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One item of a transcript: role is system, user, assistant or document."""
+
+    role: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    report: TurnReport
+    context: ContextInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    name: str
+    tokens: int
+    sync: SyncReport
+    context: ContextInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    title: str
+    transcript: tuple[Entry, ...]
+    sync: SyncReport | None  # None: nothing to restore (a fresh conversation)
+    context: ContextInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    id: str
+    label: str
+    tokens: int
+    bytes_on_disk: int
+    hits: int
+    last_used: float
+    pinned: bool
+
+
+class NoHistory(RuntimeError):
+    """Conversations are not saved (the store could not be opened)."""
+
+
+class ChatController:
+    """One conversation on a runtime, with its saved history."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        history: ConversationStore | None,
+        *,
+        system: str | None = None,
+        history_error: str | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.history = history
+        self.history_error = history_error if history is None else None
+        self.model = ModelInfo.of(runtime)
+        self.chat = ChatSession(runtime, ChatState(system=system))
+        self.conversation_id: str | None = None
+        self._documents: list[Document] = []  # this conversation's, while it has no turns
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Wait for the request in progress to end (the app cancels it on exit).
+
+        The runtime and the history belong to whoever opened them.
+        """
+        with self._lock:
+            pass
+
+    # ------------------------------------------------------------ information
+    @property
+    def cache_status(self) -> str:
+        if self.runtime.cache is not None:
+            return f"on · namespace {self.runtime.namespace}"
+        return self.runtime.cache_error or "off"
+
+    def context(self) -> ContextInfo:
+        """Call with the lock held, or before any worker runs."""
+        state = self.chat.state
+        return ContextInfo(
+            system=state.system,
+            documents=tuple(state.documents),
+            used=len(state.tokens),
+            total=self.chat.n_ctx,
+            title=title_of(state),
+            cache=self.cache_status,
+        )
+
+    def transcript(self) -> tuple[Entry, ...]:
+        """The conversation as the screen shows it (documents by name, not text)."""
+        state = self.chat.state
+        docs = iter(state.documents)
+        entries: list[Entry] = []
+        for i, message in enumerate(state.messages):
+            answered = i + 1 < len(state.messages) and state.messages[i + 1].role == "assistant"
+            if message.role == "user" and not answered:
+                name, tokens = next(docs, ("document", 0))
+                entries.append(Entry("document", f"{name} · {tokens:,} tokens"))
+            else:
+                entries.append(Entry(message.role, message.content))
+        return tuple(entries)
+
+    # ------------------------------------------------------------ the model
+    def send(
+        self, text: str, params: SamplingParams, on_text: TextFn, cancel: CancelFn
+    ) -> Answered:
+        """Answer ``text`` (streaming to ``on_text``); raises ``ContextFullError``."""
+        with self._lock:
+            report = self.chat.send(text, params, on_text, cancel)
+            self._save()
+            return Answered(report, self.context())
+
+    def attach(self, path: str, progress: ProgressFn, cancel: CancelFn) -> Attached:
+        """Read and prefill a document (restored when cached); raises ``DocumentError``."""
+        document = read_document(path)
+        document = dataclasses.replace(document, name=Path(path).name or document.name)
+        with self._lock:
+            self.runtime.wait_for_saves()  # a prefix saved a moment ago can be restored
+            state = self.chat.state
+            before = len(state.tokens)
+            if self._documents_only():
+                # [system][documents] is what `localkv prefill` caches: saved as a
+                # named snapshot (listed on the cache screen), then joined in.
+                done = self.runtime.prefill(
+                    [*self._documents, document],
+                    system=state.system,
+                    progress=progress,
+                    cancel=cancel,
+                )
+                sync = SyncReport(done.cache, done.prefilled, done.seconds, done.cancelled)
+                if not done.cancelled:
+                    self.chat.attach(document)  # the sequence already holds it
+            else:
+                sync = self.chat.attach(document, progress, cancel)
+            if not sync.cancelled:
+                self._documents.append(document)
+                self._save()
+            return Attached(document.name, len(state.tokens) - before, sync, self.context())
+
+    def _documents_only(self) -> bool:
+        state = self.chat.state
+        plain = [m for m in state.messages if m.role != "system"]
+        return len(plain) == len(state.documents) == len(self._documents)
+
+    def new(self, system: str | None) -> Opened:
+        """Start a fresh conversation (the current one stays saved)."""
+        with self._lock:
+            self.chat.reset(system)
+            self.conversation_id = None
+            self._documents = []
+            return Opened(title_of(self.chat.state), self.transcript(), None, self.context())
+
+    def open(
+        self, conversation_id: str | None, progress: ProgressFn, cancel: CancelFn
+    ) -> Opened | None:
+        """Reopen a saved conversation (None: the latest) and restore its prefix.
+
+        Returns None when there is no saved conversation; raises ``ContextFullError``
+        when it does not fit this context, ``NoHistory`` without a history store.
+        """
+        if self.history is None:
+            raise NoHistory(self.history_error or "conversations are not saved")
+        with self._lock:
+            info = (
+                self.history.latest()
+                if conversation_id is None
+                else self.history.info(conversation_id)
+            )
+            if info is None:
+                return None
+            state = self.history.load(info.id)
+            self.runtime.wait_for_saves()
+            self.chat = ChatSession(self.runtime, state)
+            self.conversation_id = info.id
+            self._documents = []
+            sync = self.chat.sync(progress, cancel)
+            return Opened(info.title, self.transcript(), sync, self.context())
+
+    def _save(self) -> None:
+        state = self.chat.state
+        if self.history is None or all(m.role == "system" for m in state.messages):
+            return
+        try:
+            self.conversation_id = self.history.save(state, self.conversation_id)
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("could not save the conversation: %s", exc)
+            self.history_error = str(exc)
+
+    # ----------------------------------------------------------------- cache
+    def snapshots(self) -> list[SnapshotInfo]:
+        return [
+            SnapshotInfo(
+                id=str(row["id"]),
+                label=str(row["label"]),
+                tokens=cast(int, row["tokens"]),
+                bytes_on_disk=cast(int, row["bytes_on_disk"]),
+                hits=cast(int, row["hits"]),
+                last_used=cast(float, row["last_used"]),
+                pinned=bool(row["pinned"]),
+            )
+            for row in self.runtime.snapshots()
+        ]
+
+    def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
+        self.runtime.set_pinned(snapshot_id, pinned)
+
+    def remove_snapshot(self, snapshot_id: str) -> int:
+        with self._lock:  # it waits for pending saves, which turns also start
+            return self.runtime.remove_snapshot(snapshot_id)
+
+    # --------------------------------------------------------------- history
+    def conversations(self) -> list[ConversationInfo]:
+        return [] if self.history is None else self.history.list()
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        if self.history is None:
+            raise NoHistory(self.history_error or "conversations are not saved")
+        if conversation_id == self.conversation_id:
+            self.conversation_id = None  # the next turn saves it as a new one
+        self.history.delete(conversation_id)

@@ -1,0 +1,75 @@
+"""The ``localkv`` command line: the root group; each command's module loads when it runs.
+
+``localkv --help`` lists the commands from ``COMMANDS`` without importing them
+(their one-line help is kept here), so neither the benchmark nor the chat app
+is loaded for ``--help``, ``ask`` or ``prefill``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import click
+
+__all__ = ["COMMANDS", "cli", "main"]
+
+# name -> (module:attribute, the first line of its help, shown by ``localkv --help``;
+# a test checks they agree)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "chat": ("localkv.cli.chat:chat", "Chat with the model in the terminal."),
+    "prefill": (
+        "localkv.cli.docs:prefill",
+        "Prefill documents once and save their KV state to the cache.",
+    ),
+    "ask": (
+        "localkv.cli.docs:ask",
+        "Ask a question about documents; the answer streams to stdout.",
+    ),
+    "cache": ("localkv.cli.cache:cache", "Inspect and manage the on-disk KV cache."),
+    "bench": (
+        "localkv.cli.bench:bench",
+        "Measure time to first token: cold prefill against a verified restore from disk.",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, _, attr = COMMANDS[name][0].partition(":")
+        command = getattr(importlib.import_module(module), attr)
+        if not isinstance(command, click.Command):  # pragma: no cover - a wiring error
+            raise TypeError(f"{COMMANDS[name][0]} is not a click command")
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, short) for name, (_, short) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup)
+@click.version_option(package_name="localkv")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv: llama.cpp's too).")
+def cli(verbose: int) -> None:
+    """localkv: a local LLM runtime whose prefix KV cache persists on disk, verified.
+
+    A system prompt or long document is prefilled once; later runs restore its
+    attention state from disk instead of recomputing it, after checking that a
+    probe token reproduces the stored logits exactly.
+    """
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if verbose < 2:
+        logging.getLogger("localkv.llama").setLevel(logging.ERROR)
+
+
+def main() -> None:
+    cli(prog_name="localkv")

@@ -1,0 +1,130 @@
+"""``localkv chat``: the Textual chat app, or a line-mode chat with ``--plain``.
+
+The app (and textual) is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from localkv.cli.options import (
+    cache_options,
+    model_options,
+    sampling_options,
+    sampling_params,
+    session_config,
+)
+from localkv.model.session import ModelLoadError
+
+if TYPE_CHECKING:
+    from localkv.chat.history import ConversationStore
+    from localkv.prompt.request import Document
+    from localkv.runtime import Runtime
+
+__all__ = ["chat"]
+
+
+@click.command()
+@model_options
+@sampling_options
+@cache_options
+@click.option("--system", default=None, help="System prompt.")
+@click.option(
+    "--doc",
+    "docs",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Attach a document first (prefilled once, then restored from the cache); repeatable.",
+)
+@click.option(
+    "--resume", is_flag=True, help="Reopen the last conversation (restored from the cache)."
+)
+@click.option(
+    "--plain",
+    is_flag=True,
+    help="Line-mode chat (for ssh, pipes and scripts; the default without a TTY).",
+)
+def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, **opts: Any) -> None:
+    """Chat with the model in the terminal.
+
+    Conversations are saved next to the cache; --resume reopens the last one.
+    In the chat app, Enter sends, Ctrl+J starts a new line, Esc stops the answer,
+    /help lists the commands.
+    """
+    plain = plain or not (sys.stdin.isatty() and sys.stdout.isatty())
+    params = sampling_params(opts)
+    runtime, load_error = _chat_runtime(opts)
+    if plain and runtime is None:
+        raise click.ClickException(load_error or "the model could not be loaded")
+    history, history_error = _chat_history(opts)
+    try:
+        if plain and runtime is not None:
+            from localkv.chat.plain import run_plain_chat
+
+            documents = _read_documents(docs)
+            code = run_plain_chat(
+                runtime, params, system=system, documents=documents, history=history, resume=resume
+            )
+        else:  # the chat app shows a load error itself
+            from localkv.tui.app import build_app, run_app
+
+            app = build_app(
+                runtime,
+                load_error=load_error,
+                params=params,
+                history=history,
+                history_error=history_error,
+                system=system,
+                documents=docs,
+                resume=resume,
+            )
+            code = run_app(app)
+    finally:
+        if history is not None:
+            history.close()
+        if runtime is not None:
+            runtime.close()
+    sys.exit(code)
+
+
+def _chat_runtime(opts: dict[str, Any]) -> tuple[Runtime | None, str | None]:
+    """The runtime, or why there is none."""
+    from localkv.runtime import Runtime
+
+    try:
+        config = session_config(opts)
+        runtime = Runtime(
+            config,
+            cache_dir=opts.get("cache_dir"),
+            namespace=opts["namespace"],
+            use_cache=not opts["no_cache"],
+            compact_cache=opts["compact_cache"],
+        )
+    except click.ClickException as exc:  # no model file (ModelNotFoundError)
+        return None, exc.message
+    except ModelLoadError as exc:
+        return None, str(exc)
+    return runtime, None
+
+
+def _chat_history(opts: dict[str, Any]) -> tuple[ConversationStore | None, str | None]:
+    """Saved conversations, next to the cache; the chat goes on without them if needed."""
+    from localkv.chat.history import ConversationStore
+
+    try:
+        return ConversationStore.open(opts.get("cache_dir")), None
+    except (OSError, sqlite3.Error) as exc:
+        return None, str(exc)
+
+
+def _read_documents(paths: tuple[str, ...]) -> list[Document]:
+    from localkv.prompt.request import DocumentError, read_document
+
+    try:
+        return [read_document(path) for path in paths]
+    except DocumentError as exc:
+        raise click.ClickException(str(exc)) from None

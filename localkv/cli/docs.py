@@ -1,0 +1,239 @@
+"""``localkv prefill`` and ``localkv ask``: document workflows from the command line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from localkv.cli.options import (
+    cache_options,
+    model_options,
+    sampling_options,
+    sampling_params,
+    session_config,
+)
+from localkv.model.session import ContextFullError, ModelLoadError
+from localkv.prompt.request import ENCODING_POLICY, Document, DocumentError, read_document
+from localkv.runtime import Runtime
+
+__all__ = ["ask", "prefill"]
+
+
+def _system_text(value: str | None) -> str | None:
+    """``--system TEXT`` or ``--system @FILE``."""
+    if value is None or not value.startswith("@"):
+        return value
+    path = Path(value[1:]).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read the system prompt file {path}: {exc}") from None
+
+
+def _documents(files: tuple[str, ...]) -> list[Document]:
+    if list(files).count("-") > 1:
+        raise click.BadParameter("standard input (-) can be given once")
+    try:
+        docs = [read_document(f) for f in files]
+    except DocumentError as exc:
+        raise click.ClickException(str(exc)) from None
+    for doc in docs:
+        if doc.encoding != "utf-8":
+            click.echo(f"warning: {doc.name} is not valid UTF-8: read as Latin-1", err=True)
+    return docs
+
+
+def _open_runtime(opts: dict[str, Any]) -> Runtime:
+    config = session_config(opts)
+    try:
+        return Runtime(
+            config,
+            cache_dir=opts.get("cache_dir"),
+            namespace=opts["namespace"],
+            use_cache=not opts["no_cache"],
+            compact_cache=opts["compact_cache"],
+        )
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@contextmanager
+def _ctrl_c_stops() -> Iterator[list[bool]]:
+    """While active, Ctrl-C sets a flag (checked between batches) instead of killing."""
+    flag = [False]
+
+    def handler(signum: int, frame: object) -> None:
+        if flag[0]:
+            raise KeyboardInterrupt
+        flag[0] = True
+        click.echo("\nstopping after the current batch (Ctrl-C again to abort)", err=True)
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _progress_bar(total_hint: str) -> Any:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn(total_hint),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+class _Progress:
+    """Adapts the runtime's progress(done, total) calls to a rich progress bar."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.bar = _progress_bar(label) if enabled else None
+        self.task: Any = None
+        self.start = 0.0
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+    def __call__(self, done: int, total: int) -> None:
+        import time
+
+        if self.bar is None:
+            return
+        if self.task is None:
+            self.start = time.perf_counter()
+            self.task = self.bar.add_task("prefill", total=total, rate="")
+        elapsed = time.perf_counter() - self.start
+        rate = f"{done / elapsed:,.0f} tok/s" if elapsed > 0 else ""
+        self.bar.update(self.task, completed=done, rate=rate)
+
+
+_EPILOG = (
+    "Several files form one prefix, in the given order; - reads standard input. " + ENCODING_POLICY
+)
+
+
+@click.command(epilog=_EPILOG)
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.option("--system", default=None, help="System prompt: TEXT, or @FILE to read it.")
+@click.option("--label", default=None, help="Snapshot label (default: the file names).")
+@click.option("--pin", is_flag=True, help="Pin the snapshot: eviction never removes it.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@model_options
+@cache_options
+def prefill(
+    files: tuple[str, ...],
+    system: str | None,
+    label: str | None,
+    pin: bool,
+    as_json: bool,
+    **opts: Any,
+) -> None:
+    """Prefill documents once and save their KV state to the cache.
+
+    Later `localkv ask` runs (any process, any day) restore it instead of
+    recomputing it. Ctrl-C stops cleanly and keeps the blocks already completed.
+    """
+    docs = _documents(files)
+    system_text = _system_text(system)
+    runtime = _open_runtime(opts)
+    with runtime:
+        if runtime.cache is None and not opts["no_cache"]:
+            click.echo(f"warning: {runtime.cache_error}; nothing will be saved", err=True)
+        show = not as_json and sys.stderr.isatty()
+        try:
+            with _ctrl_c_stops() as flag, _Progress("prefill", show) as progress:
+                report = runtime.prefill(
+                    docs,
+                    system=system_text,
+                    label=label,
+                    pin=pin,
+                    progress=progress,
+                    cancel=lambda: flag[0],
+                )
+        except ContextFullError as exc:
+            raise click.ClickException(_too_long(exc)) from None
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+        return
+    state = "cancelled: kept" if report.cancelled else "saved"
+    click.echo(
+        f"{state} {report.reused + report.prefilled:,} of {report.tokens:,} tokens "
+        f"({report.reused:,} reused, {report.prefilled:,} prefilled) in {report.seconds:.2f} s; "
+        f"{report.blocks} blocks ({report.new_blocks} new), "
+        f"{report.bytes_on_disk / 1e6:.1f} MB on disk"
+    )
+    if report.snapshot:
+        click.echo(f"snapshot {report.snapshot}")
+
+
+@click.command(epilog=_EPILOG)
+@click.argument("files", nargs=-1, required=True, metavar="FILE... QUESTION")
+@click.option("--system", default=None, help="System prompt: TEXT, or @FILE to read it.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@model_options
+@sampling_options
+@cache_options
+def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) -> None:
+    """Ask a question about documents; the answer streams to stdout.
+
+    What the cache holds is restored (and verified) first; the rest is
+    prefilled. A one-line cache report goes to stderr.
+    """
+    if len(files) < 2:
+        raise click.UsageError("give at least one FILE and then the QUESTION")
+    *paths, question = files
+    if not question.strip():
+        raise click.BadParameter("the question is empty")
+    docs = _documents(tuple(paths))
+    system_text = _system_text(system)
+    params = sampling_params(opts)
+    runtime = _open_runtime(opts)
+    with runtime:
+        stream = None if as_json else (lambda piece: click.echo(piece, nl=False))
+        try:
+            answer = runtime.ask(docs, question, system=system_text, params=params, on_text=stream)
+        except ContextFullError as exc:
+            raise click.ClickException(_too_long(exc)) from None
+    if as_json:
+        click.echo(json.dumps(answer.as_json()))
+        return
+    click.echo()
+    click.echo(answer.cache.line(answer.tokens.prompt), err=True)
+
+
+def _too_long(exc: ContextFullError) -> str:
+    return (
+        f"the input is {exc.needed:,} tokens but the context holds {exc.n_ctx:,}; "
+        "raise it with --ctx N or give less text"
+    )

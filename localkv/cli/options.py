@@ -1,0 +1,179 @@
+"""Options shared by the ``localkv`` commands, and turning them into configs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from localkv.model.native import GGML_TYPES
+from localkv.model.resolve import ModelNotFoundError, resolve_model
+from localkv.model.sampling import SamplingParams
+from localkv.model.session import LoraSpec, SessionConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = [
+    "cache_options",
+    "model_options",
+    "sampling_options",
+    "sampling_params",
+    "session_config",
+]
+
+
+def model_options(func: F) -> F:
+    """Options shared by every command that loads a model."""
+    kv_types = click.Choice(sorted(GGML_TYPES), case_sensitive=False)
+    opts = [
+        click.option(
+            "--model",
+            "model",
+            metavar="PATH",
+            help="GGUF file (default: LOCALKV_MODEL, then the default model package).",
+        ),
+        click.option(
+            "--ctx",
+            "n_ctx",
+            type=click.IntRange(min=16),
+            default=4096,
+            show_default=True,
+            help="Context length in tokens.",
+        ),
+        click.option(
+            "--n-gpu-layers",
+            type=int,
+            default=-1,
+            show_default=True,
+            help="Layers to offload to a GPU (-1: all; no effect on CPU builds).",
+        ),
+        click.option(
+            "--type-k",
+            type=kv_types,
+            default="f16",
+            show_default=True,
+            help="KV cache type for keys.",
+        ),
+        click.option(
+            "--type-v",
+            type=kv_types,
+            default="f16",
+            show_default=True,
+            help="KV cache type for values (quantized types need flash attention).",
+        ),
+        click.option(
+            "--flash-attn",
+            type=click.Choice(["on", "off", "auto"]),
+            default="auto",
+            show_default=True,
+            help="Flash attention.",
+        ),
+        click.option(
+            "--lora",
+            "loras",
+            multiple=True,
+            metavar="PATH[:SCALE]",
+            help="LoRA adapter, repeatable.",
+        ),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="CPU threads (default: all cores).",
+        ),
+    ]
+    for opt in reversed(opts):
+        func = opt(func)
+    return func
+
+
+def sampling_options(func: F) -> F:
+    opts = [
+        click.option(
+            "--temperature",
+            type=click.FloatRange(min=0),
+            default=0.7,
+            show_default=True,
+            help="0 picks the most likely token.",
+        ),
+        click.option(
+            "--top-p",
+            type=click.FloatRange(min=0, max=1, min_open=True),
+            default=0.95,
+            show_default=True,
+        ),
+        click.option(
+            "--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off."
+        ),
+        click.option("--seed", type=int, default=None, help="Seed for repeatable sampling."),
+        click.option(
+            "--max-tokens",
+            type=click.IntRange(min=1),
+            default=512,
+            show_default=True,
+            help="Longest answer in tokens.",
+        ),
+    ]
+    for opt in reversed(opts):
+        func = opt(func)
+    return func
+
+
+def session_config(opts: dict[str, Any]) -> SessionConfig:
+    try:
+        model = resolve_model(opts.get("model"))
+    except ModelNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    return SessionConfig(
+        model_path=model,
+        n_ctx=opts["n_ctx"],
+        n_gpu_layers=opts["n_gpu_layers"],
+        type_k=opts["type_k"].lower(),
+        type_v=opts["type_v"].lower(),
+        flash_attn=opts["flash_attn"],
+        loras=tuple(LoraSpec.parse(x) for x in opts.get("loras", ())),
+        n_threads=opts.get("threads"),
+    )
+
+
+def sampling_params(opts: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        temperature=opts["temperature"],
+        top_p=opts["top_p"],
+        top_k=opts["top_k"],
+        seed=opts["seed"],
+        max_tokens=opts["max_tokens"],
+    )
+
+
+def cache_options(func: F) -> F:
+    """Where the cache lives and whether to use it."""
+    opts = [
+        click.option(
+            "--cache-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="Cache directory (default: LOCALKV_HOME, then the user cache dir).",
+        ),
+        click.option(
+            "--namespace",
+            default="default",
+            show_default=True,
+            help="Entries of one namespace are never reused by another.",
+        ),
+        click.option(
+            "--no-cache", is_flag=True, help="Neither restore nor save: compute everything."
+        ),
+        click.option(
+            "--compact-cache",
+            is_flag=True,
+            envvar="LOCALKV_COMPACT_CACHE",
+            help="Write new cache blocks compact: about 0.89 of the disk space, "
+            "restores about 1.5x as long (see docs/BENCHMARKS.md). Blocks of every "
+            "kind are read. [env: LOCALKV_COMPACT_CACHE=1]",
+        ),
+    ]
+    for opt in reversed(opts):
+        func = opt(func)
+    return func

@@ -1,0 +1,430 @@
+"""A loaded model with one KV sequence: tokenize, prefill, generate, capture, restore.
+
+The session owns its native handles (model, context, batch, LoRA adapters)
+through an ``ExitStack``; ``close()`` frees them once and is safe to repeat.
+
+Prefill follows the request's canonical batch schedule (``localkv.model.schedule``):
+positions are 0..n-1 of sequence 0; the last token of every block, segment and
+request is decoded alone. The logits of a token decoded alone are that
+position's probe: restoring the state of the tokens before it and decoding it
+alone reproduces them bit for bit. ``batch_ends`` records how the sequence was
+actually batched; the cache keys blocks by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from localkv.kv import codec
+from localkv.model.config import LoraSpec, SessionConfig
+from localkv.model.loading import ModelLoadError, flash_attn_setting, large_buffer, open_native
+from localkv.model.native import ensure_backend, llama_cpp
+from localkv.model.sampling import Sampler, SamplingParams
+from localkv.model.schedule import ends_after, request_ends
+
+__all__ = [
+    "LoraSpec",
+    "ModelLoadError",
+    "ModelSession",
+    "PrefillCancelled",
+    "SessionConfig",
+]
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+CancelFn = Callable[[], bool]
+
+
+class PrefillCancelled(Exception):
+    """Prefill stopped on request; ``done`` tokens are in the KV sequence."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(f"prefill cancelled after {done} tokens")
+        self.done = done
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill did: probe logits by absolute position of tokens decoded alone."""
+
+    start: int
+    end: int
+    probes: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class ModelSession:
+    """One model, one context, one KV sequence (id 0)."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        ensure_backend()
+        self.config = config
+        self._stack = contextlib.ExitStack()
+        self.tokens: list[int] = []
+        self._last_logits: np.ndarray | None = None
+        # logits of tokens decoded alone at block ends and boundaries: the probes
+        self.probes: dict[int, np.ndarray] = {}
+        self._scratch: np.ndarray | None = None  # reused restore buffer
+        # token counts after each llama_decode call: how the sequence was batched.
+        # Numerics depend on batching, so a faithful recomputation replays it.
+        self.batch_ends: list[int] = []
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # ----------------------------------------------------------------- setup
+    def _open(self) -> None:
+        native = open_native(self.config, self._stack)
+        self.model = native.model
+        self.vocab = native.vocab
+        self.n_vocab = native.n_vocab
+        self.n_threads = native.n_threads
+        self.ctx = native.ctx
+        self.memory = native.memory
+        self.n_ctx = native.n_ctx
+        self.n_batch = native.n_batch
+        self._batch = native.batch
+
+    def flash_attn_setting(self) -> str:
+        """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
+        return flash_attn_setting(self.config)
+
+    def close(self) -> None:
+        """Free the native handles (idempotent)."""
+        self._stack.close()
+
+    def __enter__(self) -> ModelSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- metadata
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None when the model lacks it."""
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    def n_layer(self) -> int:
+        return int(llama_cpp.llama_model_n_layer(self.model))
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self.model, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    # ---------------------------------------------------------- tokenization
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(
+            self.vocab, data, len(data), buf, cap, add_special, parse_special
+        )
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(
+                self.vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+        if n < 0:
+            raise ValueError("tokenization failed")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(128)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        data = b"".join(self.token_bytes(t, special=special) for t in tokens)
+        return data.decode("utf-8", errors="replace")
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def bos_token(self) -> int | None:
+        tok = int(llama_cpp.llama_vocab_bos(self.vocab))
+        return tok if tok >= 0 else None
+
+    # --------------------------------------------------------------- decoding
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def last_logits(self) -> np.ndarray | None:
+        """Logits after the last token decoded (None after a restore or reset)."""
+        return self._last_logits
+
+    def _decode(self, tokens: list[int], want_last: bool) -> np.ndarray | None:
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens (limit {self.n_batch})")
+        start = len(self.tokens)
+        if start + n > self.n_ctx:
+            raise ContextFullError(start + n, self.n_ctx)
+        b = self._batch
+        b.n_tokens = n
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 0
+        if want_last:
+            b.logits[n - 1] = 1
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with status {rc}")
+        self.tokens.extend(tokens)
+        self.batch_ends.append(len(self.tokens))
+        if not want_last:
+            self._last_logits = None
+            return None
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, n - 1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        self._last_logits = logits
+        return logits
+
+    def decode_one(self, token: int, *, probe: bool = False) -> np.ndarray:
+        """Decode one token alone at the next position and return its logits.
+
+        The logits are kept as a probe when ``probe`` is set or the token ends a block.
+        """
+        pos = len(self.tokens)
+        logits = self._decode([token], want_last=True)
+        if logits is None:  # pragma: no cover - want_last guarantees logits
+            raise RuntimeError("no logits")
+        if probe or (pos + 1) % self.config.block_size == 0:
+            self.probes[pos] = logits
+        return logits
+
+    def schedule(
+        self, n_tokens: int, boundaries: Iterable[int], singles: Iterable[tuple[int, int]] = ()
+    ) -> list[int]:
+        """The canonical batch ends of a request (see ``localkv.model.schedule``)."""
+        return request_ends(
+            n_tokens,
+            boundaries,
+            self.config.block_size,
+            min(self.n_batch, self.config.block_size),
+            singles,
+        )
+
+    def prefill(
+        self,
+        tokens: list[int],
+        *,
+        ends: Sequence[int] | None = None,
+        boundaries: Iterable[int] = (),
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> PrefillResult:
+        """Append ``tokens`` to the sequence, in the batches that end at ``ends``.
+
+        ``ends`` is the request's whole schedule (absolute batch ends, see
+        ``schedule``; default: the schedule of a request that ends with
+        ``tokens`` and has segments ending at ``boundaries``). The sequence must
+        stand at one of them (or be empty) and the end of ``tokens`` is one. A
+        token decoded alone keeps its logits as a probe where a block can end
+        after it.
+        ``progress(done, total)`` is called after each batch; when ``cancel()``
+        turns true, prefill stops between batches and raises ``PrefillCancelled``.
+        """
+        start = len(self.tokens)
+        end = start + len(tokens)
+        if end > self.n_ctx:
+            raise ContextFullError(end, self.n_ctx)
+        result = PrefillResult(start, end)
+        if end == start:
+            return result
+        if ends is None:
+            ends = self.schedule(end, boundaries)
+        if (start and start not in ends) or end not in ends:
+            raise ValueError(f"tokens {start}..{end} do not start and end at batch ends")
+        batches = ends_after(ends, start)
+        batches = batches[: batches.index(end) + 1]
+        pos = start
+        for i, stop in enumerate(batches):
+            if cancel is not None and cancel():
+                raise PrefillCancelled(pos - start)
+            if stop - pos > self.n_batch:
+                raise ValueError(f"batch of {stop - pos} tokens (limit {self.n_batch})")
+            if stop - pos == 1:
+                single_next = i + 1 < len(batches) and batches[i + 1] - stop == 1
+                keep = not single_next or stop % self.config.block_size == 0
+                logits = self.decode_one(tokens[pos - start], probe=keep)
+                if keep:
+                    result.probes[pos] = logits
+            else:
+                self._decode(tokens[pos - start : stop - start], want_last=False)
+            pos = stop
+            if progress is not None:
+                progress(pos - start, end - start)
+        return result
+
+    def replay(self, tokens: list[int], batch_ends: Iterable[int]) -> dict[int, np.ndarray]:
+        """Decode ``tokens`` from an empty sequence in exactly the given batches.
+
+        Returns the logits of every single-token batch (the probes), by position.
+        """
+        self.reset()
+        ends = sorted({e for e in batch_ends if 0 < e <= len(tokens)} | {len(tokens)})
+        probes: dict[int, np.ndarray] = {}
+        start = 0
+        for end in ends:
+            while start < end:
+                stop = min(end, start + self.n_batch)
+                logits = self._decode(tokens[start:stop], want_last=stop - start == 1)
+                if logits is not None:
+                    probes[stop - 1] = logits
+                start = stop
+        return probes
+
+    def generate(
+        self,
+        params: SamplingParams,
+        *,
+        cancel: CancelFn | None = None,
+    ) -> Iterator[int]:
+        """Sample tokens after the current sequence until end of generation.
+
+        Yields each token id as sampled; the token is in the sequence when the
+        next one is requested. Stops at an end-of-generation token (not yielded),
+        ``params.max_tokens``, a full context or ``cancel()``.
+        """
+        logits = self._last_logits
+        if logits is None:
+            raise RuntimeError("generate needs the logits of the last token: prefill first")
+        sampler = Sampler(params)
+        for _ in range(params.max_tokens):
+            if cancel is not None and cancel():
+                return
+            token = sampler.sample(logits)
+            if self.is_end_of_generation(token):
+                return
+            yield token
+            if len(self.tokens) >= self.n_ctx:
+                return
+            logits = self.decode_one(token)
+
+    # ------------------------------------------------------------------ state
+    def capture_state(self) -> bytes:
+        """The raw llama.cpp state of sequence 0."""
+        return self.capture_array().tobytes()
+
+    def capture_array(self) -> np.ndarray:
+        """The raw llama.cpp state of sequence 0, written straight into a new uint8 array."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, 0))
+        arr = np.empty(size, dtype=np.uint8)
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, ptr, size, 0)
+        if written != size:
+            raise RuntimeError(f"state capture wrote {written} of {size} bytes")
+        return arr
+
+    def capture(self) -> codec.KVState:
+        """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown).
+
+        Its K/V rows are views of one capture buffer: no copy of the state is made.
+        """
+        return codec.parse(self.capture_array().data, copy=False)
+
+    def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
+        """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
+        self.reset()
+        if len(tokens) > self.n_ctx:
+            raise ContextFullError(len(tokens), self.n_ctx)
+        if isinstance(data, np.ndarray):
+            arr = np.ascontiguousarray(data, dtype=np.uint8)
+        else:
+            arr = np.frombuffer(bytes(data), dtype=np.uint8)
+        size = int(arr.shape[0])
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        read = llama_cpp.llama_state_seq_set_data(self.ctx, ptr, size, 0)
+        if read != size:
+            self.reset()
+            raise codec.StateFormatError(f"llama.cpp accepted {read} of {size} state bytes")
+        self.tokens = list(tokens)
+        self.batch_ends = [len(tokens)]  # as far as this process knows
+
+    def restore(self, state: codec.KVState | Sequence[codec.KVState], tokens: list[int]) -> None:
+        """Load a parsed state, or consecutive pieces of one, holding exactly ``tokens``.
+
+        Positions must be 0..n-1: a prefix cache never moves state elsewhere.
+        """
+        parts = [state] if isinstance(state, codec.KVState) else list(state)
+        n = len(tokens)
+        positions = np.concatenate([p.positions for p in parts])[:n]
+        if positions.shape[0] != n or not np.array_equal(positions, np.arange(n)):
+            raise codec.StateFormatError("state positions are not 0..n-1")
+        scratch = self._scratch_for(codec.assembled_size(parts, n), n)
+        self.load_state(codec.assemble(parts, n_tokens=n, scratch=scratch), tokens)
+
+    def restore_buffer(
+        self, layout: Sequence[codec.LayerLayout], n: int
+    ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """A state buffer for ``n`` tokens (untransposed V) whose K/V rows the caller fills.
+
+        ``codec.assembly`` in the session's reused scratch memory; hand the
+        filled buffer to ``load_state``.
+        """
+        scratch = self._scratch_for(codec.state_size(layout, False, n), n)
+        return codec.assembly(layout, n, scratch=scratch)
+
+    def _scratch_for(self, size: int, n: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.shape[0] < size:
+            # room for the whole context, so later restores reuse the same pages
+            per_token = max(1, size // max(1, n))
+            self._scratch = large_buffer(max(size, per_token * self.n_ctx + 4096))
+        return self._scratch
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the sequence."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"cannot keep {n} of {len(self.tokens)} tokens")
+        if n == len(self.tokens):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1):
+            raise RuntimeError("llama.cpp could not trim the sequence")
+        del self.tokens[n:]
+        self.probes = {p: x for p, x in self.probes.items() if p < n}
+        self.batch_ends = [e for e in self.batch_ends if e < n] + [n]
+        self._last_logits = None
+
+    def reset(self) -> None:
+        """Empty the sequence."""
+        # metadata only: zeroing the whole KV buffer costs milliseconds per call, and
+        # freed cells are masked out (llama.cpp's own seq_rm does not zero them either)
+        llama_cpp.llama_memory_clear(self.memory, False)
+        self.tokens = []
+        self.probes = {}
+        self.batch_ends = []
+        self._last_logits = None
+
+
+class ContextFullError(ValueError):
+    """The request does not fit in the context window."""
+
+    def __init__(self, needed: int, n_ctx: int) -> None:
+        super().__init__(
+            f"{needed} tokens do not fit in the context of {n_ctx} tokens "
+            "(raise it with --ctx, or shorten the input)"
+        )
+        self.needed = needed
+        self.n_ctx = n_ctx

@@ -1,0 +1,92 @@
+"""A chat conversation kept as messages *and* as the exact token list in the KV sequence."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from localkv.model.sampling import SamplingParams
+from localkv.model.session import CancelFn, ModelSession
+from localkv.prompt.template import ChatTemplate, Message
+
+__all__ = ["Conversation", "Streamed", "TokenStream", "stream_answer"]
+
+
+@dataclass
+class Conversation:
+    """Messages plus the tokens that encode them; ``tokens`` only ever grows by appending."""
+
+    messages: list[Message] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def start(self, template: ChatTemplate, system: str | None) -> None:
+        self.messages.clear()
+        self.tokens[:] = template.start_tokens()
+        if system:
+            self.add(template, Message("system", system))
+
+    def add(self, template: ChatTemplate, message: Message) -> list[int]:
+        new = template.message_tokens(self.messages, message)
+        self.messages.append(message)
+        self.tokens.extend(new)
+        return new
+
+
+class TokenStream:
+    """Turns sampled token ids into text pieces, holding back split UTF-8 sequences."""
+
+    def __init__(self, session: ModelSession) -> None:
+        self.session = session
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        piece = self._decoder.decode(self.session.token_bytes(token))
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        piece = self._decoder.decode(b"", final=True)
+        self.text += piece
+        return piece
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """An answer as generated: its text, the sampled ids and when tokens came."""
+
+    text: str
+    ids: list[int]
+    ttft_s: float  # from ``t0`` to the first token (to the end if there was none)
+    tokens_per_s: float  # after the first token
+
+
+def stream_answer(
+    session: ModelSession,
+    params: SamplingParams,
+    t0: float,
+    on_text: Callable[[str], None] | None = None,
+    cancel: CancelFn | None = None,
+) -> Streamed:
+    """Generate after the session's sequence, sending text pieces to ``on_text``."""
+    stream = TokenStream(session)
+    t_first = 0.0
+    for token in session.generate(params, cancel=cancel):
+        if not stream.ids:
+            t_first = time.perf_counter()
+        piece = stream.push(token)
+        if piece and on_text is not None:
+            on_text(piece)
+    tail = stream.flush()
+    if tail and on_text is not None:
+        on_text(tail)
+    end = time.perf_counter()
+    if not stream.ids:
+        return Streamed(stream.text, stream.ids, end - t0, 0.0)
+    elapsed = end - t_first
+    rate = (len(stream.ids) - 1) / elapsed if len(stream.ids) > 1 and elapsed > 0 else 0.0
+    return Streamed(stream.text, stream.ids, t_first - t0, rate)

@@ -1,0 +1,107 @@
+"""Prompts as token lists, built segment by segment (DESIGN §2).
+
+Each message is rendered with the model's chat template *as a delta* (the
+rendering with the message minus the rendering without it), and only that
+delta is tokenized. The conversation's earlier tokens therefore never change,
+and the same document after the same system prompt always gives the same
+tokens, whichever command built the request. Generated tokens are appended as
+the ids that were sampled, never re-tokenized.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from localkv.model.native import llama_cpp
+
+if TYPE_CHECKING:
+    from localkv.model.session import ModelSession
+
+__all__ = ["ChatTemplate", "Message"]
+
+log = logging.getLogger(__name__)
+
+# Used when a model ships no chat template.
+_FALLBACK_TEMPLATE = "chatml"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class ChatTemplate:
+    """Renders messages with llama.cpp's template engine and tokenizes the deltas."""
+
+    def __init__(self, session: ModelSession) -> None:
+        self.session = session
+        raw = llama_cpp.llama_model_chat_template(session.model, None)
+        self.template = raw if raw else _FALLBACK_TEMPLATE.encode()
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(session.vocab))
+
+    def render(self, messages: Sequence[Message], *, add_assistant: bool = False) -> str:
+        arr = (llama_cpp.llama_chat_message * max(1, len(messages)))()
+        keep: list[bytes] = []  # the C strings must outlive the call
+        for i, m in enumerate(messages):
+            role, content = m.role.encode(), m.content.encode("utf-8")
+            keep.extend((role, content))
+            arr[i].role = role
+            arr[i].content = content
+        size = 256 + 2 * sum(len(m.content.encode("utf-8")) for m in messages)
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_chat_apply_template(
+                self.template, arr, len(messages), add_assistant, buf, size
+            )
+            if n < 0:
+                raise ValueError("the model's chat template is not supported by llama.cpp")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        raise RuntimeError("chat template output kept growing")
+
+    def start_tokens(self) -> list[int]:
+        """Tokens before the first message (BOS when the model wants one)."""
+        bos = self.session.bos_token()
+        return [bos] if self.add_bos and bos is not None else []
+
+    def message_tokens(self, history: Sequence[Message], message: Message) -> list[int]:
+        """The tokens that ``message`` adds after ``history``."""
+        before = self.render(history) if history else ""
+        after = self.render([*history, message])
+        return self.session.tokenize(_delta(before, after))
+
+    def assistant_start_tokens(self, history: Sequence[Message]) -> list[int]:
+        """The tokens that open the assistant's turn after ``history``."""
+        before = self.render(history)
+        after = self.render(history, add_assistant=True)
+        return self.session.tokenize(_delta(before, after))
+
+    def assistant_end_tokens(self, history: Sequence[Message], answer: str) -> list[int]:
+        """The tokens that close an assistant turn whose text is ``answer``."""
+        opened = self.render(history, add_assistant=True)
+        closed = self.render([*history, Message("assistant", answer)])
+        delta = _delta(opened, closed)
+        if delta.startswith(answer):
+            return self.session.tokenize(delta[len(answer) :])
+        log.debug("template changes the answer text when closing the turn")
+        return []
+
+
+def _delta(before: str, after: str) -> str:
+    if after.startswith(before):
+        return after[len(before) :]
+    # Not prefix-stable: the earlier tokens stay as they were and the new
+    # segment is what follows their longest common text prefix.
+    i = 0
+    for a, b in zip(before, after, strict=False):
+        if a != b:
+            break
+        i += 1
+    log.debug("chat template is not prefix-stable at character %d", i)
+    return after[i:]
