@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 
-from localkv.bench.size import prompt_tokens
+from localkv.bench.text import prompt_tokens
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime

@@ -19,7 +19,6 @@ disk instead of prefilling it again.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import sqlite3
 import time
@@ -27,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from localkv.cache.background import BackgroundWork
-from localkv.cache.catalogue import covering_snapshot, snapshot_listing
+from localkv.cache.catalogue import covering_snapshot, save_snapshot, snapshot_listing
 from localkv.cache.identity import identity_of
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.kv import codec
@@ -288,33 +287,9 @@ class Runtime:
             cancelled = True
         prefilled = self.session.n_tokens - reused
         self._note_rate(time.perf_counter() - t1, prefilled)
-        per_token = self._seconds_per_token
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
-        saved = SaveResult(0, 0, 0, None)
-        snapshot = None
-        bytes_on_disk = 0
-        if self.cache is not None:
-            blocks = self.cache.prepare(self.session, tips, per_token)
-            saved = self.cache.write(blocks)
-            if saved.tip is not None and not cancelled:
-                try:
-                    snapshot = self.cache.store.put_snapshot(
-                        tip=saved.tip,
-                        label=label or ", ".join(d.name for d in documents) or "(system prompt)",
-                        source_path=_source_path(documents),
-                        source_sha256=_source_sha(documents),
-                        n_tokens=done,
-                        identity=self.cache.identity.digest,
-                        namespace=self.namespace,
-                        pinned=pin,
-                    )
-                except (OSError, sqlite3.Error, ValueError) as exc:  # disk full; tip evicted
-                    log.warning("could not save the snapshot (%s); continuing without it", exc)
-            if saved.tip is not None:
-                bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
-            if saved.new_blocks:
-                self.cache.enforce_budget()
+        saved, snapshot, bytes_on_disk = self._save_prefill(tips, documents, label, pin, cancelled)
         return PrefillReport(
             snapshot=snapshot,
             tokens=len(request.tokens),
@@ -327,6 +302,33 @@ class Runtime:
             cancelled=cancelled,
             cache=self.with_snapshot(restored, report, request.tokens),
         )
+
+    def _save_prefill(
+        self,
+        tips: list[int],
+        documents: Sequence[Document],
+        label: str | None,
+        pin: bool,
+        cancelled: bool,
+    ) -> tuple[SaveResult, str | None, int]:
+        """Save a prefill's blocks now, then its snapshot unless it was cancelled.
+
+        Returns what was saved, the snapshot id and the chain's bytes on disk.
+        """
+        if self.cache is None:
+            return SaveResult(0, 0, 0, None), None, 0
+        saved = self.cache.write(self.cache.prepare(self.session, tips, self._seconds_per_token))
+        snapshot = None
+        if saved.tip is not None and not cancelled:
+            snapshot = save_snapshot(
+                self.cache, saved.tip, documents, tips[-1], label=label, pin=pin
+            )
+        bytes_on_disk = 0
+        if saved.tip is not None:
+            bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
+        if saved.new_blocks:
+            self.cache.enforce_budget()
+        return saved, snapshot, bytes_on_disk
 
     # -------------------------------------------------------------------- ask
     def ask(
@@ -392,16 +394,3 @@ class Runtime:
                 return result
 
             self._work.submit(write_then_evict)
-
-
-def _source_path(documents: Sequence[Document]) -> str | None:
-    paths = [str(d.path.resolve()) for d in documents if d.path is not None]
-    return paths[0] if len(paths) == 1 else ("; ".join(paths) or None)
-
-
-def _source_sha(documents: Sequence[Document]) -> str | None:
-    if not documents:
-        return None
-    if len(documents) == 1:
-        return documents[0].sha256
-    return hashlib.sha256("".join(d.sha256 for d in documents).encode()).hexdigest()

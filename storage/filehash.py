@@ -1,8 +1,8 @@
 """SHA-256 of large files, computed once per (path, size, mtime, inode).
 
-A 5 GB GGUF takes many seconds to hash; its content hash is part of every
-cache identity, so the result is remembered in a small SQLite table keyed by
-what changes when the file does.
+A GGUF of several gigabytes takes seconds to hash; its content hash is part
+of every cache identity, so the result is remembered in a small SQLite table
+keyed by what changes when the file does.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A snapshot names the chain ending at its tip block, with the document it came
 from (path and SHA-256), its token count, identity and namespace. Its id is
 derived from tip, label and namespace, so saving the same one twice keeps one
 row. A pinned snapshot's chain is never evicted. ``SnapshotStore`` delegates
-its snapshot methods to ``SnapshotCatalogue``; ``forget.py`` removes snapshots
-by document instead.
+its snapshot methods to ``SnapshotCatalogue``; ``removal/forget.py`` removes
+snapshots by document instead.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import hashlib
 import logging
 import time
 
-from .index import BlockIndex
+from .index.blockindex import BlockIndex
 from .paths import CacheLayout
-from .removal import bytes_of, remove_files
+from .removal.deletion import bytes_of, remove_files
 from .values import SnapshotRow
 
 __all__ = ["SnapshotCatalogue"]

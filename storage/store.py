@@ -10,13 +10,13 @@ Deleting is row first, then file: a crash leaves an orphan file that ``gc``
 removes, never a row that points at nothing it did not check.
 
 This module holds the store's lifecycle, identities, block writes and
-lookups, events and ``verify``; the rest it delegates, keeping each public
-method here. The snapshot catalogue (``put_snapshot``, ``get_snapshot``,
-``pin``, ``remove_snapshot``...) is in ``snapshots.py``; the privacy path
-(``forget``, ``scrub``) in ``forget.py``; ``quarantine``, ``evict`` and
-removing files after their rows in ``removal.py``; block reading in
-``reader.py`` and ``blockread.py``; the SQLite index in ``index.py``; ``gc``
-in ``maintenance.py``.
+lookups and events; the rest it delegates, keeping each public method here.
+The snapshot catalogue (``put_snapshot``, ``get_snapshot``, ``pin``,
+``remove_snapshot``...) is in ``snapshots.py``; block files' bytes and
+reading one file in ``formats/``, reading many in parallel in
+``readpool.py``, placing them on disk in ``disk.py``; the SQLite index in
+``index/``; every way blocks leave (``quarantine``, ``evict``, ``forget``,
+``scrub``, ``gc``) and ``verify`` in ``removal/``.
 """
 
 from __future__ import annotations
@@ -31,20 +31,20 @@ from types import TracebackType
 
 import sqlite_utils
 
-from . import budget, forget, maintenance, planes, removal
-from .blockfile import encode, index_row
-from .blockread import OpenedBlock, Targets
 from .chain import chain_next, chain_root
-from .files import (
+from .disk import (
     check_free_space,
     link_into_place,
     remove_file,
     replace_into_place,
     stage_block_file,
 )
-from .index import BlockIndex
+from .formats.blockcodec import encode, index_row
+from .formats.readinto import OpenedBlock, Targets
+from .index.blockindex import BlockIndex
 from .paths import CacheLayout, default_root, prepare_root
-from .reader import BlockReader
+from .readpool import BlockReader
+from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
     Block,
@@ -86,13 +86,9 @@ class SnapshotStore:
         workers: int | None = None,
         *,
         compact: bool = False,
-        codec: str = "q6",
     ) -> None:
-        if codec not in planes.CODECS:
-            raise ValueError(f"codec must be one of {', '.join(planes.CODECS)}, not {codec!r}")
         self.layout = layout
-        self.compact = compact  # write new blocks in a compact format (``planes``)
-        self.codec = codec  # which one: ``q6`` (default) or ``zstd`` (smaller, slower)
+        self.compact = compact  # write new blocks in the compact format (``formats.planes``)
         self._index = index
         self._workers = workers or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
@@ -101,17 +97,15 @@ class SnapshotStore:
         self._closed = False
 
     @classmethod
-    def open(
-        cls, root: Path | None = None, *, compact: bool = False, codec: str = "q6"
-    ) -> SnapshotStore:
+    def open(cls, root: Path | None = None, *, compact: bool = False) -> SnapshotStore:
         """Open (creating if needed) the store at ``root``, ``$LOCALKV_HOME`` or the default.
 
-        ``compact``: new blocks are written in a compact format (``planes``),
-        by ``codec``: ``q6`` (about 0.89 of the bytes, a little slower to
-        restore) or ``zstd`` (about 0.86, much slower). Every format is read.
+        ``compact``: new blocks are written in the compact format
+        (``formats.planes``: fewer bytes, a little slower to restore). Both
+        formats are read.
         """
         layout = prepare_root(default_root(root))
-        return cls(layout, BlockIndex(layout.index), compact=compact, codec=codec)
+        return cls(layout, BlockIndex(layout.index), compact=compact)
 
     @property
     def root(self) -> Path:
@@ -175,7 +169,7 @@ class SnapshotStore:
         if self.has_block(block.hash):
             return False
         self._check_parent(block)
-        data = encode(block, compact=self.compact, codec=self.codec)
+        data = encode(block, compact=self.compact)
         raw_bytes = len(encode(block)) if self.compact else None
         relpath = self.layout.block_relpath(block.hash)
         row = index_row(block, data, relpath, time.time(), raw_bytes)
@@ -196,13 +190,13 @@ class SnapshotStore:
             remove_file(tmp)
         if outcome == "orphan":
             logger.info("parent of %s was removed while saving it; not stored", block.hash)
-            removal.remove_files(self._index, self.layout, [relpath])
+            deletion.remove_files(self._index, self.layout, [relpath])
         return outcome == "inserted"
 
     def _discard_unindexed(self, relpath: str) -> None:
         """After a failed save: remove the file it placed, unless a row names it."""
         try:
-            removal.remove_files(self._index, self.layout, [relpath])
+            deletion.remove_files(self._index, self.layout, [relpath])
         except Exception as exc:  # the disk may still be failing: gc removes it later
             logger.warning("could not remove unsaved block file %s: %s", relpath, exc)
 
@@ -257,6 +251,14 @@ class SnapshotStore:
         """The stored chain ending at ``tip``, root first (empty if ``tip`` is not stored)."""
         return self._index.chain_of(tip)
 
+    def all_blocks(self) -> list[BlockRow]:
+        """Every stored block's row (one that does not decode is left out: ``verify`` names it)."""
+        return self._index.all_blocks()
+
+    def get_blocks(self, hashes: Sequence[str]) -> dict[str, BlockRow]:
+        """The rows of those of ``hashes`` that are stored, by hash."""
+        return self._index.get_blocks(hashes)
+
     def read_blocks(self, rows: Sequence[BlockRow]) -> list[Block]:
         """Read and check blocks in parallel, in order (``BlockCorrupt`` names the first bad)."""
         return self._reader.read(rows)
@@ -268,7 +270,7 @@ class SnapshotStore:
     def fill_blocks(
         self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]
     ) -> list[Block]:
-        """Read opened blocks in parallel into their targets (see ``blockread.fill_block``)."""
+        """Read opened blocks in parallel into their targets (see ``readinto.fill_block``)."""
         return self._reader.fill(opened, targets)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
@@ -277,7 +279,7 @@ class SnapshotStore:
         Returns the hashes removed. The bad block's file goes to ``quarantine/``
         with the reason; its descendants' files (fine but unreachable) are deleted.
         """
-        return removal.quarantine(self._index, self.layout, block_hash, reason)
+        return quarantine.quarantine(self._index, self.layout, block_hash, reason)
 
     def touch(self, hashes: Sequence[str]) -> None:
         """Mark blocks (and snapshots whose tip is among them) as used now."""
@@ -300,7 +302,7 @@ class SnapshotStore:
         return self._index.stats()
 
     # -------------------------------------------------------------- snapshots
-    # The catalogue lives in ``snapshots.py``, the privacy path in ``forget.py``.
+    # The catalogue lives in ``snapshots.py``, the privacy path in ``removal/forget.py``.
     def put_snapshot(
         self,
         tip: str,
@@ -353,7 +355,7 @@ class SnapshotStore:
         Never touches a pinned snapshot's chain or the middle of a chain;
         snapshots whose tip goes are dropped. Returns the bytes freed.
         """
-        return removal.evict(self._index, self.layout, budget_bytes)
+        return evict.evict(self._index, self.layout, budget_bytes)
 
     def default_budget(self) -> int:
         """``$LOCALKV_BUDGET``, else 10% of free disk space at the root, at most 20 GiB."""
@@ -366,33 +368,8 @@ class SnapshotStore:
         Files younger than ``grace_seconds`` are kept: another process may be
         between writing a block file and inserting its row.
         """
-        return maintenance.gc(self.layout, self._index, grace_seconds)
+        return reconcile.gc(self.layout, self._index, grace_seconds)
 
     def verify(self, repair: bool = False) -> list[tuple[str, str]]:
         """Recheck every block file and chain hash; ``repair`` quarantines the bad ones."""
-        rows = self._index.all_blocks()
-        bad = self._index.unreadable_blocks()
-        stored = {str(r[0]) for r in self._index.query("SELECT hash FROM blocks")}
-        for row, reason in zip(rows, self._executor().map(self._check_row, rows), strict=True):
-            if reason is None and row.parent is not None and row.parent not in stored:
-                reason = "parent block is not stored"  # unreachable: no lookup gets here
-            if reason is not None:
-                bad.append((row.hash, reason))
-        if repair:
-            for block_hash, reason in bad:
-                if self.has_block(block_hash):
-                    self.quarantine(block_hash, reason)
-        return bad
-
-    def _check_row(self, row: BlockRow) -> str | None:
-        try:
-            parent = row.parent or chain_root(row.identity, row.namespace)
-            if chain_next(parent, row.tokens, row.ends) != row.hash:
-                return "hash does not match parent, tokens and batch ends"
-        except ValueError as exc:  # a malformed parent or identity digest in the row
-            return f"index row cannot be read: {exc}"
-        try:
-            self._reader.read([row])
-        except BlockCorrupt as exc:
-            return exc.reason
-        return None
+        return reconcile.verify(self._index, self.layout, self._reader, self._executor(), repair)

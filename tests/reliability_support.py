@@ -100,7 +100,7 @@ def check_store(root: Path, *, gc: bool = True) -> dict[str, int]:
         assert store.verify() == []  # before gc: no row lost its file, no file is bad
         if gc:
             store.gc(grace_seconds=0)
-        rows = store._index.all_blocks()
+        rows = store.all_blocks()
         assert store.verify() == []
         checked = 0
         for row in rows:
@@ -164,5 +164,5 @@ def seed_store(root: Path, seed: int, n_docs: int) -> list[Block]:
 
 
 def rows_of(store: SnapshotStore, hashes: Sequence[str]) -> list[BlockRow]:
-    found = store._index.get_blocks(hashes)
+    found = store.get_blocks(hashes)
     return [found[h] for h in hashes if h in found]

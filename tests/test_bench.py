@@ -20,8 +20,8 @@ from conftest import tiny_config
 from tinymodels import TinyModels
 
 from localkv.bench import disk as benchdisk
-from localkv.bench import machine as benchmachine
 from localkv.bench import report as benchreport
+from localkv.bench import run as benchrun
 from localkv.bench.baselines import ColdStat, Stat
 from localkv.bench.run import (
     RESTORE,
@@ -152,7 +152,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
         for _, cold in cold_stats(s):
             assert cold.time.n == result.config.repeats and _positive(cold.time)
     assert result.machine["cores"] and result.machine["llama_cpp_python"] == "0.3.36"
-    assert result.machine["compact_decoder"] == benchmachine.compact_decoder()
+    assert result.machine["compact_decoder"] == benchrun.compact_decoder()
     assert int(str(result.model["n_ctx"])) >= max(SIZES) + 64  # llama.cpp rounds it up
 
 

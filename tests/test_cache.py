@@ -179,31 +179,6 @@ def _block_files(cache: Path) -> list[Path]:
     return sorted(p for p in (cache / "blocks").rglob("*") if p.is_file())
 
 
-def test_first_format_block_files_restore_the_same_answer(
-    tiny_models: TinyModels, tmp_path: Path, doc: Document
-) -> None:
-    from test_store_support import first_format_row
-
-    question = "What is the document about?"
-    with _runtime(tiny_models.base, tmp_path) as rt:
-        report = rt.prefill([doc], system=SYSTEM)
-        assert rt.cache is not None
-        store = rt.cache.store
-        chain = store.chain_of(store.get_snapshot(report.snapshot or "").tip)
-        for block in store.read_blocks(chain[1:]):  # the first block stays in the new format
-            first_format_row(store, block)
-    with _runtime(tiny_models.base, tmp_path) as rt:
-        assert rt.cache is not None
-        rows = rt.cache.store.chain_of(chain[-1].hash)
-        assert [r.checksum[:5] for r in rows[:2]] == ["xxh3:", "crc32"]
-        cached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
-    with Runtime(tiny_config(tiny_models.base), use_cache=False) as rt:
-        uncached = rt.ask([doc], question, system=SYSTEM, params=GREEDY)
-    assert cached.cache.hit and cached.cache.verified
-    assert cached.cache.reused == report.tokens
-    assert cached.text == uncached.text
-
-
 @pytest.mark.parametrize("damage", ["flip header", "flip data", "truncate", "delete"])
 def test_a_damaged_block_is_a_miss_with_a_reason(
     tiny_models: TinyModels, tmp_path: Path, doc: Document, damage: str

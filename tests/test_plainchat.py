@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,7 +14,11 @@ import sqlite_utils
 from click.testing import CliRunner, Result
 from tinymodels import TinyModels
 
+from localkv.chat.commands import COMMANDS, HELP, PLAIN_HELP, Command, message_text, parse_command
+from localkv.chat.formats import sync_line, turn_line
+from localkv.chat.session import SyncReport, TurnReport
 from localkv.cli import cli
+from localkv.reports import CacheReport
 
 
 @pytest.fixture()
@@ -125,3 +130,62 @@ def test_the_line_mode_chat_and_history_import_without_textual() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_line_mode_takes_the_app_s_commands(tiny_models: TinyModels, home: Path) -> None:
+    script = "/HELP\n/system\n/frobnicate now\n/attach\n/history\n/cache\n//hi\n/exit\nnever\n"
+    result = chat(tiny_models, script, "--system", "Be brief.")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert notes[:3] == [
+        "[system prompt: Be brief.]",
+        "[unknown command /frobnicate; /help lists the commands]",
+        "[usage: /attach PATH]",
+    ]
+    assert notes[3].startswith("[TTFT")  # "//hi" was sent as "/hi"; /exit quit after it
+    assert PLAIN_HELP in result.stdout and "No saved conversations yet." in result.stdout
+    assert "No cache snapshots yet." in result.stdout
+    messages = json.loads(str(conversations(home)[0]["messages"]))
+    assert [m[1] for m in messages if m[0] == "user"] == ["/hi"]
+
+
+def test_the_command_parser_both_faces_use() -> None:
+    assert parse_command("hello") is None and parse_command("//etc") is None
+    assert message_text("//etc") == "/etc" and message_text(" hi ") == "hi"
+    assert parse_command("  /Attach   my notes.txt ") == Command("attach", "my notes.txt", True)
+    assert parse_command("/exit") == Command("quit", "", True)
+    assert parse_command("/usr/bin") == Command("usr/bin", "", False)
+    assert all(f"`/{name}" in HELP and f"/{name}" in PLAIN_HELP for name in COMMANDS)
+
+
+def _cache(**fields: object) -> CacheReport:
+    report = dict(hit=True, verified=True, snapshot="s", miss_reason=None, reused=1820)
+    report.update(restore_s=0.045, saved_s=3.1, common=1820)
+    report.update(fields)
+    return CacheReport(**report)  # type: ignore[arg-type]
+
+
+def test_one_cache_report_formatter_for_turns_attaches_and_resumes() -> None:
+    sync = SyncReport(_cache(), 12, 0.5)
+    assert sync_line(sync) == (
+        "restored 1,820 tokens (verified) in 45 ms · prefilled 12 in 0.50 s · saved ≈ 3.1 s"
+    )
+    turn = TurnReport("x", 3, sync, 0.05, 31.0, stopped=True)
+    assert turn_line(turn) == (
+        "TTFT 0.05 s · 31 tok/s · restored 1,820 tokens (verified) in 45 ms · "
+        "prefilled 12 · saved ≈ 3.1 s · stopped"
+    )
+    unchecked = SyncReport(_cache(verified=None, common=1823), 3, 0.1)
+    for line in (sync_line(unchecked), turn_line(dataclasses.replace(turn, sync=unchecked))):
+        assert "(verified)" not in line
+        assert "reused 1,820 of 1,823 common tokens (exact)" in line
+    missed = SyncReport(
+        _cache(hit=False, miss_reason="no stored prefix", reused=0, common=0), 9, 0.2
+    )
+    assert sync_line(missed) == "cache miss: no stored prefix · prefilled 9 in 0.20 s"
+    assert sync_line(SyncReport(None, 0, 0.0, cancelled=True)) == (
+        "already in memory · prefilled 0 in 0.00 s · cancelled"
+    )
+    assert turn_line(dataclasses.replace(turn, sync=SyncReport(None, 4, 0.0), stopped=False)) == (
+        "TTFT 0.05 s · 31 tok/s · prefilled 4"
+    )

@@ -133,7 +133,7 @@ def _prefilled(model: Path, cache: Path, doc: Document) -> list[Path]:
     with Runtime(tiny_config(model), cache_dir=cache) as rt:
         assert rt.prefill([doc], system=SYSTEM).snapshot is not None
         assert rt.cache is not None
-        rows = rt.cache.store._index.all_blocks()
+        rows = rt.cache.store.all_blocks()
     return [cache / r.file for r in sorted(rows, key=lambda r: (r.start, -r.n_tokens))]
 
 

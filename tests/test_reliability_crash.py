@@ -50,7 +50,7 @@ def _plant_debris(root: Path) -> None:
 
 def _state(root: Path) -> tuple[list[str], list[tuple[str, bool]]]:
     with SnapshotStore.open(root) as store:
-        blocks = sorted(r.hash for r in store._index.all_blocks())
+        blocks = sorted(r.hash for r in store.all_blocks())
         snaps = sorted((s.label, s.pinned) for s in store.snapshots())
     return blocks, snaps
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config
 from localkv.storage import faults
-from localkv.storage.files import ENV_MIN_FREE
+from localkv.storage.disk import ENV_MIN_FREE
 from localkv.storage.store import SnapshotStore
 from reliability_support import check_store, record
 from test_store_support import make_chain, put_chain
@@ -32,8 +32,8 @@ SAVE_POINTS = ["before_write", "before_fsync", "before_rename", "before_commit"]
 
 def _disk_state(root: Path) -> tuple[list[tuple[object, ...]], list[str]]:
     with SnapshotStore.open(root) as store:
-        rows = store._index.query("SELECT hash, file, checksum FROM blocks ORDER BY hash")
-        rows += store._index.query("SELECT id, tip, label FROM snapshots ORDER BY id")
+        rows = store.db.execute("SELECT hash, file, checksum FROM blocks ORDER BY hash").fetchall()
+        rows += store.db.execute("SELECT id, tip, label FROM snapshots ORDER BY id").fetchall()
     files = sorted(
         str(p.relative_to(root))
         for sub in ("blocks", "tmp")

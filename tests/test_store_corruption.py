@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -10,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zstandard
-from localkv.storage.blockfile import checksum
+from localkv.storage.formats.blockcodec import checksum
 from localkv.storage.store import BlockCorrupt, BlockRow, SnapshotStore
-from test_store_support import IDENTITY, first_format_row, make_chain, put_chain
+from test_store_support import IDENTITY, make_chain, put_chain
 
 
 @pytest.fixture
@@ -43,20 +43,18 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) - 10])
 
 
-def _huge_frame(path: Path) -> None:
-    """Same length, but a frame header declaring 1 TiB of content."""
-    size = path.stat().st_size
-    small = zstandard.ZstdCompressor(write_checksum=True).compress(b"x" * 100)
-    forged = small[:4] + bytes([(3 << 6) | (small[4] & 0x3F)]) + struct.pack("<Q", 1 << 40)
-    forged += small[6:]
-    path.write_bytes(forged + b"\0" * (size - len(forged)))
+def _huge_header(path: Path) -> None:
+    """Same length, but the header length field declares 1 TiB."""
+    data = bytearray(path.read_bytes())
+    data[:8] = struct.pack("<Q", 1 << 40)
+    path.write_bytes(bytes(data))
 
 
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "flipped byte": (_flip_byte, "checksum"),
     "truncated": (_truncate, "bytes, the index expects"),
     "deleted": (os.unlink, "missing"),
-    "huge frame": (_huge_frame, "checksum"),
+    "huge header length": (_huge_header, "header length"),
 }
 
 
@@ -80,13 +78,13 @@ def test_huge_declared_size_is_refused_even_with_a_matching_checksum(
 ) -> None:
     rows = _stored(store)
     path = _path(store, rows[0])
-    _huge_frame(path)
+    _huge_header(path)
     with store.db.conn:
         store.db.execute(
             "UPDATE blocks SET checksum = ? WHERE hash = ?",
             (checksum(path.read_bytes()), rows[0].hash),
         )
-    with pytest.raises(BlockCorrupt, match="frame declares 1099511627776 bytes"):
+    with pytest.raises(BlockCorrupt, match="header length 1099511627776 out of range"):
         store.read_blocks(store.match_chain([rows[0].hash]))
 
 
@@ -194,31 +192,57 @@ def test_verify_repair_quarantines(store: SnapshotStore) -> None:
     assert len(store.match_chain([r.hash for r in rows])) == 3
 
 
-def test_first_format_files_still_read_and_are_checked(store: SnapshotStore) -> None:
-    blocks = make_chain(list(range(64)), 16)
-    put_chain(store, blocks)
-    for block in blocks[1:3]:
-        first_format_row(store, block)
-    rows = store.match_chain([b.hash for b in blocks])
-    assert rows[1].checksum.startswith("crc32:") and rows[0].checksum.startswith("xxh3:")
-    got = store.read_blocks(rows)
-    for block, read in zip(blocks, got, strict=True):
-        np.testing.assert_array_equal(read.tokens, block.tokens)
-        for name, arr in block.tensors.items():
-            np.testing.assert_array_equal(read.tensors[name], arr)
-    # read into caller buffers too, and still checked: a flipped byte is caught
-    opened = store.open_blocks(rows[1:2])
-    try:
-        k0 = np.empty(blocks[1].tensors["k.0"].nbytes, dtype=np.uint8)
-        store.fill_blocks(opened, [{"k.0": [k0[:5], k0[5:]]}])
-        np.testing.assert_array_equal(k0, blocks[1].tensors["k.0"].reshape(-1).view(np.uint8))
-    finally:
-        for o in opened:
-            o.close()
-    _flip_byte(_path(store, rows[2]))
-    with pytest.raises(BlockCorrupt, match="checksum crc32") as info:
-        store.read_blocks(rows)
-    assert info.value.block_hash == rows[2].hash
+def _as_format(data: bytes, file_format: str) -> bytes:
+    """The same safetensors file with another ``format`` in its metadata."""
+    from safetensors.numpy import load as st_load
+    from safetensors.numpy import save as st_save
+
+    (n,) = struct.unpack_from("<Q", data)
+    meta = json.loads(data[8 : 8 + n])["__metadata__"]
+    return bytes(st_save(st_load(data), metadata={**meta, "format": file_format}))
+
+
+@pytest.mark.parametrize(
+    ("forge", "reason"),
+    [
+        (lambda d: _as_format(d, "lkv-block1"), "metadata 'format'"),
+        (lambda d: _as_format(d, "lkv-planes1"), "metadata 'format'"),
+        (lambda d: b"\x28\xb5\x2f\xfd" + d[4:], "header length"),  # starts as a zstd frame
+    ],
+    ids=["lkv-block1 metadata", "lkv-planes1 metadata", "zstd frame magic"],
+)
+def test_a_file_of_a_removed_format_is_refused(
+    store: SnapshotStore, forge: Callable[[bytes], bytes], reason: str
+) -> None:
+    """The formats only earlier commits wrote are no longer read, even if the index agrees."""
+    rows = _stored(store)
+    path = _path(store, rows[1])
+    data = forge(path.read_bytes())
+    path.write_bytes(data)
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET stored_bytes = ?, raw_bytes = ?, checksum = ? WHERE hash = ?",
+            (len(data), len(data), checksum(data), rows[1].hash),
+        )
+    with pytest.raises(BlockCorrupt, match=reason) as info:
+        store.read_blocks(store.match_chain([r.hash for r in rows]))
+    assert info.value.block_hash == rows[1].hash
+
+
+def test_a_crc32_checksum_in_the_index_is_refused(store: SnapshotStore) -> None:
+    """Rows of the first format named a CRC-32; a file is now checked by its xxh3-128 only."""
+    import zlib
+
+    rows = _stored(store)
+    data = _path(store, rows[1]).read_bytes()
+    with store.db.conn:
+        store.db.execute(
+            "UPDATE blocks SET checksum = ? WHERE hash = ?",
+            (f"crc32:{zlib.crc32(data):08x}", rows[1].hash),
+        )
+    with pytest.raises(BlockCorrupt, match="differs from the index's crc32:") as info:
+        store.read_blocks(store.match_chain([r.hash for r in rows]))
+    assert info.value.block_hash == rows[1].hash
 
 
 def test_reading_into_targets_checks_the_whole_file(store: SnapshotStore) -> None:
@@ -257,8 +281,6 @@ def test_a_remembered_header_is_not_trusted_over_the_file(store: SnapshotStore) 
     at = data.index(b'"namespace":"')
     data[at : at + 13] = b'"namespacf":"'  # same length: only a re-parse sees it
     path.write_bytes(bytes(data))
-    from localkv.storage.blockfile import checksum
-
     with store.db.conn:
         store.db.execute(
             "UPDATE blocks SET checksum = ? WHERE hash = ?", (checksum(data), rows[1].hash)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlite_utils
-from localkv.storage.migrations import MIGRATIONS, migrate
+from localkv.storage.index.migrations import MIGRATIONS, migrate
 
 EXPECTED = {
     "identities": {"digest": str, "json": str, "created": float},

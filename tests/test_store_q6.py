@@ -1,4 +1,4 @@
-"""Compact block files of the default compact format (``lkv-planes2``: the 6-bit code)."""
+"""The 6-bit code (``formats/q6.py``) and the compact files that hold it (``lkv-planes2``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from localkv.storage import planes, q6
-from localkv.storage.blockfile import FORMAT_VERSION, encode, expand
+from localkv.storage.formats import planes, q6
+from localkv.storage.formats.blockcodec import FORMAT_VERSION, encode, expand
 from localkv.storage.store import BlockCorrupt, SnapshotStore
 from safetensors.numpy import load as st_load
 from test_store_compact import _forged, _meta, _noisy_chain, _rewrite
@@ -120,6 +120,8 @@ def test_compact_file_is_safetensors_with_a_6_bit_code() -> None:
         f"{t}.{i}" for t in "kv" for i in (0, 1) if block.tensors[f"{t}.{i}"].dtype == np.float16
     ]
     assert split
+    whole = {name for name in block.tensors if name not in split}
+    assert set(loaded) == {p for n in split for p in planes.parts(n)} | whole | {"tokens", "pos"}
     for name in split:
         arr = block.tensors[name]
         lo, index, table = (loaded[name + s] for s in (planes.LO, planes.Q6_INDEX, planes.Q6_TABLE))
@@ -129,7 +131,6 @@ def test_compact_file_is_safetensors_with_a_6_bit_code() -> None:
         np.testing.assert_array_equal(
             _decode((lo.reshape(-1), index, table), arr.size, []), arr.reshape(-1).view("<u2")
         )
-    assert planes.HI not in loaded
     meta = _meta(data)
     assert meta["format"] == planes.Q6_FORMAT
     assert len(data) < len(encode(block))
@@ -150,14 +151,12 @@ def test_expanded_file_is_the_plain_file() -> None:
 def test_q6_store_round_trip_split_targets_and_mixed_chain(tmp_path: Path) -> None:
     blocks = _noisy_chain()
     with SnapshotStore.open(tmp_path / "c") as store:
-        put_chain(store, blocks[:1])
-    with SnapshotStore.open(tmp_path / "c", compact=True, codec="zstd") as store:
-        put_chain(store, blocks[1:2])
+        put_chain(store, blocks[:2])
     with SnapshotStore.open(tmp_path / "c", compact=True) as store:
         put_chain(store, blocks[2:])
         rows = store.match_chain([b.hash for b in blocks])
         formats = [_meta((store.root / r.file).read_bytes())["format"] for r in rows]
-        assert formats == [FORMAT_VERSION, planes.PLANES_FORMAT, planes.Q6_FORMAT, planes.Q6_FORMAT]
+        assert formats == [FORMAT_VERSION, FORMAT_VERSION, planes.Q6_FORMAT, planes.Q6_FORMAT]
         assert all(r.raw_bytes == len(encode(b)) for r, b in zip(rows, blocks, strict=True))
         for got, block in zip(store.read_blocks(rows), blocks, strict=True):
             for name, arr in block.tensors.items():
@@ -194,7 +193,7 @@ def _drop_an_escape(t: dict[str, np.ndarray]) -> None:
         (lambda t: t.pop("k.1@q6"), "lacks its U8 part"),
         (lambda t: t.update({"k.1@tab": t["k.1@tab"].astype(np.int16)}), "lacks its U8 part"),
         (lambda t: t.pop("k.1@lo"), "lacks its U8 low plane"),
-        (lambda t: t.update({"@hi.zst": np.zeros(8, np.uint8)}), "has no tensor"),
+        (lambda t: t.update({"stray": np.zeros(8, np.uint8)}), "one row per token"),
     ],
     ids=[
         "an escape short",
@@ -204,7 +203,7 @@ def _drop_an_escape(t: dict[str, np.ndarray]) -> None:
         "no index",
         "table not U8",
         "no low plane",
-        "a zstd frame",
+        "a stray tensor",
     ],
 )
 def test_forged_q6_files_with_a_matching_checksum_are_refused(

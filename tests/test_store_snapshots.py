@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from localkv.storage.budget import parse_size
+from localkv.storage.removal.budget import parse_size
 from localkv.storage.store import Block, SnapshotStore
 from test_store_support import IDENTITY, block_files, make_chain, put_chain
 

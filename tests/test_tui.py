@@ -34,6 +34,7 @@ from textual.widgets import ProgressBar
 from tinymodels import TinyModels
 
 from localkv.chat.controller import ChatController
+from localkv.chat.formats import turn_line
 from localkv.chat.history import ConversationStore
 from localkv.model.sampling import SamplingParams
 from localkv.runtime import Runtime
@@ -141,7 +142,7 @@ def test_send_streams_an_answer_and_reports_the_turn(
         assert reply.text == report.text
         assert "Hello there" in app.screen.query(".user").first().content.plain
         line = status(app)
-        assert line == report.status_line()
+        assert line == turn_line(report)
         assert "TTFT" in line and "tok/s" in line and "cache miss" in line
         panel = app.screen.query_one(ContextPanel)
         assert panel.context_info.used == finished.answered.context.used > 0

@@ -21,9 +21,9 @@ from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
 from localkv import ContextFullError, DocumentError, SamplingParams
-from localkv.chat.commands import HELP, Command, parse_command
+from localkv.chat.commands import HELP, Command, message_text, parse_command
 from localkv.chat.controller import Answered, Attached, ChatController, Opened
-from localkv.chat.formats import sync_line
+from localkv.chat.formats import sync_line, turn_line
 
 from .assistant_message import AssistantMessage
 from .cache_screen import CacheScreen
@@ -151,8 +151,7 @@ class ChatScreen(Screen[None]):
     def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         command = parse_command(message.text)
         if command is None:
-            text = message.text[1:] if message.text.startswith("//") else message.text
-            self._ask(text)
+            self._ask(message_text(message.text))
         else:
             self._run_command(command)
 
@@ -224,7 +223,7 @@ class ChatScreen(Screen[None]):
         report = message.answered.report
         if message.reply.is_attached:
             await message.reply.finish(report.text)
-        self.status.show(report.status_line())
+        self.status.show(turn_line(report))
         self.query_one(ContextPanel).show_context(message.answered.context)
         self._note_history_error()
 

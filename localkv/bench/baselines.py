@@ -7,8 +7,8 @@
 - the physical floor: the raw state bytes read back from the page cache and
   handed to ``llama_state_seq_set_data``, with no checks and no decode.
 
-Each is timed with ``benchstats``; the llama.cpp-file first token also from
-storage (``ColdStat``).
+Each is timed with ``stats``; the llama.cpp-file first token also from
+storage (``disk.cold_call``, ``ColdStat``).
 """
 
 from __future__ import annotations

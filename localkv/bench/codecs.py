@@ -4,14 +4,15 @@ The store writes each block's K and V rows uncompressed and reads them straight
 into the state buffer. ``localkv bench`` measures the alternatives that were
 rejected for it in the same run, on the KV state of the bench prompt, so the
 trade between bytes on disk and restore time is shown by measurement. The
-encodings (``raw``, ``zstd-1``, ``hi-plane zstd-1``, ``hi-plane q6``) are in ``benchencodings``;
-this module writes a state's block files with each, decodes them and times it.
+encodings (``raw``, ``zstd-1``, ``hi-plane zstd-1``, ``hi-plane q6``) are in
+``encodings``; this module writes a state's block files with each, decodes
+them and times it.
 
 Every encoding writes one file per block of ``block_size`` tokens and records
 the xxh3-128 digest of the file's bytes; every decode hashes the bytes it read
 and raises ``BlockMismatch`` when the digest differs, as the store checks its
-blocks. Frame and plane sizes are kept in memory, not in the files: a file
-header would add a few hundred bytes per block.
+blocks. Frame and plane sizes are kept in memory, not in the files, so the
+ratio counts the encoded rows alone, not a per-block header.
 
 The destination is one preallocated buffer holding, for each tensor, all N
 tokens' rows contiguous (``codec.assemble``'s layout without the header, V
@@ -21,7 +22,7 @@ buffers are allocated and touched beforehand, so no decode time counts page
 faults. Each encoding is decoded twice over: ``decode`` with the files in the
 page cache (just written), counting reading, hashing, decompressing and
 copying, not disk reads; ``decode_cold`` with the encoding's files flushed and
-dropped from the page cache before each run (``benchdisk.evict``), so it also
+dropped from the page cache before each run (``disk.evict``), so it also
 counts reading them from storage, with the bytes each run read from storage
 (``/proc/self/io``) to show the eviction worked. The first decode of each
 encoding fills a buffer holding the complement of the expected bytes and is
@@ -45,13 +46,14 @@ from localkv.bench.encodings import (
     ENCODINGS,
     BlockMismatch,
     Encoding,
+    Layout,
     Raw,
     StoredBlock,
     Workers,
     Zstd,
     _Local,
+    block_slices,
 )
-from localkv.bench.layout import Layout, block_slices
 from localkv.bench.stats import ColdStat, Stat, timed
 from localkv.kv import codec
 

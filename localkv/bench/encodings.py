@@ -1,6 +1,10 @@
 """Block encodings of a KV state, the raw one the store uses and those it rejected.
 
-A block file holds one block's tensor slices (``benchlayout``), written as:
+The state's K and V rows live in one flat buffer (``Layout``): every layer's K,
+then every layer's V; each tensor's rows for all N tokens contiguous
+(``codec.assemble``'s layout without the header, V token-major). A block is a
+range of tokens: in each tensor, a contiguous run of rows (``block_slices``).
+A block file holds one block's tensor slices, written as:
 
 - ``raw``: a block file is the block's K and V row slices, concatenated
   (tensor order: every layer's K, then every layer's V, as in
@@ -9,9 +13,8 @@ A block file holds one block's tensor slices (``benchlayout``), written as:
 - ``zstd-1``: each tensor's slice compressed as its own zstd frame (level 1),
   frames concatenated. Decode: read the file into a per-thread buffer, then
   decompress each frame straight into its place (``stream_reader.readinto``).
-  One frame per tensor decodes faster than one frame per block decompressed
-  and copied into place: on the default model's 2,048-token state (f16 K/V,
-  one thread) 42 ms against 43-47 ms, at the same ratio (0.920).
+  One frame per tensor rather than one per block, so that nothing is
+  decompressed into a scratch buffer and copied into place afterwards.
 - ``hi-plane zstd-1``: each 2-byte float tensor (F16, BF16) split into its low
   byte plane, stored as is, and its high byte plane (sign, exponent and the top
   mantissa bits), compressed with zstd level 1. Decode: read, decompress the
@@ -32,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +45,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from localkv.bench.layout import Layout
-from localkv.storage import q6
+from localkv.kv import codec
+from localkv.storage.formats import q6
 
 __all__ = [
     "ENCODINGS",
@@ -51,11 +54,13 @@ __all__ = [
     "Encoding",
     "HiPlaneQ6",
     "HiPlaneZstd",
+    "Layout",
     "Piece",
     "Raw",
     "StoredBlock",
     "Workers",
     "Zstd",
+    "block_slices",
 ]
 
 ZSTD_LEVEL = 1
@@ -69,6 +74,55 @@ Piece = bytes | memoryview  # arrays go in as ``ndarray.data``
 
 class BlockMismatch(ValueError):
     """A block file's bytes do not hash to the digest recorded when it was written."""
+
+
+# ------------------------------------------------------------------- layout
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The tensors of a state (every layer's K, then every layer's V) and their sizes."""
+
+    n_tokens: int
+    types: tuple[int, ...]
+    row_bytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, state: codec.KVState) -> Layout:
+        layers = state.layers
+        types = tuple(x.k_type for x in layers) + tuple(x.v_type for x in layers)
+        rows = tuple(x.k_row_bytes for x in layers) + tuple(x.v_row_bytes for x in layers)
+        return cls(state.n_tokens, types, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_tokens * sum(self.row_bytes)
+
+    def views(self, buf: np.ndarray) -> list[np.ndarray]:
+        """Per tensor, its ``[n_tokens, row_bytes]`` rows in the flat uint8 ``buf``."""
+        out, off = [], 0
+        for row_bytes in self.row_bytes:
+            size = self.n_tokens * row_bytes
+            out.append(buf[off : off + size].reshape(self.n_tokens, row_bytes))
+            off += size
+        return out
+
+    def assemble(self, state: codec.KVState) -> np.ndarray:
+        """The state's K and V rows in this layout: what every decode must produce."""
+        buf = np.empty(self.nbytes, dtype=np.uint8)
+        sources = [x.k for x in state.layers] + [x.v for x in state.layers]
+        for dst, src in zip(self.views(buf), sources, strict=True):
+            dst[...] = src
+        return buf
+
+    def blocks(self, block_size: int) -> list[tuple[int, int]]:
+        return [
+            (start, min(start + block_size, self.n_tokens))
+            for start in range(0, self.n_tokens, block_size)
+        ]
+
+
+def block_slices(views: Sequence[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
+    """Each tensor's rows ``start..stop-1`` as flat, contiguous uint8 views."""
+    return [v[start:stop].reshape(-1) for v in views]
 
 
 # ------------------------------------------------------------------ workers

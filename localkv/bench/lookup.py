@@ -20,9 +20,7 @@ from localkv.bench.stats import Stat, timed
 from localkv.cache.identity import Identity
 from localkv.cache.prefix import PrefixCache
 from localkv.model.schedule import request_ends
-from localkv.storage.chain import chain_next
-from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block, Probe
+from localkv.storage import Block, Probe, SnapshotStore, chain_next
 
 __all__ = ["LookupResult", "bench_lookup"]
 

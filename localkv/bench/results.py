@@ -1,7 +1,7 @@
 """What ``localkv bench`` is asked to do (``BenchConfig``) and what it found, as values.
 
 ``SizeResult`` holds every figure for one prompt length, ``BenchResult`` the
-whole run; ``benchreport`` writes them out.
+whole run; ``report`` writes them out and ``table`` prints them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class BenchConfig:
 
     @property
     def workers(self) -> int:
-        """Threads that decode the block encodings of ``benchcodecs``."""
+        """Threads that decode the block encodings of ``codecs``."""
         return self.decode_workers or os.cpu_count() or 1
 
     @property

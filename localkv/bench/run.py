@@ -7,25 +7,33 @@ public-domain text cut to exactly N tokens), on one model:
 - **warm**: the N tokens saved as blocks, then an emptied sequence, a verified
   restore (lookup, read, load, probe decode) and the first token; once with the
   block files in the page cache, once with them dropped from it before each
-  run (``benchdisk``: ``posix_fadvise``, checked by ``/proc/self/io``);
-- the baselines of ``benchbaselines``: llama.cpp's state files, llama-cpp-python's
+  run (``disk``: ``posix_fadvise``, checked by ``/proc/self/io``);
+- the baselines of ``baselines``: llama.cpp's state files, llama-cpp-python's
   ``LlamaDiskCache``, and the physical floor (raw state bytes from the page cache
   into ``llama_state_seq_set_data``);
 - bytes on disk against raw KV bytes, save time, ``Runtime.ask``'s first token
   with the cache on and off (the save runs after the answer), and peak memory
   during a restore;
-- the block encodings of ``benchcodecs`` on the N tokens' KV state: raw block
+- the block encodings of ``codecs`` on the N tokens' KV state: raw block
   files against the compressed ones rejected for the store (bytes on disk
   against decode time);
 
-and once: the longest-prefix lookup with many blocks indexed. Everything runs
-under a fresh temporary directory; ``LOCALKV_HOME`` is never touched.
+and once: the longest-prefix lookup with many blocks indexed (``lookup``).
+``bench_size`` (``size``) takes the per-length measurements. The run also
+records what it ran on: the machine (``describe_machine``: CPU, cores, memory,
+GPU, versions) and the model (``describe_model``), and the load average before
+and after, since other work on the machine scatters the timings. Everything
+runs under a fresh temporary directory; ``LOCALKV_HOME`` is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import platform
+import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,13 +41,15 @@ from pathlib import Path
 from localkv.bench.baselines import DiskCacheBench
 from localkv.bench.disk import EVICTION_AVAILABLE, IN_MEMORY_FILE_SYSTEMS, file_system
 from localkv.bench.lookup import bench_lookup
-from localkv.bench.machine import describe_machine, load_average
 from localkv.bench.results import RESTORE, STEPS, BenchConfig, BenchResult, SizeResult
-from localkv.bench.size import ProgressFn, bench_size, prompt_tokens
+from localkv.bench.size import ProgressFn, bench_size
 from localkv.bench.stats import ColdStat
+from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity, identity_of
+from localkv.model.native import llama_cpp, llama_cpp_version
 from localkv.model.session import ModelSession
 from localkv.storage.filehash import FileHasher
+from localkv.storage.formats import q6
 
 # RESTORE, STEPS and prompt_tokens are imported from here too (the tests)
 __all__ = [
@@ -48,6 +58,8 @@ __all__ = [
     "BenchConfig",
     "BenchResult",
     "cold_stats",
+    "compact_decoder",
+    "describe_machine",
     "describe_model",
     "prompt_tokens",
     "run_bench",
@@ -165,3 +177,69 @@ def describe_model(session: ModelSession, identity: Identity) -> dict[str, objec
         "n_threads": session.n_threads,
         "block_size": cfg.block_size,
     }
+
+
+# ------------------------------------------------------------------ machine
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    """The 1-minute load average, or ``unknown``."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "unknown"
+
+
+def total_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def gpu_description() -> str:
+    """GPU names (from ``nvidia-smi`` where present) and whether llama.cpp can offload."""
+    build = "GPU offload" if llama_cpp.llama_supports_gpu_offload() else "CPU only"
+    names: list[str] = []
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [smi, "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+            names = [line.strip() for line in out.splitlines() if line.strip()]
+    return f"{', '.join(names) or 'none'} (llama.cpp build: {build})"
+
+
+def describe_machine() -> dict[str, object]:
+    """Cores, memory, CPU model, GPU (or none) and library versions."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count() or 0,
+        "memory_bytes": total_memory(),
+        "gpu": gpu_description(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp_version(),
+        "gpu_offload_build": bool(llama_cpp.llama_supports_gpu_offload()),
+        "compact_decoder": compact_decoder(),
+    }
+
+
+def compact_decoder() -> str:
+    """What decodes compact block files here: AVX2, plain C, or numpy (not built)."""
+    if q6.simd():
+        return "compiled, AVX2"
+    return "compiled, no AVX2" if q6.compiled() else "numpy (extension not built)"

@@ -1,16 +1,20 @@
 """Every measurement ``localkv bench`` takes for one prompt length N, on one session.
 
-``bench_size`` runs them in order: the cold prefill, the save as blocks, warm
-restores from the page cache and from storage, peak memory of a restore, the
-baselines of ``benchbaselines``, ``Runtime.ask`` with the cache on and off, and
-the block encodings of ``benchcodecs``.
+``bench_size`` runs them in order, one named step each: the cold prefill, the
+save as blocks, the verified restores (``_restores``: from the page cache, from
+storage, from compact blocks, and the peak memory of one), the baselines of
+``baselines`` (``_baselines``), ``Runtime.ask`` with the cache on and off
+(``_ask``), and the block encodings of ``codecs`` (``_encodings``); then
+``_size_result`` gathers them into one ``SizeResult``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,29 +23,19 @@ from localkv.bench import codecs as benchcodecs
 from localkv.bench.disk import cold_call
 from localkv.bench.results import RESTORE, STEPS, AskResult, BenchConfig, SizeResult
 from localkv.bench.stats import ColdStat, PeakMemory, Stat, peak_memory, timed
-from localkv.bench.text import bench_text
+from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity
 from localkv.cache.prefix import PrefixCache
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
-from localkv.storage.store import Block, SnapshotStore
+from localkv.storage import Block, SnapshotStore
 
-__all__ = ["QUESTION", "ProgressFn", "bench_size", "prompt_tokens"]
+__all__ = ["QUESTION", "ProgressFn", "bench_size"]
 
 ProgressFn = Callable[[str], None]
 QUESTION = "What did Alice see run close by her?"
-
-
-def prompt_tokens(session: ModelSession, n: int) -> list[int]:
-    """The bench text tokenized and cut to exactly ``n`` tokens."""
-    chapters = 1
-    while True:
-        tokens = session.tokenize(bench_text(chapters))
-        if len(tokens) >= n:
-            return tokens[:n]
-        chapters = max(chapters + 1, chapters * (n // max(1, len(tokens)) + 1))
 
 
 def _first_token(session: ModelSession) -> int:
@@ -49,6 +43,58 @@ def _first_token(session: ModelSession) -> int:
     if logits is None:
         raise RuntimeError("no logits after the last token")
     return int(np.argmax(logits))
+
+
+class _Saved(NamedTuple):
+    """The N tokens saved as blocks: the two save steps and the chain on disk."""
+
+    prepare_s: float
+    write_s: float
+    blocks: int
+    stored_bytes: int
+
+
+class _Warm(NamedTuple):
+    """Warm restores of one saved chain from the page cache."""
+
+    ttft: Stat
+    steps: dict[str, Stat]  # STEPS and RESTORE (lookup + read + load)
+    over_load_file: Stat  # each run's restore over the load_file timed just before it
+    verified: bool
+    firsts: list[int]
+
+
+class _Evicted(NamedTuple):
+    """Warm restores with the chain's block files evicted from the page cache first."""
+
+    cold: ColdStat
+    verified: bool
+    firsts: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Restores:
+    """Every verified restore of one length: plain blocks, evicted, compact; peak memory."""
+
+    warm: _Warm
+    evicted: _Evicted
+    compact: _Warm
+    compact_bytes: int
+    memory: PeakMemory
+
+    @property
+    def verified(self) -> bool:
+        return self.warm.verified and self.evicted.verified and self.compact.verified
+
+    @property
+    def firsts(self) -> set[int]:
+        return {*self.warm.firsts, *self.evicted.firsts, *self.compact.firsts}
+
+
+class _Baselines(NamedTuple):
+    llama_file: base.LlamaFileResult
+    floor: base.FloorResult
+    disk_cache: base.DiskCacheResult
 
 
 class _SizeBench:
@@ -88,7 +134,8 @@ class _SizeBench:
             times.append(time.perf_counter() - t0)
         return Stat.of(times), first
 
-    def save(self, seconds_per_token: float) -> tuple[float, float, int, int]:
+    def save(self, seconds_per_token: float) -> _Saved:
+        self.say(f"  saving {self.n:,} tokens as blocks")
         t0 = time.perf_counter()
         blocks = self.cache.prepare(self.session, [self.n], seconds_per_token)
         t1 = time.perf_counter()
@@ -98,7 +145,7 @@ class _SizeBench:
             raise RuntimeError("nothing was saved")
         self.tip, self.blocks = saved.tip, blocks
         chain = self.store.chain_of(saved.tip)
-        return t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain)
+        return _Saved(t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain))
 
     def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
         t0 = time.perf_counter()
@@ -122,12 +169,10 @@ class _SizeBench:
         """The files of the stored chain ending at ``tip``."""
         return [self.store.root / row.file for row in self.store.chain_of(tip)]
 
-    def warm(
-        self, files: base.LlamaFiles, what: str = ""
-    ) -> tuple[Stat, dict[str, Stat], bool, list[int], Stat]:
+    def warm(self, files: base.LlamaFiles, what: str = "") -> _Warm:
         """Warm restores from the page cache, each paired with a ``load_file`` just before it.
 
-        The last value is each run's restore (without the probe) over the
+        ``over_load_file`` is each run's restore (without the probe) over the
         ``load_file`` timed right before it: both see the same machine state.
         """
         self.say(f"  warm restore of {self.n:,} tokens{what} x {self.cfg.repeats}")
@@ -141,11 +186,9 @@ class _SizeBench:
         steps[RESTORE] = Stat.of(restores)
         paired = Stat.of([r / lf for r, lf in zip(restores, loads, strict=True)])
         verified = all(r[2] for r in runs)
-        return Stat.of([r[0] for r in runs]), steps, verified, [r[3] for r in runs], paired
+        return _Warm(Stat.of([r[0] for r in runs]), steps, paired, verified, [r[3] for r in runs])
 
-    def compact(
-        self, files: base.LlamaFiles
-    ) -> tuple[Stat, dict[str, Stat], bool, list[int], Stat, int]:
+    def compact(self, files: base.LlamaFiles) -> tuple[_Warm, int]:
         """``warm`` from a second store holding the same blocks in the compact format.
 
         Returns ``warm``'s figures and the compact chain's bytes on disk.
@@ -160,12 +203,12 @@ class _SizeBench:
             if saved.tip is None:
                 raise RuntimeError("nothing was saved")
             stored = sum(r.stored_bytes for r in store.chain_of(saved.tip))
-            return (*self.warm(files, ", compact blocks"), stored)
+            return self.warm(files, ", compact blocks"), stored
         finally:
             self.cache = plain
             store.close()
 
-    def warm_evicted(self) -> tuple[ColdStat, bool, list[int]]:
+    def warm_evicted(self) -> _Evicted:
         """The warm restore with every block file of the chain evicted before each run."""
         if self.tip is None:
             raise RuntimeError("save first")
@@ -179,15 +222,33 @@ class _SizeBench:
         cold = ColdStat.of(
             [(r[0], read, ev) for r, read, ev in runs], sum(p.stat().st_size for p in files)
         )
-        return cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs]
+        return _Evicted(cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs])
 
     def restore_memory(self) -> PeakMemory:
         self.session.reset()
         peak = peak_memory(lambda: self.cache.restore(self.session, self.tokens, self.ends))
-        for fn in self.deferred:
-            fn()
-        self.deferred.clear()
+        self._run_deferred()
         return peak
+
+
+def _restores(sb: _SizeBench, files: base.LlamaFiles) -> _Restores:
+    """The verified restores, in order: page cache, evicted first, compact blocks, memory."""
+    warm = sb.warm(files)
+    evicted = sb.warm_evicted()
+    compact, compact_bytes = sb.compact(files)
+    return _Restores(warm, evicted, compact, compact_bytes, sb.restore_memory())
+
+
+def _baselines(
+    sb: _SizeBench, files: base.LlamaFiles, llm: base.DiskCacheBench, raw_path: Path
+) -> _Baselines:
+    """llama.cpp's state files, the physical floor and ``LlamaDiskCache`` on the same tokens."""
+    cfg, n = sb.cfg, sb.n
+    sb.say(f"  llama.cpp state files, physical floor, LlamaDiskCache ({n:,} tokens)")
+    llama_file = files.measure(cfg.repeats)
+    floor = base.floor(sb.session, raw_path, cfg.repeats)
+    disk_cache = llm.measure(sb.tokens, sb.work / f"diskcache-{n}", cfg.repeats)
+    return _Baselines(llama_file, floor, disk_cache)
 
 
 def _ask(cfg: BenchConfig, work: Path, n: int, say: ProgressFn) -> AskResult:
@@ -224,6 +285,20 @@ def _document(rt: Runtime, n: int) -> Document:
     return Document.from_text(rt.session.detokenize(body), "bench.txt")
 
 
+def _encodings(
+    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: ProgressFn
+) -> list[benchcodecs.EncodingResult]:
+    """The block encodings of the state ``raw`` (``llama_state_seq_get_data`` of N tokens)."""
+    say(f"  block encodings of {n:,} tokens on {cfg.workers} thread(s)")
+    return benchcodecs.compare(
+        raw,
+        work / f"encodings-{n}",
+        block_size=cfg.block_size,
+        workers=cfg.workers,
+        repeats=cfg.repeats,
+    )
+
+
 def bench_size(
     cfg: BenchConfig,
     session: ModelSession,
@@ -233,64 +308,78 @@ def bench_size(
     n: int,
     say: ProgressFn,
 ) -> SizeResult:
-    """Every per-length measurement for ``n`` tokens."""
+    """Every per-length measurement for ``n`` tokens, in the order the module names them."""
     sb = _SizeBench(cfg, session, identity, work, n, say)
     try:
         cold, cold_first = sb.cold()
         get_data = base.get_data(session, cfg.repeats)
+        # captured after the cold prefill, while the session holds exactly the N tokens:
+        # the floor reads it back from a file, the encodings encode it
         raw = session.capture_state()
         raw_path = work / f"raw-{n}.bin"
         raw_path.write_bytes(raw)
-        say(f"  saving {n:,} tokens as blocks")
-        prepare_s, write_s, blocks, stored = sb.save(cold.median / n)
+        saved = sb.save(cold.median / n)
         files = base.LlamaFiles(session, sb.tokens, work, n)
         files.save_both(cfg.repeats)
-        warm, steps, verified, warm_firsts, paired = sb.warm(files)
-        warm_evicted, cold_verified, cold_firsts = sb.warm_evicted()
-        compact = sb.compact(files)
-        compact_warm, compact_steps, compact_verified, compact_firsts, compact_paired = compact[:5]
-        compact_bytes = compact[5]
-        memory = sb.restore_memory()
-        say(f"  llama.cpp state files, physical floor, LlamaDiskCache ({n:,} tokens)")
-        llama_file = files.measure(cfg.repeats)
-        floor = base.floor(session, raw_path, cfg.repeats)
-        disk_cache = llm.measure(sb.tokens, work / f"diskcache-{n}", cfg.repeats)
+        restores = _restores(sb, files)
+        baselines = _baselines(sb, files, llm, raw_path)
         ask = _ask(cfg, work, n, say)
-        say(f"  block encodings of {n:,} tokens on {cfg.workers} thread(s)")
-        # raw: captured after the cold prefill, while the session held exactly the N tokens
-        encodings = benchcodecs.compare(
-            raw,
-            work / f"encodings-{n}",
-            block_size=cfg.block_size,
-            workers=cfg.workers,
-            repeats=cfg.repeats,
-        )
+        encodings = _encodings(cfg, raw, work, n, say)
     finally:
         sb.close()
-    firsts = {*warm_firsts, *cold_firsts, *compact_firsts, *llama_file.first_tokens}
+    firsts = restores.firsts | set(baselines.llama_file.first_tokens)
+    return _size_result(
+        n,
+        cold,
+        get_data,
+        len(raw),
+        saved,
+        restores,
+        baselines,
+        ask,
+        encodings,
+        first_token_agrees=firsts == {cold_first},
+    )
+
+
+def _size_result(
+    n: int,
+    cold: Stat,
+    get_data: Stat,
+    raw_bytes: int,
+    saved: _Saved,
+    restores: _Restores,
+    baselines: _Baselines,
+    ask: AskResult,
+    encodings: list[benchcodecs.EncodingResult],
+    *,
+    first_token_agrees: bool,
+) -> SizeResult:
+    """The steps' figures as one ``SizeResult``."""
+    warm, compact = restores.warm, restores.compact
     return SizeResult(
         tokens=n,
         cold_ttft=cold,
-        warm_ttft=warm,
-        warm_steps=steps,
-        warm_over_load_file=paired,
-        warm_evicted=warm_evicted,
-        warm_verified=verified and cold_verified and compact_verified,
-        first_token_agrees=firsts == {cold_first},
-        save_prepare_s=prepare_s,
-        save_write_s=write_s,
-        blocks=blocks,
-        stored_bytes=stored,
-        raw_bytes=len(raw),
-        compact_ttft=compact_warm,
-        compact_steps=compact_steps,
-        compact_over_load_file=compact_paired,
-        compact_bytes=compact_bytes,
+        warm_ttft=warm.ttft,
+        warm_steps=warm.steps,
+        warm_over_load_file=warm.over_load_file,
+        warm_evicted=restores.evicted.cold,
+        warm_verified=restores.verified,
+        first_token_agrees=first_token_agrees,
+        save_prepare_s=saved.prepare_s,
+        save_write_s=saved.write_s,
+        blocks=saved.blocks,
+        stored_bytes=saved.stored_bytes,
+        raw_bytes=raw_bytes,
+        compact_ttft=compact.ttft,
+        compact_steps=compact.steps,
+        compact_over_load_file=compact.over_load_file,
+        compact_bytes=restores.compact_bytes,
         get_data_s=get_data,
-        floor=floor,
-        llama_file=llama_file,
-        disk_cache=disk_cache,
+        floor=baselines.floor,
+        llama_file=baselines.llama_file,
+        disk_cache=baselines.disk_cache,
         ask=ask,
-        restore_memory=memory,
+        restore_memory=restores.memory,
         encodings=encodings,
     )

@@ -2,7 +2,7 @@
 
 - ``Stat``: median, min and max of repeated measurements;
 - ``ColdStat``: runs timed with their files dropped from the page cache first
-  (``benchdisk``), with the bytes each read from storage;
+  (``disk.cold_call``), with the bytes each read from storage;
 - ``timed``: wall seconds of one call;
 - ``peak_memory``: the resident set size high-water mark during one call.
 """
@@ -41,7 +41,7 @@ class Stat:
 
 @dataclass(frozen=True, slots=True)
 class ColdStat:
-    """Runs timed with their files evicted from the page cache before each (``benchdisk``).
+    """Runs timed with their files evicted from the page cache before each (``disk``).
 
     The times count as reads from storage only when ``dropped``: the eviction was
     given for every file before every run and every run read at least half the

@@ -1,14 +1,18 @@
-"""Prompt text for ``localkv bench``: public-domain prose, repeated under chapter numbers.
+"""The ``localkv bench`` prompt: public-domain prose, repeated under chapter numbers.
 
 The passage is the opening of Lewis Carroll's *Alice's Adventures in Wonderland*
 (1865, public domain). ``bench_text`` repeats it with a chapter heading each
 time, so every prompt length up to tens of thousands of tokens comes from
-ordinary English text, and the same length always gives the same tokens.
+ordinary English text; ``prompt_tokens`` cuts its tokens to exactly N, so the
+same length always gives the same tokens and every length is a prefix of the
+longer ones.
 """
 
 from __future__ import annotations
 
-__all__ = ["PASSAGE", "bench_text"]
+from localkv.model.session import ModelSession
+
+__all__ = ["PASSAGE", "bench_text", "prompt_tokens"]
 
 PASSAGE = """\
 Alice was beginning to get very tired of sitting by her sister on the bank, and \
@@ -97,3 +101,13 @@ def bench_text(chapters: int) -> str:
     if chapters < 1:
         raise ValueError(f"chapters must be positive, got {chapters}")
     return "".join(f"CHAPTER {i}.\n\n{PASSAGE}\n" for i in range(1, chapters + 1))
+
+
+def prompt_tokens(session: ModelSession, n: int) -> list[int]:
+    """The bench text tokenized and cut to exactly ``n`` tokens."""
+    chapters = 1
+    while True:
+        tokens = session.tokenize(bench_text(chapters))
+        if len(tokens) >= n:
+            return tokens[:n]
+        chapters = max(chapters + 1, chapters * (n // max(1, len(tokens)) + 1))

@@ -1,14 +1,20 @@
-"""Snapshots as the runtime shows them: the listing, and which one a restore used.
-
-Read-only views over the store's catalogue for one namespace.
-"""
+"""Snapshots as the runtime keeps them: saving one for a prefill, the listing, and
+which one a restore used."""
 
 from __future__ import annotations
 
-from localkv.cache.prefix import RestoreResult
+import hashlib
+import logging
+import sqlite3
+from collections.abc import Sequence
+
+from localkv.cache.prefix import PrefixCache, RestoreResult
+from localkv.prompt.request import Document
 from localkv.storage.store import SnapshotStore
 
-__all__ = ["covering_snapshot", "snapshot_listing"]
+__all__ = ["covering_snapshot", "save_snapshot", "snapshot_listing"]
+
+log = logging.getLogger(__name__)
 
 
 def snapshot_listing(store: SnapshotStore, namespace: str) -> list[dict[str, object]]:
@@ -49,3 +55,42 @@ def covering_snapshot(
         if parent_ok and list(tip.tokens) == tokens[tip.start : tip.end]:
             best = (snap.n_tokens, snap.id)
     return best[1] if best else None
+
+
+def save_snapshot(
+    cache: PrefixCache,
+    tip: str,
+    documents: Sequence[Document],
+    n_tokens: int,
+    *,
+    label: str | None,
+    pin: bool,
+) -> str | None:
+    """Name the chain ending at ``tip`` after its documents; None if it cannot be saved."""
+    try:
+        return cache.store.put_snapshot(
+            tip=tip,
+            label=label or ", ".join(d.name for d in documents) or "(system prompt)",
+            source_path=_source_path(documents),
+            source_sha256=_source_sha(documents),
+            n_tokens=n_tokens,
+            identity=cache.identity.digest,
+            namespace=cache.namespace,
+            pinned=pin,
+        )
+    except (OSError, sqlite3.Error, ValueError) as exc:  # disk full; tip evicted
+        log.warning("could not save the snapshot (%s); continuing without it", exc)
+        return None
+
+
+def _source_path(documents: Sequence[Document]) -> str | None:
+    paths = [str(d.path.resolve()) for d in documents if d.path is not None]
+    return paths[0] if len(paths) == 1 else ("; ".join(paths) or None)
+
+
+def _source_sha(documents: Sequence[Document]) -> str | None:
+    if not documents:
+        return None
+    if len(documents) == 1:
+        return documents[0].sha256
+    return hashlib.sha256("".join(d.sha256 for d in documents).encode()).hexdigest()

@@ -23,6 +23,7 @@ import numpy as np
 
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.resolve import ModelNotFoundError, resolve_model
+from localkv.model.vocab import tokenize
 from localkv.storage.store import SnapshotStore
 
 __all__ = ["cached_model_paths", "document_runs", "tokenizer_models"]
@@ -107,14 +108,9 @@ def _tokenize_with_vocab(path: Path, text: str) -> np.ndarray | None:
         return None
     try:
         vocab = llama_cpp.llama_model_get_vocab(model)
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        for _ in range(2):
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, cap, False, False)
-            if n >= 0:
-                return np.array(buf[:n], dtype=np.int32)
-            cap = -n
+        ids = tokenize(vocab, text, add_special=False, parse_special=False)
+        return np.array(ids, dtype=np.int32)
+    except ValueError:
         log.warning("%s could not tokenize the document", path)
         return None
     finally:

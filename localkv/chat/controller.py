@@ -193,10 +193,24 @@ class ChatController:
             self._save()
             return Answered(report, self.context())
 
-    def attach(self, path: str, progress: ProgressFn, cancel: CancelFn) -> Attached:
+    def attach(
+        self, path: str, progress: ProgressFn | None = None, cancel: CancelFn | None = None
+    ) -> Attached:
         """Read and prefill a document (restored when cached); raises ``DocumentError``."""
-        document = read_document(path)
-        document = dataclasses.replace(document, name=Path(path).name or document.name)
+        return self.attach_document(read_document(path), progress, cancel)
+
+    def attach_document(
+        self,
+        document: Document,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> Attached:
+        """Prefill a document read already (restored when cached), named by its file name.
+
+        Raises ``ContextFullError`` when it does not fit; a cancelled prefill leaves
+        the conversation as it was.
+        """
+        document = dataclasses.replace(document, name=Path(document.name).name or document.name)
         with self._lock:
             self.runtime.wait_for_saves()  # a prefix saved a moment ago can be restored
             state = self.chat.state
@@ -234,12 +248,16 @@ class ChatController:
             return Opened(title_of(self.chat.state), self.transcript(), None, self.context())
 
     def open(
-        self, conversation_id: str | None, progress: ProgressFn, cancel: CancelFn
+        self,
+        conversation_id: str | None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
     ) -> Opened | None:
         """Reopen a saved conversation (None: the latest) and restore its prefix.
 
         Returns None when there is no saved conversation; raises ``ContextFullError``
-        when it does not fit this context, ``NoHistory`` without a history store.
+        when it does not fit this context (the current conversation stays), and
+        ``NoHistory`` without a history store.
         """
         if self.history is None:
             raise NoHistory(self.history_error or "conversations are not saved")
@@ -253,10 +271,9 @@ class ChatController:
                 return None
             state = self.history.load(info.id)
             self.runtime.wait_for_saves()
-            self.chat = ChatSession(self.runtime, state)
-            self.conversation_id = info.id
-            self._documents = []
-            sync = self.chat.sync(progress, cancel)
+            chat = ChatSession(self.runtime, state)
+            sync = chat.sync(progress, cancel)  # checks that it fits before touching the KV
+            self.chat, self.conversation_id, self._documents = chat, info.id, []
             return Opened(info.title, self.transcript(), sync, self.context())
 
     def _save(self) -> None:

@@ -1,12 +1,12 @@
-"""How sizes, times and cache reports read on screen."""
+"""How sizes, times and cache reports read, in the chat app and in line mode alike."""
 
 from __future__ import annotations
 
 import time
 
-from localkv.chat.session import SyncReport
+from localkv.chat.session import SyncReport, TurnReport
 
-__all__ = ["ago", "human_bytes", "sync_line"]
+__all__ = ["ago", "cache_parts", "human_bytes", "sync_line", "sync_summary", "turn_line"]
 
 
 def human_bytes(n: int) -> str:
@@ -33,12 +33,22 @@ def ago(timestamp: float, now: float | None = None) -> str:
     return f"{seconds // 86400:.0f} d ago"
 
 
-def sync_line(report: SyncReport) -> str:
-    """What bringing the KV sequence in line cost: the restore, then the prefill."""
-    cache = report.cache
+def cache_parts(sync: SyncReport, *, in_turn: bool = False) -> list[str]:
+    """The one account of a cache report, for every face and every line that shows one.
+
+    In order: what the cache did (restored, with "(verified)" only when the
+    restored blocks were checked, or why it missed), which common tokens were
+    recomputed for an exact answer (``CacheReport.exactness``, when any were),
+    what was prefilled, the prefill time the restore replaced, and a cancelled
+    prefill. ``in_turn`` leaves out what an answer's status line already says or
+    need not: the prefill's time is part of its TTFT, and a sequence that was
+    already in memory is the usual case between turns.
+    """
+    cache = sync.cache
     parts = []
     if cache is None:
-        parts.append("already in memory")
+        if not in_turn:
+            parts.append("already in memory")
     elif cache.hit:
         verified = " (verified)" if cache.verified else ""
         parts.append(
@@ -46,9 +56,33 @@ def sync_line(report: SyncReport) -> str:
         )
     else:
         parts.append(f"cache miss: {cache.miss_reason}")
-    parts.append(f"prefilled {report.prefilled:,} in {report.prefill_s:.2f} s")
+    if cache is not None and cache.recomputed:
+        parts.append(cache.exactness())
+    timed = "" if in_turn else f" in {sync.prefill_s:.2f} s"
+    parts.append(f"prefilled {sync.prefilled:,}{timed}")
     if cache is not None and cache.hit:
         parts.append(f"saved ≈ {cache.saved_s:.1f} s")
-    if report.cancelled:
+    if sync.cancelled:
         parts.append("cancelled")
+    return parts
+
+
+def sync_line(sync: SyncReport) -> str:
+    """What bringing the KV sequence in line cost (an attach, a resume): ``cache_parts``."""
+    return " · ".join(cache_parts(sync))
+
+
+def turn_line(turn: TurnReport) -> str:
+    """An answer's status line: ``TTFT 0.05 s · 31 tok/s ·`` then ``cache_parts``."""
+    parts = [f"TTFT {turn.ttft_s:.2f} s", f"{turn.tokens_per_s:.0f} tok/s"]
+    parts += cache_parts(turn.sync, in_turn=True)
+    if turn.stopped:
+        parts.append("stopped")
     return " · ".join(parts)
+
+
+def sync_summary(sync: SyncReport) -> str:
+    """The short form line mode puts in a note: restored from the cache, or what was prefilled."""
+    if sync.cache is not None and sync.cache.hit:
+        return "restored from the cache"
+    return f"prefilled {sync.prefilled:,} tokens"

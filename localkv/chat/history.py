@@ -28,9 +28,9 @@ import sqlite_utils
 
 from localkv.chat.session import ChatState
 from localkv.prompt.template import Message
-from localkv.storage.forget import DocumentRuns
-from localkv.storage.migrations import Migrations
+from localkv.storage.index.migrations import Migrations
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
+from localkv.storage.removal.forget import DocumentRuns
 
 __all__ = [
     "HISTORY_FILE",

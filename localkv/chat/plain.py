@@ -1,31 +1,28 @@
 """Line-mode chat for terminals, ssh sessions and pipes (``localkv chat --plain``).
 
-The same cached ``ChatSession`` as the chat app: answers stream to ``stdout``,
-the status line (TTFT, tokens/s, what the cache did) goes to ``stderr``, and
-conversations are saved to the history when one is given.
+The other face of the chat app: the same ``ChatController`` (attach, resume,
+save after every change), the same slash commands (``localkv.chat.commands``)
+and the same cache reports (``localkv.chat.formats``); only the drawing differs.
+Answers and what a command lists go to ``stdout``; notes in brackets (the
+status line with TTFT, tokens/s and what the cache did, errors) go to ``stderr``.
 """
 
 from __future__ import annotations
 
-import logging
-import sqlite3
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TextIO
 
+from localkv.chat.commands import PLAIN_HELP, PLAIN_INTRO, Command, message_text, parse_command
+from localkv.chat.controller import ChatController
+from localkv.chat.formats import ago, human_bytes, sync_line, sync_summary, turn_line
 from localkv.chat.history import ConversationStore
-from localkv.chat.session import ChatSession, ChatState
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.request import Document, DocumentError, read_document
 from localkv.runtime import Runtime
 
 __all__ = ["run_plain_chat"]
-
-log = logging.getLogger(__name__)
-
-_HELP = "Type a message and press Enter. Commands: /attach PATH, /new, /system TEXT, /help, /quit."
 
 
 def run_plain_chat(
@@ -35,91 +32,181 @@ def run_plain_chat(
     system: str | None = None,
     documents: Sequence[Document] = (),
     history: ConversationStore | None = None,
+    history_error: str | None = None,
     resume: bool = False,
     stdin: TextIO | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    """Read lines, answer each; returns an exit code (streams default to ``sys``'s)."""
-    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    chat = ChatSession(runtime, ChatState(system=system))
-    conversation_id: str | None = None
+    """Read lines, answer each; returns an exit code (streams default to ``sys``'s).
 
-    def note(text: str) -> None:
-        print(f"[{text}]", file=stderr, flush=True)
+    ``resume`` reopens the latest saved conversation, then ``documents`` are
+    attached; the caller owns ``runtime`` and ``history``.
+    """
+    controller = ChatController(runtime, history, system=system, history_error=history_error)
+    chat = _PlainChat(
+        controller,
+        params,
+        system,
+        stdin or sys.stdin,
+        stdout or sys.stdout,
+        stderr or sys.stderr,
+    )
+    try:
+        chat.note_history_error()
+        if resume:
+            chat.resume()
+        for document in documents:
+            chat.attach(document)
+        return chat.loop()
+    finally:
+        controller.close()
 
-    def save() -> None:
-        nonlocal conversation_id
-        if history is not None:
-            try:
-                conversation_id = history.save(chat.state, conversation_id)
-            except (sqlite3.Error, OSError) as exc:
-                note(f"conversation not saved: {exc}")
 
-    def attach(document: Document) -> None:
-        runtime.wait_for_saves()  # what was saved a moment ago can be restored
-        try:
-            report = chat.attach(document)
-        except ContextFullError as exc:
-            note(f"context full: {exc}")
-            return
-        hit = report.cache is not None and report.cache.hit
-        how = "restored from the cache" if hit else f"prefilled {report.prefilled:,} tokens"
-        note(f"attached {Path(document.name).name}: {how}")
-        save()
+class _PlainChat:
+    """Draws the controller's answers and reports as lines."""
 
-    if resume and history is not None and (latest := history.latest()) is not None:
-        try:
-            resumed = ChatSession(runtime, history.load(latest.id))
-            report = resumed.sync()
-        except ContextFullError as exc:
-            note(f"cannot resume “{latest.title}”: {exc}")
-        else:
-            chat, conversation_id = resumed, latest.id
-            hit = report.cache is not None and report.cache.hit
-            reused = report.cache.reused if report.cache is not None and hit else 0
-            note(
-                f"resumed “{latest.title}”: restored {reused:,} tokens, "
-                f"prefilled {report.prefilled:,}"
-            )
-    for document in documents:
-        attach(document)
-    interactive = stdin.isatty()
-    if interactive:
-        print(_HELP, file=stdout)
-    while True:
+    def __init__(
+        self,
+        controller: ChatController,
+        params: SamplingParams,
+        system: str | None,
+        stdin: TextIO,
+        stdout: TextIO,
+        stderr: TextIO,
+    ) -> None:
+        self.controller = controller
+        self.params = params
+        self.system = system
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self._history_error_shown: str | None = None
+
+    # ---------------------------------------------------------------- output
+    def note(self, text: str) -> None:
+        print(f"[{text}]", file=self.stderr, flush=True)
+
+    def say(self, text: str = "", end: str = "\n") -> None:
+        print(text, end=end, file=self.stdout, flush=True)
+
+    def note_history_error(self) -> None:
+        """Say once that conversations are not saved, each time the reason changes."""
+        error = self.controller.history_error
+        if error and error != self._history_error_shown:
+            self._history_error_shown = error
+            self.note(f"conversations are not saved: {error}")
+
+    # ------------------------------------------------------------- the loop
+    def loop(self) -> int:
+        """Answer line after line until end of input or ``/quit``."""
+        interactive = self.stdin.isatty()
         if interactive:
-            print("> ", end="", file=stdout, flush=True)
-        line = stdin.readline()
-        if not line:
-            return 0
-        text = line.strip()
-        command, _, arg = text.partition(" ")
-        if not text:
-            continue
-        if command in ("/quit", "/exit"):
-            return 0
-        if command == "/help":
-            print(_HELP, file=stdout)
-        elif command in ("/new", "/system"):
-            if command == "/system" and arg.strip():
-                system = arg.strip()
-            chat.reset(system)
-            conversation_id = None
-            note("new conversation")
-        elif command == "/attach":
-            try:
-                attach(read_document(arg.strip()))
-            except DocumentError as exc:
-                note(str(exc))
-        else:
-            try:
-                turn = chat.send(
-                    text, params, lambda piece: print(piece, end="", file=stdout, flush=True)
-                )
-            except ContextFullError as exc:
-                note(f"context full: {exc}. Type /new to start over.")
+            self.say(PLAIN_INTRO)
+        while True:
+            if interactive:
+                self.say("> ", end="")
+            line = self.stdin.readline()
+            if not line:
+                return 0
+            if not line.strip():
                 continue
-            print(file=stdout, flush=True)
-            note(turn.status_line())
-            save()
+            command = parse_command(line)
+            if command is None:
+                self.ask(message_text(line))
+            elif command.name == "quit":
+                return 0
+            else:
+                self.run_command(command)
+
+    def run_command(self, command: Command) -> None:
+        """The same commands as the chat app's; /history and /cache list instead of a screen."""
+        match command.name:
+            case "attach" if command.arg:
+                try:
+                    self.attach(read_document(command.arg))
+                except DocumentError as exc:
+                    self.note(str(exc))
+            case "attach":
+                self.note("usage: /attach PATH")
+            case "new":
+                self.new()
+            case "system" if command.arg:
+                self.system = command.arg
+                self.new()
+            case "system":
+                self.note(f"system prompt: {self.system or '(none)'}")
+            case "history":
+                self.list_history()
+            case "cache":
+                self.list_cache()
+            case "help":
+                self.say(PLAIN_HELP)
+            case _:
+                self.note(f"unknown command /{command.name}; /help lists the commands")
+
+    # ---------------------------------------------------------- the controller
+    def ask(self, text: str) -> None:
+        try:
+            answered = self.controller.send(
+                text, self.params, lambda piece: self.say(piece, end=""), lambda: False
+            )
+        except ContextFullError as exc:
+            self.note(f"context full: {exc}. Type /new to start over.")
+            return
+        self.say()
+        self.note(turn_line(answered.report))
+        self.note_history_error()
+
+    def attach(self, document: Document) -> None:
+        try:
+            attached = self.controller.attach_document(document)
+        except ContextFullError as exc:
+            self.note(f"context full: {exc}")
+            return
+        self.note(f"attached {attached.name}: {sync_summary(attached.sync)}")
+        self.note_history_error()
+
+    def new(self) -> None:
+        self.controller.new(self.system)
+        self.note("new conversation")
+
+    def resume(self) -> None:
+        """Reopen the latest saved conversation, restored from the cache."""
+        history = self.controller.history
+        latest = history.latest() if history is not None else None
+        if latest is None:
+            return
+        try:
+            opened = self.controller.open(latest.id)
+        except ContextFullError as exc:
+            self.note(f"cannot resume “{latest.title}”: {exc}")
+            return
+        if opened is not None and opened.sync is not None:
+            self.note(f"resumed “{opened.title}”: {sync_line(opened.sync)}")
+
+    # ------------------------------------------------------------- listings
+    def list_history(self) -> None:
+        if self.controller.history is None:
+            self.note(f"conversations are not saved: {self.controller.history_error or 'off'}")
+            return
+        rows = self.controller.conversations()
+        if not rows:
+            self.say("No saved conversations yet.")
+        for conv in rows:
+            self.say(
+                f"{conv.title} · {conv.messages} messages · {conv.tokens:,} tokens · "
+                f"{ago(conv.updated)}"
+            )
+
+    def list_cache(self) -> None:
+        if self.controller.runtime.cache is None:
+            self.note(f"the cache is off: {self.controller.cache_status}")
+            return
+        rows = self.controller.snapshots()
+        if not rows:
+            self.say("No cache snapshots yet.")
+        for snap in rows:
+            pinned = " · pinned" if snap.pinned else ""
+            self.say(
+                f"{snap.label} · {snap.tokens:,} tokens · {human_bytes(snap.bytes_on_disk)} · "
+                f"{snap.hits} hits · used {ago(snap.last_used)}{pinned}"
+            )

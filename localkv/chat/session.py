@@ -55,30 +55,14 @@ class SyncReport:
 
 @dataclass(frozen=True, slots=True)
 class TurnReport:
+    """One answer and what it cost (``localkv.chat.formats.turn_line`` shows it)."""
+
     text: str
     generated: int
     sync: SyncReport
     ttft_s: float
     tokens_per_s: float
     stopped: bool  # cancelled before the end of the answer
-
-    def status_line(self) -> str:
-        """``TTFT 0.05 s · 31 tok/s · restored 1,820 tokens (verified) in 45 ms · ...``."""
-        parts = [f"TTFT {self.ttft_s:.2f} s", f"{self.tokens_per_s:.0f} tok/s"]
-        c = self.sync.cache
-        if c is not None and c.hit:
-            verified = " (verified)" if c.verified else ""
-            parts.append(f"restored {c.reused:,} tokens{verified} in {c.restore_s * 1000:.0f} ms")
-        elif c is not None:
-            parts.append(f"cache miss: {c.miss_reason}")
-        if c is not None and c.recomputed:
-            parts.append(c.exactness())
-        parts.append(f"prefilled {self.sync.prefilled:,}")
-        if c is not None and c.hit:
-            parts.append(f"saved ≈ {c.saved_s:.1f} s")
-        if self.stopped:
-            parts.append("stopped")
-        return " · ".join(parts)
 
 
 class ChatSession:

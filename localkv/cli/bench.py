@@ -1,6 +1,10 @@
 """``localkv bench``: measure cold and restored time to first token on this machine.
 
-Also runnable on its own: ``python -m localkv.cli.bench [OPTIONS]``.
+The command reads its options, runs ``localkv.bench.run.run_bench`` and writes
+what ``localkv.bench.report`` makes of the result. This module is imported only
+when ``bench`` runs (``localkv.cli.COMMANDS``); matplotlib only when the chart
+is drawn (``report.write_chart``). Also runnable on its own:
+``python -m localkv.cli.bench [OPTIONS]``.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import json
 import logging
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -16,7 +21,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from localkv.bench import report as benchreport
-from localkv.bench.run import BenchConfig, run_bench
+from localkv.bench.run import BenchConfig, BenchResult, run_bench
 from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.session import ModelLoadError
 
@@ -123,12 +128,34 @@ def bench(
     (--compact-cache: the high bytes in a 6-bit code); compares the block
     encodings (raw, zstd, high-byte plane + zstd or + the 6-bit code: bytes
     and decode time); and reports bytes on disk, save time, peak memory and
-    the lookup time with many blocks indexed. Caches
-    live in a temporary directory. Takes about 10 minutes with the defaults:
-    run it on an otherwise idle machine.
+    the lookup time with many blocks indexed. Caches live in a temporary
+    directory. Every prompt length is prefilled several times over, so a run
+    with the defaults takes minutes: run it on an otherwise idle machine.
     """
+    cfg = _config(model, sizes, repeats, cold_repeats, lookup_blocks, threads)
+    command = _command_line(ctx)
+    say = _progress()
+    say(f"{command}: model {cfg.model_path.name}, sizes {', '.join(map(str, cfg.sizes))}")
     try:
-        cfg = BenchConfig(
+        result = run_bench(cfg, say)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    _write_results(result, out, command, as_json, say)
+    if write_docs is not None:
+        _write_docs(result, command, write_docs, say)
+
+
+def _config(
+    model: str | None,
+    sizes: str,
+    repeats: int,
+    cold_repeats: int,
+    lookup_blocks: int,
+    threads: int | None,
+) -> BenchConfig:
+    """The run's settings from the options; a model that cannot be found is a usage error."""
+    try:
+        return BenchConfig(
             model_path=resolve_model(model),
             sizes=parse_sizes(sizes),
             cold_repeats=cold_repeats,
@@ -138,18 +165,22 @@ def bench(
         )
     except ModelNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
-    command = _command_line(ctx)
+
+
+def _progress() -> Callable[[str], None]:
+    """A progress line on stderr, stamped with the seconds since this call."""
     t0 = time.perf_counter()
 
     def say(line: str) -> None:
         click.echo(f"[{time.perf_counter() - t0:6.1f} s] {line}", err=True)
 
-    say(f"{command}: model {cfg.model_path.name}, sizes {', '.join(map(str, cfg.sizes))}")
-    try:
-        result = run_bench(cfg, say)
-    except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from None
+    return say
 
+
+def _write_results(
+    result: BenchResult, out: Path, command: str, as_json: bool, say: Callable[[str], None]
+) -> None:
+    """The JSON and the chart under ``out``; the results on stdout (JSON or a table)."""
     results_path = benchreport.write_json(result, out / benchreport.RESULTS_NAME, command)
     why_no_chart = benchreport.write_chart(result, out / benchreport.CHART_NAME)
     if as_json:
@@ -165,12 +196,15 @@ def bench(
         say(why_no_chart)
     else:
         say(f"wrote {out / benchreport.CHART_NAME}")
-    if write_docs is not None:
-        chart = write_docs.parent / DOCS_CHART_NAME
-        docs_chart = None if benchreport.write_chart(result, chart) else chart.name
-        write_docs.parent.mkdir(parents=True, exist_ok=True)
-        write_docs.write_text(benchreport.markdown(result, command, docs_chart), encoding="utf-8")
-        say(f"wrote {write_docs}" + (f" and {chart}" if docs_chart else ""))
+
+
+def _write_docs(result: BenchResult, command: str, path: Path, say: Callable[[str], None]) -> None:
+    """The markdown page at ``path``, with its chart beside it when matplotlib can draw it."""
+    chart = path.parent / DOCS_CHART_NAME
+    docs_chart = None if benchreport.write_chart(result, chart) else chart.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(benchreport.markdown(result, command, docs_chart), encoding="utf-8")
+    say(f"wrote {path}" + (f" and {chart}" if docs_chart else ""))
 
 
 if __name__ == "__main__":

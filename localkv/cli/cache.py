@@ -135,10 +135,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
 @_dir_option
 def pin_cmd(snapshot_id: str, cache_dir: str | None) -> None:
     """Pin a snapshot: eviction never removes its blocks."""
-    with _store(cache_dir) as store:
-        s = _snapshot(store, snapshot_id)
-        store.pin(s.id)
-    click.echo(f"pinned {s.id}")
+    _set_pinned(snapshot_id, cache_dir, True)
 
 
 @cache.command("unpin")
@@ -146,10 +143,14 @@ def pin_cmd(snapshot_id: str, cache_dir: str | None) -> None:
 @_dir_option
 def unpin_cmd(snapshot_id: str, cache_dir: str | None) -> None:
     """Unpin a snapshot."""
+    _set_pinned(snapshot_id, cache_dir, False)
+
+
+def _set_pinned(snapshot_id: str, cache_dir: str | None, pinned: bool) -> None:
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
-        store.unpin(s.id)
-    click.echo(f"unpinned {s.id}")
+        (store.pin if pinned else store.unpin)(s.id)
+    click.echo(f"{'pinned' if pinned else 'unpinned'} {s.id}")
 
 
 @cache.command("rm")
@@ -239,7 +240,7 @@ def _forget_runs(
 ) -> list[np.ndarray]:
     """The document's tokens under each cached model's vocabulary (warns if none loads)."""
     from localkv.cache.forgetting import document_runs, tokenizer_models
-    from localkv.storage.forget import RUN_LENGTH
+    from localkv.storage.removal.forget import RUN_LENGTH
 
     if document is None:
         return []
@@ -362,7 +363,8 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
                 continue
             tokens = [int(t) for b in blocks for t in b.tokens]
             ends = [b.start + int(e) for b in blocks for e in b.ends]
-            probes = session.replay(tokens, ends)
+            session.reset()
+            probes = session.prefill(tokens, ends=ends).probes
             worst = 0.0
             bad = []
             for row in chain:

@@ -67,7 +67,13 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
 
             documents = _read_documents(docs)
             code = run_plain_chat(
-                runtime, params, system=system, documents=documents, history=history, resume=resume
+                runtime,
+                params,
+                system=system,
+                documents=documents,
+                history=history,
+                history_error=history_error,
+                resume=resume,
             )
         else:  # the chat app shows a load error itself
             from localkv.tui.app import build_app, run_app

@@ -23,67 +23,69 @@ __all__ = [
 ]
 
 
+_KV_TYPES = click.Choice(sorted(GGML_TYPES), case_sensitive=False)
+_MODEL_OPTIONS = [
+    click.option(
+        "--model",
+        "model",
+        metavar="PATH",
+        help="GGUF file (default: LOCALKV_MODEL, then the default model package).",
+    ),
+    click.option(
+        "--ctx",
+        "n_ctx",
+        type=click.IntRange(min=16),
+        default=4096,
+        show_default=True,
+        help="Context length in tokens.",
+    ),
+    click.option(
+        "--n-gpu-layers",
+        type=int,
+        default=-1,
+        show_default=True,
+        help="Layers to offload to a GPU (-1: all; no effect on CPU builds).",
+    ),
+    click.option(
+        "--type-k",
+        type=_KV_TYPES,
+        default="f16",
+        show_default=True,
+        help="KV cache type for keys.",
+    ),
+    click.option(
+        "--type-v",
+        type=_KV_TYPES,
+        default="f16",
+        show_default=True,
+        help="KV cache type for values (quantized types need flash attention).",
+    ),
+    click.option(
+        "--flash-attn",
+        type=click.Choice(["on", "off", "auto"]),
+        default="auto",
+        show_default=True,
+        help="Flash attention.",
+    ),
+    click.option(
+        "--lora",
+        "loras",
+        multiple=True,
+        metavar="PATH[:SCALE]",
+        help="LoRA adapter, repeatable.",
+    ),
+    click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=None,
+        help="CPU threads (default: all cores).",
+    ),
+]
+
+
 def model_options(func: F) -> F:
     """Options shared by every command that loads a model."""
-    kv_types = click.Choice(sorted(GGML_TYPES), case_sensitive=False)
-    opts = [
-        click.option(
-            "--model",
-            "model",
-            metavar="PATH",
-            help="GGUF file (default: LOCALKV_MODEL, then the default model package).",
-        ),
-        click.option(
-            "--ctx",
-            "n_ctx",
-            type=click.IntRange(min=16),
-            default=4096,
-            show_default=True,
-            help="Context length in tokens.",
-        ),
-        click.option(
-            "--n-gpu-layers",
-            type=int,
-            default=-1,
-            show_default=True,
-            help="Layers to offload to a GPU (-1: all; no effect on CPU builds).",
-        ),
-        click.option(
-            "--type-k",
-            type=kv_types,
-            default="f16",
-            show_default=True,
-            help="KV cache type for keys.",
-        ),
-        click.option(
-            "--type-v",
-            type=kv_types,
-            default="f16",
-            show_default=True,
-            help="KV cache type for values (quantized types need flash attention).",
-        ),
-        click.option(
-            "--flash-attn",
-            type=click.Choice(["on", "off", "auto"]),
-            default="auto",
-            show_default=True,
-            help="Flash attention.",
-        ),
-        click.option(
-            "--lora",
-            "loras",
-            multiple=True,
-            metavar="PATH[:SCALE]",
-            help="LoRA adapter, repeatable.",
-        ),
-        click.option(
-            "--threads",
-            type=click.IntRange(min=1),
-            default=None,
-            help="CPU threads (default: all cores).",
-        ),
-    ]
-    for opt in reversed(opts):
+    for opt in reversed(_MODEL_OPTIONS):
         func = opt(func)
     return func
 
@@ -169,9 +171,9 @@ def cache_options(func: F) -> F:
             "--compact-cache",
             is_flag=True,
             envvar="LOCALKV_COMPACT_CACHE",
-            help="Write new cache blocks compact: about 0.89 of the disk space, "
-            "restores about 1.5x as long (see docs/BENCHMARKS.md). Blocks of every "
-            "kind are read. [env: LOCALKV_COMPACT_CACHE=1]",
+            help="Write new cache blocks compact: less disk space, slower restores "
+            "(measured in docs/BENCHMARKS.md). Blocks of every kind are read. "
+            "[env: LOCALKV_COMPACT_CACHE=1]",
         ),
     ]
     for opt in reversed(opts):

@@ -285,6 +285,59 @@ def assembly(
     return out, rows[0], rows[1]
 
 
+_Span = tuple["KVState", int, int]  # (part, offset in the sequence, rows used)
+
+
+class _StateWriter:
+    """Writes a state buffer front to back."""
+
+    def __init__(self, out: np.ndarray) -> None:
+        self.out = out
+        self.off = 0
+
+    def put(self, fmt: str, *values: int) -> None:
+        struct.pack_into(fmt, self.out, self.off, *values)  # type: ignore[arg-type]
+        self.off += struct.calcsize(fmt)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The next ``nbytes`` of the buffer, to fill in place."""
+        view = self.out[self.off : self.off + nbytes]
+        self.off += nbytes
+        return view
+
+
+def _spans(parts: list[KVState], n: int) -> list[_Span]:
+    """Which rows of which part fill tokens 0..n-1."""
+    spans: list[_Span] = []
+    at = 0
+    for p in parts:
+        rows = min(p.n_tokens, n - at)
+        if rows <= 0:
+            break
+        spans.append((p, at, rows))
+        at += rows
+    return spans
+
+
+def _put_rows(
+    w: _StateWriter, spans: list[_Span], n: int, layer: int, kind: str, width: int
+) -> None:
+    dst = w.take(n * width).reshape(n, width)
+    for p, at, rows in spans:
+        dst[at : at + rows] = getattr(p.layers[layer], kind)[:rows]
+
+
+def _put_v_transposed(w: _StateWriter, spans: list[_Span], n: int, layer: int) -> None:
+    x = spans[0][0].layers[layer]
+    elem = x.v_elem_bytes
+    n_embd_v = x.v_row_bytes // elem
+    w.put("<iII", x.v_type, elem, n_embd_v)
+    dtype = _elem_dtype(elem)
+    dst = w.take(n * x.v_row_bytes).view(dtype).reshape(n_embd_v, n)
+    for p, at, rows in spans:
+        dst[:, at : at + rows] = p.layers[layer].v[:rows].view(dtype).reshape(rows, n_embd_v).T
+
+
 def assemble(
     state: KVState | Sequence[KVState],
     seq_id: int = 0,
@@ -307,54 +360,23 @@ def assemble(
     n = total if n_tokens is None else n_tokens
     if not 0 < n <= total:
         raise ValueError(f"cannot assemble {n} of {total} tokens")
-    spans: list[tuple[KVState, int, int]] = []  # (part, offset in sequence, rows used)
-    at = 0
-    for p in parts:
-        rows = min(p.n_tokens, n - at)
-        if rows <= 0:
-            break
-        spans.append((p, at, rows))
-        at += rows
-    size = assembled_size(parts, n)
-    out = _buffer(size, scratch)
-    off = 0
-
-    def put(fmt: str, *values: int) -> None:
-        nonlocal off
-        struct.pack_into(fmt, out, off, *values)  # type: ignore[arg-type]
-        off += struct.calcsize(fmt)
-
-    def put_rows(get: str, layer: int, row_bytes: int) -> None:
-        nonlocal off
-        dst = out[off : off + n * row_bytes].reshape(n, row_bytes)
-        for p, at, rows in spans:
-            dst[at : at + rows] = getattr(p.layers[layer], get)[:rows]
-        off += n * row_bytes
-
-    put("<IiII", STATE_MAGIC, seq_id, 1, n)
-    cells = out[off : off + 12 * n].view("<i4").reshape(n, 3)
+    spans = _spans(parts, n)
+    w = _StateWriter(_buffer(assembled_size(parts, n), scratch))
+    w.put("<IiII", STATE_MAGIC, seq_id, 1, n)
+    cells = w.take(12 * n).view("<i4").reshape(n, 3)
     cells[:, 0] = np.concatenate([p.positions[:rows] for p, _, rows in spans])
     cells[:, 1] = 1
     cells[:, 2] = seq_id
-    off += 12 * n
-    put("<II", 1 if first.v_trans else 0, len(first.layers))
+    w.put("<II", 1 if first.v_trans else 0, len(first.layers))
     for i, x in enumerate(first.layers):
-        put("<iQ", x.k_type, x.k_row_bytes)
-        put_rows("k", i, x.k_row_bytes)
+        w.put("<iQ", x.k_type, x.k_row_bytes)
+        _put_rows(w, spans, n, i, "k", x.k_row_bytes)
     for i, x in enumerate(first.layers):
         if first.v_trans:
-            elem = x.v_elem_bytes
-            n_embd_v = x.v_row_bytes // elem
-            put("<iII", x.v_type, elem, n_embd_v)
-            dtype = _elem_dtype(elem)
-            dst = out[off : off + n * x.v_row_bytes].view(dtype).reshape(n_embd_v, n)
-            for p, at, rows in spans:
-                src = p.layers[i].v[:rows].view(dtype).reshape(rows, n_embd_v)
-                dst[:, at : at + rows] = src.T
-            off += n * x.v_row_bytes
+            _put_v_transposed(w, spans, n, i)
         else:
-            put("<iQ", x.v_type, x.v_row_bytes)
-            put_rows("v", i, x.v_row_bytes)
-    if off != out.shape[0]:
-        raise RuntimeError(f"assembled {off} of {out.shape[0]} bytes")
-    return out
+            w.put("<iQ", x.v_type, x.v_row_bytes)
+            _put_rows(w, spans, n, i, "v", x.v_row_bytes)
+    if w.off != w.out.shape[0]:
+        raise RuntimeError(f"assembled {w.off} of {w.out.shape[0]} bytes")
+    return w.out

@@ -27,6 +27,8 @@ from localkv.model.loading import ModelLoadError, flash_attn_setting, large_buff
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
 from localkv.model.schedule import ends_after, request_ends
+from localkv.model.state import read_state, write_state
+from localkv.model.vocab import token_piece, tokenize
 
 __all__ = [
     "LoraSpec",
@@ -126,29 +128,10 @@ class ModelSession:
     def tokenize(
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(
-            self.vocab, data, len(data), buf, cap, add_special, parse_special
-        )
-        if n < 0:
-            cap = -n
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(
-                self.vocab, data, len(data), buf, cap, add_special, parse_special
-            )
-        if n < 0:
-            raise ValueError("tokenization failed")
-        return list(buf[:n])
+        return tokenize(self.vocab, text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
-        buf = ctypes.create_string_buffer(128)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
+        return token_piece(self.vocab, token, special=special)
 
     def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
         data = b"".join(self.token_bytes(t, special=special) for t in tokens)
@@ -278,24 +261,6 @@ class ModelSession:
                 progress(pos - start, end - start)
         return result
 
-    def replay(self, tokens: list[int], batch_ends: Iterable[int]) -> dict[int, np.ndarray]:
-        """Decode ``tokens`` from an empty sequence in exactly the given batches.
-
-        Returns the logits of every single-token batch (the probes), by position.
-        """
-        self.reset()
-        ends = sorted({e for e in batch_ends if 0 < e <= len(tokens)} | {len(tokens)})
-        probes: dict[int, np.ndarray] = {}
-        start = 0
-        for end in ends:
-            while start < end:
-                stop = min(end, start + self.n_batch)
-                logits = self._decode(tokens[start:stop], want_last=stop - start == 1)
-                if logits is not None:
-                    probes[stop - 1] = logits
-                start = stop
-        return probes
-
     def generate(
         self,
         params: SamplingParams,
@@ -330,13 +295,7 @@ class ModelSession:
 
     def capture_array(self) -> np.ndarray:
         """The raw llama.cpp state of sequence 0, written straight into a new uint8 array."""
-        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, 0))
-        arr = np.empty(size, dtype=np.uint8)
-        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, ptr, size, 0)
-        if written != size:
-            raise RuntimeError(f"state capture wrote {written} of {size} bytes")
-        return arr
+        return read_state(self.ctx)
 
     def capture(self) -> codec.KVState:
         """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown).
@@ -350,16 +309,11 @@ class ModelSession:
         self.reset()
         if len(tokens) > self.n_ctx:
             raise ContextFullError(len(tokens), self.n_ctx)
-        if isinstance(data, np.ndarray):
-            arr = np.ascontiguousarray(data, dtype=np.uint8)
-        else:
-            arr = np.frombuffer(bytes(data), dtype=np.uint8)
-        size = int(arr.shape[0])
-        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        read = llama_cpp.llama_state_seq_set_data(self.ctx, ptr, size, 0)
-        if read != size:
+        try:
+            write_state(self.ctx, data)
+        except codec.StateFormatError:
             self.reset()
-            raise codec.StateFormatError(f"llama.cpp accepted {read} of {size} state bytes")
+            raise
         self.tokens = list(tokens)
         self.batch_ends = [len(tokens)]  # as far as this process knows
 

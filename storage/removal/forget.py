@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import remove_file
-from .index import BlockIndex
-from .paths import CacheLayout
-from .removal import bytes_of, remove_files
-from .values import BlockRow, ForgetReport, SnapshotRow
+from ..disk import remove_file
+from ..index.blockindex import BlockIndex
+from ..paths import CacheLayout
+from ..values import BlockRow, ForgetReport, SnapshotRow
+from .deletion import bytes_of, remove_files
 
 __all__ = ["RUN_LENGTH", "DocumentRuns", "Runs", "forget", "scrub"]
 

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import sqlite_utils
 
-from . import faults
+from .. import faults
+from ..values import BlockRow, SnapshotRow, StoreStats
 from .migrations import MIGRATIONS, migrate
 from .rows import BLOCK_COLUMNS, SNAPSHOT_COLUMNS, block_row, readable_rows, snapshot_row
-from .values import BlockRow, SnapshotRow, StoreStats
 
 __all__ = ["BlockIndex"]
 

@@ -1,4 +1,4 @@
-"""Block files: plain safetensors (first-format zstd files still read), checked strictly."""
+"""Block files as bytes (``formats/blockcodec.py``): plain safetensors, parsed strictly."""
 
 from __future__ import annotations
 
@@ -6,32 +6,22 @@ import struct
 
 import numpy as np
 import pytest
-import zstandard
-from localkv.storage.blockfile import (
+from localkv.storage.formats.blockcodec import (
     FORMAT_VERSION,
-    LEGACY_FORMAT,
     check_metadata,
     check_tokens,
     checksum,
-    checksum_matches,
     decode,
     encode,
-    frame_content_size,
     parse_safetensors,
 )
+from localkv.storage.formats.planes import Q6_FORMAT
 from localkv.storage.values import BlockCorrupt
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
-from test_store_support import first_format_file, make_chain
+from test_store_support import make_chain
 
 LIMIT = 1 << 30
-
-
-def _block(n: int = 8) -> tuple[bytes, int]:
-    """A first-format (zstd) block file and the content size its frame declares."""
-    block = make_chain(list(range(100, 100 + n)), n)[0]
-    data = first_format_file(block)
-    return data, frame_content_size(data)
 
 
 def test_block_file_loads_with_safetensors_numpy() -> None:
@@ -59,18 +49,15 @@ def test_block_file_loads_with_safetensors_torch() -> None:
         np.testing.assert_array_equal(loaded[name].numpy(), arr)
 
 
-def test_checksum_is_xxh3_of_the_whole_file_and_first_format_crc_is_honoured() -> None:
+def test_checksum_is_xxh3_of_the_whole_file() -> None:
+    import xxhash
+
     data = encode(make_chain(list(range(10, 30)), 8)[0])
-    assert checksum(data).startswith("xxh3:") and len(checksum(data)) == 5 + 32
-    assert checksum_matches(checksum(data), data) is None
+    assert checksum(data) == "xxh3:" + xxhash.xxh3_128_hexdigest(data)
+    assert len(checksum(data)) == 5 + 32
     flipped = bytearray(data)
     flipped[-3] ^= 1
-    assert "differs" in (checksum_matches(checksum(data), flipped) or "")
-    legacy = first_format_file(make_chain(list(range(10, 30)), 8)[0])
-    import zlib
-
-    assert checksum_matches(f"crc32:{zlib.crc32(legacy):08x}", legacy) is None
-    assert "no known algorithm" in (checksum_matches("md5:00", data) or "")
+    assert checksum(flipped) != checksum(data)
 
 
 def test_plain_file_size_is_checked_against_the_index() -> None:
@@ -80,22 +67,6 @@ def test_plain_file_size_is_checked_against_the_index() -> None:
     with pytest.raises(BlockCorrupt, match="over the limit"):
         decode(data, len(data), len(data) - 1)
     assert decode(data, len(data), LIMIT).metadata["format"] == FORMAT_VERSION
-
-
-def test_first_format_file_decodes_to_the_same_block() -> None:
-    block = make_chain(list(range(10, 30)), 8)[1]
-    data = first_format_file(block)
-    decoded = decode(data, frame_content_size(data), LIMIT)
-    assert decoded.metadata["format"] == LEGACY_FORMAT
-    for name, arr in block.tensors.items():
-        np.testing.assert_array_equal(decoded.tensors[name], arr)
-
-
-def test_frame_declares_size_and_checksum() -> None:
-    data, size = _block()
-    params = zstandard.get_frame_parameters(data)
-    assert params.has_checksum
-    assert params.content_size == size == len(zstandard.ZstdDecompressor().decompress(data))
 
 
 def test_parse_matches_safetensors_and_is_read_only() -> None:
@@ -150,64 +121,11 @@ def test_round_trip_through_index_row_checks() -> None:
     with pytest.raises(BlockCorrupt, match="metadata 'hash'"):
         check_metadata(decode(encode(other), len(encode(other)), LIMIT).metadata, row)
     with pytest.raises(BlockCorrupt, match="metadata 'format'"):
-        check_metadata(got.metadata, row, file_format=LEGACY_FORMAT)
+        check_metadata(got.metadata, row, file_format=Q6_FORMAT)
     with pytest.raises(BlockCorrupt, match="tokens differ"):
         check_tokens(got.tensors["tokens"] + 1, got.tensors["pos"], row)
     with pytest.raises(BlockCorrupt, match="positions"):
         check_tokens(got.tensors["tokens"], got.tensors["pos"] + 1, row)
-
-
-def test_declared_size_is_checked_before_decompressing() -> None:
-    data, size = _block()
-    with pytest.raises(BlockCorrupt, match="index expects"):
-        decode(data, size + 1, LIMIT)
-    with pytest.raises(BlockCorrupt, match="over the limit"):
-        decode(data, size, size - 1)
-
-
-def test_frame_declaring_a_huge_size_is_refused_without_allocating() -> None:
-    # A tiny frame whose header claims 1 TiB of content.
-    huge = 1 << 40
-    data = zstandard.ZstdCompressor(write_checksum=True).compress(b"x" * 100)
-    params = zstandard.get_frame_parameters(data)
-    assert params.content_size == 100
-    header = bytearray(data)
-    fhd = header[4]
-    assert fhd >> 6 == 0  # 1-byte content size field (single segment)
-    # Rewrite the frame header with an 8-byte content size field.
-    new_fhd = (3 << 6) | (fhd & 0x3F)
-    forged = bytes(header[:4]) + bytes([new_fhd]) + struct.pack("<Q", huge) + bytes(header[6:])
-    assert zstandard.get_frame_parameters(forged).content_size == huge
-    with pytest.raises(BlockCorrupt, match="index expects"):
-        decode(forged, 100, LIMIT)
-    with pytest.raises(BlockCorrupt, match="over the limit"):
-        decode(forged, huge, LIMIT)
-
-
-@pytest.mark.parametrize(
-    ("mangle", "reason"),
-    [
-        (lambda d: d + d, "zstd"),  # a second frame
-        (lambda d: d + b"\0\0\0", "zstd"),  # trailing garbage
-        (lambda d: d[:-4] + bytes(b ^ 0xFF for b in d[-4:]), "zstd"),  # content checksum
-        (lambda d: d[: len(d) // 2], "zstd"),  # truncated
-        (lambda d: b"\0" * len(d), "the index expects"),  # not a frame: a plain file
-    ],
-)
-def test_damaged_frames_raise_block_corrupt(mangle: object, reason: str) -> None:
-    data, size = _block()
-    with pytest.raises(BlockCorrupt, match=reason):
-        decode(mangle(data), size, LIMIT)  # type: ignore[operator]
-
-
-def test_frame_without_checksum_or_size_is_refused() -> None:
-    raw = st_save({"tokens": np.arange(3, dtype=np.int32)})
-    no_sum = zstandard.ZstdCompressor(write_checksum=False).compress(raw)
-    with pytest.raises(BlockCorrupt, match="no content checksum"):
-        decode(no_sum, len(raw), LIMIT)
-    no_size = zstandard.ZstdCompressor(write_checksum=True, write_content_size=False).compress(raw)
-    with pytest.raises(BlockCorrupt, match="content size"):
-        decode(no_size, len(raw), LIMIT)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """``BlockReader``: a store's block files read in parallel, into caller buffers if asked.
 
-Three ways in, all checked against the index rows (``blockread`` does the
-checking): ``read`` returns blocks with tensors of their own; ``open`` then
+Three ways in, all checked against the index rows (``formats.readinto`` does
+the checking): ``read`` returns blocks with tensors of their own; ``open`` then
 ``fill`` lets the caller see every block's tensor specs first and give buffers
 for the bytes (a restore reads K/V rows straight into llama.cpp's state
 buffer this way). Failures are ``BlockCorrupt`` naming the first bad block in
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from .blockread import HeaderCache, OpenedBlock, Targets, fill_block, open_block
+from .formats.readinto import HeaderCache, OpenedBlock, Targets, fill_block, open_block
 from .paths import CacheLayout
 from .values import Block, BlockCorrupt, BlockRow
 
@@ -76,7 +76,7 @@ class BlockReader:
     def fill(self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]) -> list[Block]:
         """Read opened blocks in parallel, each one's tensors into its targets.
 
-        See ``blockread.fill_block``. Raises ``BlockCorrupt`` naming the first
+        See ``formats.readinto.fill_block``. Raises ``BlockCorrupt`` naming the first
         bad block (in order): what the targets hold is then unusable.
         """
         if len(opened) != len(targets):

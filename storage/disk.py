@@ -19,8 +19,8 @@ import stat
 from pathlib import Path
 
 from . import faults
-from .budget import parse_size
 from .paths import CacheLayout, create_private_file, ensure_private_dir, fsync_dir
+from .removal.budget import parse_size
 from .values import BlockCorrupt
 
 __all__ = [

@@ -4,7 +4,7 @@ A restore does not want a block's tensors as arrays of their own: it wants
 their bytes at given places in one large buffer (llama.cpp's state). So a
 read has two steps:
 
-1. ``open_block``: open the file (``files.open_block_file`` checks what it
+1. ``open_block``: open the file (``disk.open_block_file`` checks what it
    is and its size), read and parse its safetensors header, and check the
    metadata against the index row. The caller now knows every tensor's dtype
    and shape.
@@ -20,8 +20,6 @@ checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
 A compact file (``planes``) is read whole into a per-thread buffer in step 2
 and its checksum compared before anything is decoded; each split tensor is
 then decoded straight into its targets (``q6``: one compiled call per file).
-A first-format (zstd) block file is read whole, checked and decompressed in
-step 1; step 2 copies its tensors into the targets.
 """
 
 from __future__ import annotations
@@ -35,24 +33,19 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from ..disk import open_block_file, read_exactly
+from ..paths import CacheLayout
+from ..values import RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
 from . import planes, q6
-from .blockfile import (
-    LEGACY_FORMAT,
-    DecodedBlock,
+from .blockcodec import (
     TensorSpec,
     block_of,
     check_metadata,
     check_rows,
     check_tokens,
-    checksum_matches,
-    decode,
     header_span,
-    is_zstd,
     parse_header,
 )
-from .files import open_block_file, read_exactly
-from .paths import CacheLayout
-from .values import RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
 
 __all__ = ["HeaderCache", "OpenedBlock", "Targets", "fill_block", "open_block"]
 
@@ -133,8 +126,6 @@ class OpenedBlock:
     specs: dict[str, TensorSpec]  # the block's tensors (a compact file's split ones joined)
     physical: dict[str, TensorSpec] | None = None  # a compact file's own tensors
     planes: list[tuple[str, np.dtype[np.generic]]] | None = None  # a compact file's split ones
-    planes_format: str = ""  # a compact file's format
-    legacy: DecodedBlock | None = None  # a first-format file, already decoded
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -150,8 +141,6 @@ def open_block(
     try:
         known = cache.size_of(row) if cache is not None else None
         first = os.pread(fd, min(known or _FIRST_READ, row.stored_bytes), 0)
-        if is_zstd(first):
-            return _open_legacy(row, fd, max_raw_bytes)
         if row.raw_bytes > max_raw_bytes:
             raise BlockCorrupt(f"block of {row.raw_bytes} bytes is over the limit {max_raw_bytes}")
         body = header_span(first[:8], row.stored_bytes)
@@ -162,17 +151,16 @@ def open_block(
             if cache is not None:
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
-        file_format = metadata.get("format", "")
-        if file_format in planes.FORMATS.values():
-            meta = check_metadata(metadata, row, file_format=file_format)
+        if metadata.get("format") == planes.Q6_FORMAT:
+            meta = check_metadata(metadata, row, file_format=planes.Q6_FORMAT)
             known_compact = cache.compact(row, header) if cache is not None else None
             if known_compact is None:
                 order = planes.parse_planes(metadata.get("planes"))
-                known_compact = (order, _logical(specs, order, file_format))
+                known_compact = (order, _logical(specs, order))
                 if cache is not None:
                     cache.put_compact(row, header, known_compact)
             order, logical = known_compact
-            return OpenedBlock(row, fd, header, meta, logical, specs, order, file_format)
+            return OpenedBlock(row, fd, header, meta, logical, specs, order)
         if row.stored_bytes != row.raw_bytes:
             raise BlockCorrupt(
                 f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
@@ -184,24 +172,18 @@ def open_block(
 
 
 def _logical(
-    specs: dict[str, TensorSpec], order: list[tuple[str, np.dtype[np.generic]]], file_format: str
+    specs: dict[str, TensorSpec], order: list[tuple[str, np.dtype[np.generic]]]
 ) -> dict[str, TensorSpec]:
     """A compact file's tensors as the block holds them: each split tensor whole again.
 
     The offsets of a split tensor are 0..its size: it is not in the file as such.
     """
     out = dict(specs)
-    hi = out.pop(planes.HI, None)
-    if file_format == planes.PLANES_FORMAT and order:
-        if hi is None or hi.dtype != np.uint8 or len(hi.shape) != 1:
-            raise BlockCorrupt(f"planes: the U8 tensor {planes.HI!r} is missing")
-    elif hi is not None:
-        raise BlockCorrupt(f"planes: {file_format} has no tensor {planes.HI!r}")
     for name, dtype in order:
         lo = out.pop(planes.lo_name(name), None)
         if lo is None or lo.dtype != np.uint8 or name in out:
             raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 low plane")
-        for part in planes.parts(name, file_format)[1:]:
+        for part in planes.parts(name)[1:]:
             spec = out.pop(part, None)
             if spec is None or spec.dtype != np.uint8 or len(spec.shape) != 1:
                 raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 part {part!r}")
@@ -213,21 +195,6 @@ def _pread_all(fd: int, start: int, end: int) -> bytes:
     buf = bytearray(end - start)
     read_exactly(fd, [memoryview(buf)], start)
     return bytes(buf)
-
-
-def _open_legacy(row: BlockRow, fd: int, max_raw_bytes: int) -> OpenedBlock:
-    data = bytearray(row.stored_bytes)
-    read_exactly(fd, [memoryview(data)], 0)
-    problem = checksum_matches(row.checksum, data)
-    if problem is not None:
-        raise BlockCorrupt(problem)
-    decoded = decode(data, row.raw_bytes, max_raw_bytes)
-    meta = check_metadata(decoded.metadata, row, file_format=LEGACY_FORMAT)
-    specs = {
-        name: TensorSpec(arr.dtype, arr.shape, 0, arr.nbytes)
-        for name, arr in decoded.tensors.items()
-    }
-    return OpenedBlock(row, fd, b"", meta, specs, legacy=decoded)
 
 
 def _byte_view(arr: np.ndarray) -> memoryview:
@@ -270,7 +237,7 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
             views.append(_byte_view(arr))
     if opened.planes is not None:
         _fill_planes(opened, own, placed)
-    elif opened.legacy is None:
+    else:
         read_exactly(opened.fd, views, len(opened.header))
         digest = xxhash.xxh3_128(opened.header)
         for view in views:
@@ -278,8 +245,6 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
         found = "xxh3:" + digest.hexdigest()
         if found != row.checksum:
             raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
-    else:
-        _copy_legacy(opened.legacy, own, placed)
     tokens = check_tokens(own.pop("tokens", None), own.pop("pos", None), row)
     for arr in own.values():
         arr.setflags(write=False)
@@ -288,7 +253,7 @@ def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
 
 
 class _Scratch(threading.local):
-    """Each reading thread's buffers for compact files: data section, high bytes (reused)."""
+    """Each reading thread's buffer for compact files' data sections (reused)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, np.ndarray] = {}
@@ -309,7 +274,7 @@ _KEEP_SCRATCH = 64 << 20  # a larger buffer is not kept between reads
 def _fill_planes(
     opened: OpenedBlock, own: dict[str, np.ndarray], placed: list[tuple[str, list[memoryview]]]
 ) -> None:
-    """A compact file: read and checksum it whole, then join its planes into the targets."""
+    """A compact file: read and checksum it whole, then decode its planes into the targets."""
     assert opened.physical is not None and opened.planes is not None
     row, physical = opened.row, opened.physical
     data = _scratch.get("data", row.stored_bytes - len(opened.header))
@@ -317,7 +282,7 @@ def _fill_planes(
     digest = xxhash.xxh3_128(opened.header)
     digest.update(data.data)
     found = "xxh3:" + digest.hexdigest()
-    if found != row.checksum:  # before anything is decompressed or written
+    if found != row.checksum:  # before anything is decoded or written
         raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
 
     whole = data.data
@@ -335,7 +300,7 @@ def _fill_planes(
                 part[:] = src[at : at + len(part)]
                 at += len(part)
     split = [name for name, _ in opened.planes]
-    if opened.planes_format == planes.Q6_FORMAT and q6.compiled():
+    if q6.compiled():
         # straight to the compiled decoder: one call, no arrays made (_logical checked the parts)
         q6.decode_views(
             [
@@ -354,19 +319,4 @@ def _fill_planes(
         stored,
         opened.planes,
         {name: [np.frombuffer(v, dtype=np.uint8) for v in outputs[name]] for name in split},
-        opened.planes_format,
-        lambda size: _scratch.get("hi", size),
     )
-
-
-def _copy_legacy(
-    decoded: DecodedBlock, own: dict[str, np.ndarray], placed: list[tuple[str, list[memoryview]]]
-) -> None:
-    for name, arr in own.items():
-        np.copyto(arr, decoded.tensors[name])
-    for name, parts in placed:
-        src = np.ascontiguousarray(decoded.tensors[name]).reshape(-1).view(np.uint8).data
-        at = 0
-        for part in parts:
-            part[:] = src[at : at + len(part)]
-            at += len(part)

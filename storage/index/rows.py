@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from .chain import ends_array
-from .values import BlockRow, Probe, SnapshotRow
+from ..chain import ends_array
+from ..values import BlockRow, Probe, SnapshotRow
 
 __all__ = ["BLOCK_COLUMNS", "SNAPSHOT_COLUMNS", "block_row", "readable_rows", "snapshot_row"]
 

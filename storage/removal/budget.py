@@ -1,4 +1,4 @@
-"""The size budget and the choice of what to evict.
+"""The size budget and the choice of what to evict (``evict`` carries it out).
 
 Only leaf blocks (no children) are evicted, so a chain shrinks from its tips
 and never loses its middle; a block in the chain of a pinned snapshot is never

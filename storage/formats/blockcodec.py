@@ -1,32 +1,24 @@
-"""One file per block: a plain safetensors file, checked by an xxh3-128 checksum.
+"""Block files as bytes: a block encoded as a safetensors file, and parsed back strictly.
 
 A block file is a safetensors file that ``safetensors.numpy`` (or
 ``safetensors.torch``) loads as it is: the caller's tensors as given, plus
 ``tokens`` and ``pos`` (int32), and ``__metadata__`` with the format version,
 hash, parent, identity, namespace, start, batch ends, probe digest and the
-caller's metadata (all strings). The index row records its size and the xxh3-128 of
-all its bytes; a read checks both, and the metadata, tokens and positions
-against the row.
+caller's metadata (all strings). The index row records its size and the
+xxh3-128 of all its bytes; a read checks both, and the metadata, tokens and
+positions against the row.
 
 Why uncompressed (``lkv-block2``): restoring is what the cache is for, and
-decompression dominated it. Measured on the default model's f16 K/V (2,048
-tokens, 47 MB, 2 cores): zstd-1 stores 0.92 of raw but decodes in ~21 ms;
-the high byte plane alone compressed stores 0.853 and decodes in ~17 ms;
-raw files read straight into llama.cpp's state buffer (``blockread``) take
-~6 ms, checksum included. ``localkv bench`` measures the three in every run.
+decompressing dominated it, while compression saved little of a KV cache's
+bytes; a plain file is read straight into llama.cpp's state buffer
+(``readinto``), checksum included. ``localkv bench`` measures the encodings
+(docs/BENCHMARKS.md).
 
 A store opened ``compact`` writes a compact file instead (format
 ``lkv-planes2``, see ``planes`` and ``q6``): still a safetensors file, each
-F16 tensor as its U8 low plane plus its high bytes in a 6-bit code; the
-earlier compact format ``lkv-planes1`` (the high bytes of all tensors in one
-zstd frame) is still read, and written with the ``zstd`` codec. ``expand``
-gives the plain file a compact one stands for. Its index row's
+F16 tensor as its U8 low plane plus its high bytes in a 6-bit code.
+``expand`` gives the plain file a compact one stands for. Its index row's
 ``raw_bytes`` is the plain file's size.
-
-Files of the first format (``lkv-block1``: the same safetensors compressed as
-one zstd frame with its content size and checksum, indexed with a CRC-32) are
-still read: ``decode`` checks the declared size against the index *before*
-decompressing, decompresses exactly one frame, and lets zstd verify it.
 
 Parsing is strict and copies nothing: tensors are read-only views of the
 buffer. Any failure raises ``BlockCorrupt`` with a reason.
@@ -37,39 +29,31 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
-import zstandard
 from safetensors.numpy import save as _st_save
 
+from ..chain import tokens_sha
+from ..values import RESERVED_META, Block, BlockCorrupt, BlockRow
 from . import planes
-from .chain import tokens_sha
-from .values import RESERVED_META, Block, BlockCorrupt, BlockRow
 
 __all__ = [
     "FORMAT_VERSION",
-    "LEGACY_FORMAT",
     "DecodedBlock",
     "TensorSpec",
     "block_of",
     "check_metadata",
     "checksum",
-    "checksum_matches",
     "decode",
     "encode",
     "expand",
-    "frame_content_size",
     "index_row",
-    "is_zstd",
     "parse_header",
 ]
 
 FORMAT_VERSION = "lkv-block2"
-LEGACY_FORMAT = "lkv-block1"  # zstd-compressed, CRC-32 in the index: read, never written
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_HEADER = 16 << 20
 _MAX_DIMS = 8
 _DTYPES: dict[str, np.dtype[np.generic]] = {
@@ -115,31 +99,10 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     return "xxh3:" + xxhash.xxh3_128_hexdigest(data)
 
 
-def checksum_matches(expected: str, data: bytes | bytearray | memoryview) -> str | None:
-    """None if ``data`` has the checksum ``expected`` (xxh3 or a first-format CRC-32).
-
-    Otherwise the reason, naming what was found.
-    """
-    if expected.startswith("crc32:"):
-        actual = f"crc32:{zlib.crc32(data):08x}"
-    elif expected.startswith("xxh3:"):
-        actual = checksum(data)
-    else:
-        return f"the index's checksum {expected!r} names no known algorithm"
-    if actual != expected:
-        return f"checksum {actual} differs from the index's {expected}"
-    return None
-
-
-def is_zstd(data: bytes | bytearray | memoryview) -> bool:
-    """True if ``data`` starts like a zstd frame (a first-format block file)."""
-    return bytes(data[:4]) == _ZSTD_MAGIC
-
-
-def encode(block: Block, *, compact: bool = False, codec: str = "q6") -> bytes:
+def encode(block: Block, *, compact: bool = False) -> bytes:
     """A block as a safetensors file; ``compact``: its F16 tensors split into planes.
 
-    See ``planes`` for the compact formats; ``codec`` (``q6`` or ``zstd``) picks one.
+    See ``planes`` for the compact format.
     """
     tensors: dict[str, np.ndarray] = {}
     for name, arr in block.tensors.items():
@@ -158,7 +121,7 @@ def encode(block: Block, *, compact: bool = False, codec: str = "q6") -> bytes:
         probe_digest=block.probe.digest,
     )
     if compact:
-        tensors, metadata["planes"], metadata["format"] = planes.split(tensors, codec)
+        tensors, metadata["planes"], metadata["format"] = planes.split(tensors)
     return bytes(_st_save(tensors, metadata=metadata))
 
 
@@ -169,62 +132,28 @@ def expand(data: bytes | bytearray | memoryview) -> bytes:
     serialized in another order). A plain file is returned as it is.
     """
     decoded = parse_safetensors(data)
-    file_format = decoded.metadata.get("format", "")
-    if file_format not in planes.FORMATS.values():
+    if decoded.metadata.get("format") != planes.Q6_FORMAT:
         return bytes(data)
     metadata = dict(decoded.metadata)
     order = planes.parse_planes(metadata.pop("planes", None))
     metadata["format"] = FORMAT_VERSION
-    tensors = planes.join(decoded.tensors, order, file_format)
+    tensors = planes.join(decoded.tensors, order)
     return bytes(_st_save(tensors, metadata=metadata))
-
-
-def frame_content_size(data: bytes | bytearray | memoryview) -> int:
-    """The content size a zstd frame declares (BlockCorrupt if none or unreadable)."""
-    try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError as exc:
-        raise BlockCorrupt(f"not a zstd frame: {exc}") from exc
-    size = int(params.content_size)
-    if size == zstandard.CONTENTSIZE_UNKNOWN or size == zstandard.CONTENTSIZE_ERROR:
-        raise BlockCorrupt("zstd frame does not declare its content size")
-    if not params.has_checksum:
-        raise BlockCorrupt("zstd frame has no content checksum")
-    return size
 
 
 def decode(
     data: bytes | bytearray | memoryview, expected_raw_size: int, max_raw_size: int
 ) -> DecodedBlock:
-    """Parse a block file; a first-format one is decompressed, sizes checked before.
+    """Parse a plain block file whole, its size checked first.
 
-    ``expected_raw_size`` is the size of the safetensors content (the index's
-    ``raw_bytes``): the file's own size, or what its zstd frame must declare.
+    ``expected_raw_size`` is the index's ``raw_bytes``: the file must hold
+    exactly that many bytes, and no more than ``max_raw_size``.
     """
-    if not is_zstd(data):
-        if len(data) != expected_raw_size:
-            raise BlockCorrupt(
-                f"file holds {len(data)} bytes, the index expects {expected_raw_size}"
-            )
-        if len(data) > max_raw_size:
-            raise BlockCorrupt(f"file of {len(data)} bytes is over the limit {max_raw_size}")
-        return parse_safetensors(data)
-    declared = frame_content_size(data)
-    if declared != expected_raw_size:
-        raise BlockCorrupt(
-            f"frame declares {declared} bytes, the index expects {expected_raw_size}"
-        )
-    if declared > max_raw_size:
-        raise BlockCorrupt(f"frame declares {declared} bytes, over the limit {max_raw_size}")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(
-            data, max_output_size=declared, read_across_frames=False, allow_extra_data=False
-        )
-    except zstandard.ZstdError as exc:
-        raise BlockCorrupt(f"zstd: {exc}") from exc
-    if len(raw) != declared:
-        raise BlockCorrupt(f"decompressed {len(raw)} bytes, frame declared {declared}")
-    return parse_safetensors(raw)
+    if len(data) != expected_raw_size:
+        raise BlockCorrupt(f"file holds {len(data)} bytes, the index expects {expected_raw_size}")
+    if len(data) > max_raw_size:
+        raise BlockCorrupt(f"file of {len(data)} bytes is over the limit {max_raw_size}")
+    return parse_safetensors(data)
 
 
 def parse_safetensors(raw: bytes | bytearray | memoryview) -> DecodedBlock:

@@ -1,15 +1,13 @@
-"""A 6-bit code for the high bytes of 2-byte floats: nearly as small as zstd, twice as fast.
+"""A 6-bit code for the high bytes of 2-byte floats, decoded with a few vector instructions.
 
 An f16 value's low byte is mantissa noise; its high byte (sign, exponent, two
-mantissa bits) takes few values, and the 63 most frequent cover 95-98% of a
-KV tensor's values. So each high byte becomes a 6-bit index into a table of the
-tensor's 63 most frequent high bytes; index 63 means "escaped", and the
-escaped high bytes follow the table, in value order. On the default model's
-K/V that stores 6.2 bits for 8: with the low bytes kept as they are, 0.887-0.889
-of raw. An entropy coder (zstd's Huffman) gets to 0.855 but takes about twice
-as long to decode (16 ms against 8 ms for 42 MB of f16 on one core of the
-project's 2-core VM): this code decodes 64 values with a few vector
-instructions (``_planes.c``, AVX2) and writes them straight to their place.
+mantissa bits) takes few values, and the 63 most frequent cover nearly all of
+a KV tensor's values. So each high byte becomes a 6-bit index into a table of
+the tensor's 63 most frequent high bytes; index 63 means "escaped", and the
+escaped high bytes follow the table, in value order. An entropy coder stores
+a little less but decodes symbol by symbol; this code decodes 64 values with
+a few vector instructions (``_planes.c``, AVX2) and writes them straight to
+their place (docs/BENCHMARKS.md has the sizes and times).
 
 Per tensor of n values, three arrays:
 
@@ -31,8 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..values import BlockCorrupt
 from .compiled import extension as _planes
-from .values import BlockCorrupt
 
 __all__ = [
     "GROUP",

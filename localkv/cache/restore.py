@@ -1,0 +1,117 @@
+"""Verified restore: every check a cached state passes before a request uses it.
+
+In order: the block files' checksums and metadata against the index (while
+they are read, in ``localkv.storage``); each block's chain hash recomputed
+from its parent, tokens and batch ends (``load_chain``); the state loaded up
+to the chain's last token *minus one*, that token decoded alone, and its
+logits compared bit for bit with the block's stored probe (``probe_matches``).
+Only then is the sequence trimmed to the exact prefix the lookup planned.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from localkv.kv import codec
+from localkv.kv.blocks import block_layout, tensors_to_state
+from localkv.model.session import ModelSession
+from localkv.storage.chain import chain_next
+from localkv.storage.formats.readinto import OpenedBlock
+from localkv.storage.store import SnapshotStore
+from localkv.storage.values import Block, BlockCorrupt, BlockRow
+
+__all__ = ["load_chain", "probe_matches"]
+
+
+def load_chain(
+    store: SnapshotStore,
+    root: str,
+    session: ModelSession,
+    chain: list[BlockRow],
+    marks: list[float],
+) -> np.ndarray:
+    """Read, check and load the chain minus its final token; return the stored tokens."""
+    opened = store.open_blocks(chain)
+    try:
+        blocks, buffer = _read(store, session, opened)
+    finally:
+        for block_file in opened:
+            block_file.close()
+    marks.append(time.perf_counter())
+    parent: str | None = None
+    for row, block in zip(chain, blocks, strict=True):
+        expected = chain_next(parent if parent is not None else root, block.tokens, block.ends)
+        if block.hash != expected or block.hash != row.hash:
+            raise BlockCorrupt("tokens do not match the chain hash", row.hash)
+        parent = block.hash
+    tokens = np.concatenate([b.tokens for b in blocks])
+    n = int(tokens.shape[0]) - 1
+    held = [int(t) for t in tokens[:n]]
+    if buffer is not None:
+        session.load_state(buffer, held)
+    elif n > 0:
+        pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
+        session.restore(pieces, held)
+    marks.append(time.perf_counter())
+    session.batch_ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e < n] + [n]
+    return tokens
+
+
+def _read(
+    store: SnapshotStore, session: ModelSession, opened: list[OpenedBlock]
+) -> tuple[list[Block], np.ndarray | None]:
+    """The blocks, and (where it can) the state buffer their K/V rows were read into.
+
+    With untransposed V every block file is read straight into its rows of
+    llama.cpp's state buffer, minus the chain's final token; otherwise the
+    blocks come back as arrays to assemble.
+    """
+    layouts = set()
+    at = 0
+    for block_file in opened:
+        if block_file.row.start != at:
+            raise codec.StateFormatError(f"block at {block_file.row.start}, expected {at}")
+        at = block_file.row.end
+        specs = block_file.specs
+        layouts.add(
+            block_layout(
+                block_file.metadata,
+                {name: s.shape for name, s in specs.items()},
+                {name: s.dtype.itemsize for name, s in specs.items()},
+            )
+        )
+    if len(layouts) != 1:
+        raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
+    v_trans, layout = layouts.pop()
+    n = at - 1
+    if v_trans or n <= 0:
+        return store.fill_blocks(opened, [None] * len(opened)), None
+    buffer, k_rows, v_rows = session.restore_buffer(layout, n)
+    # the chain's final token is read (the checksum covers it) but not loaded:
+    # its rows go to a spill area, one row per tensor
+    spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
+    targets = []
+    for block_file in opened:
+        start, end = block_file.row.start, block_file.row.end
+        keep = min(end, n) - start
+        places: dict[str, list[np.ndarray]] = {}
+        spilled = 0
+        for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
+            places[f"k.{i}"] = [k_rows[i][start : start + keep]]
+            places[f"v.{i}"] = [v_rows[i][start : start + keep]]
+            if end > n:
+                k_spill = spill[spilled : spilled + k_bytes]
+                v_spill = spill[spilled + k_bytes : spilled + k_bytes + v_bytes]
+                places[f"k.{i}"].append(k_spill)
+                places[f"v.{i}"].append(v_spill)
+                spilled += k_bytes + v_bytes
+        targets.append(places)
+    return store.fill_blocks(opened, targets), buffer
+
+
+def probe_matches(session: ModelSession, last: BlockRow, stored_tokens: np.ndarray) -> bool:
+    """Decode the chain's final stored token alone; True if its logits are the probe's bits."""
+    logits = session.decode_one(int(stored_tokens[last.end - 1]), probe=True)
+    return last.probe.matches(logits)

@@ -1,0 +1,148 @@
+"""Save: the session's sequence as blocks (captured now, written later) and their writing.
+
+Full blocks end at multiples of the block size; each tip that is not a block
+end gets a shorter block. A block records the batch ends it was computed in,
+and its chain hash covers them; it is saved only if its last token was
+decoded alone (that token's logits are its probe).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from localkv.kv.blocks import state_to_tensors
+from localkv.model.session import ModelSession
+from localkv.storage.chain import block_ends, chain_next
+from localkv.storage.store import SnapshotStore
+from localkv.storage.values import Block, Probe
+
+__all__ = ["BlockScope", "SaveResult", "prepare_blocks", "write_blocks"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    blocks: int  # blocks in the saved chain
+    new_blocks: int  # of which written now
+    new_bytes: int  # bytes on disk written now
+    tip: str | None  # hash of the chain's last block (None if the save failed)
+    error: str | None = None  # why the save stopped (disk full, I/O error, chain evicted)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockScope:
+    """Where blocks go: the store, the chain root, identity digest, namespace, block size."""
+
+    store: SnapshotStore
+    root: str
+    identity: str
+    namespace: str
+    block_size: int
+
+
+def prepare_blocks(
+    scope: BlockScope, session: ModelSession, tips: Sequence[int], seconds_per_token: float
+) -> list[Block]:
+    """Blocks for the session's sequence up to its last tip (captured now, written later).
+
+    Full blocks end at multiples of the block size; each tip that is not a
+    block end gets a shorter block. Every block needs the probe of its last
+    token; a chain stops where one is missing.
+    """
+    n_max = max((t for t in tips if 0 < t <= session.n_tokens), default=0)
+    if n_max == 0:
+        return []
+    ends = sorted({*range(scope.block_size, n_max + 1, scope.block_size), *tips})
+    ends = [e for e in ends if 0 < e <= n_max]
+    state = session.capture()
+    tokens = session.tokens
+    out: list[Block] = []
+    full_hash_at = {0: scope.root}
+    for end in ends:
+        start = (end - 1) // scope.block_size * scope.block_size
+        full = end - start == scope.block_size
+        parent = full_hash_at.get(start)
+        if parent is None:
+            break  # the block before this one could not be saved
+        block_tokens = np.asarray(tokens[start:end], dtype=np.int32)
+        try:
+            offsets = np.asarray(block_ends(session.batch_ends, start, end))
+        except ValueError:
+            log.debug("no batch ends at token %d: not saved", end)
+            continue
+        block_hash = chain_next(parent, block_tokens, offsets)
+        if scope.store.has_block(block_hash):
+            if full:
+                full_hash_at[end] = block_hash
+            out.append(_block(scope, block_hash, parent, start, block_tokens, offsets))
+            continue
+        probe = session.probes.get(end - 1)
+        if probe is None:
+            log.debug("no probe for token %d: not saved", end - 1)
+            continue
+        if full:
+            full_hash_at[end] = block_hash
+        tensors, meta = state_to_tensors(state.slice(start, end))
+        content = (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start))
+        out.append(_block(scope, block_hash, parent, start, block_tokens, offsets, content))
+    return out
+
+
+_Content = tuple[dict[str, np.ndarray], Probe, dict[str, str], float]
+
+
+def _block(
+    scope: BlockScope,
+    block_hash: str,
+    parent: str,
+    start: int,
+    tokens: np.ndarray,
+    ends: np.ndarray,
+    content: _Content | None = None,
+) -> Block:
+    """A block to write; without ``content`` (tensors, probe, metadata, prefill seconds),
+    a stand-in for one already stored (nothing to write)."""
+    tensors, probe, meta, seconds = content or (
+        {},
+        Probe.from_logits(np.zeros(1, dtype=np.float32)),
+        {},
+        0.0,
+    )
+    return Block(
+        hash=block_hash,
+        parent=None if parent == scope.root else parent,
+        identity=scope.identity,
+        namespace=scope.namespace,
+        start=start,
+        tokens=tokens,
+        ends=ends,
+        tensors=tensors,
+        probe=probe,
+        meta=meta,
+        prefill_seconds=seconds,
+    )
+
+
+def write_blocks(store: SnapshotStore, blocks: Sequence[Block]) -> SaveResult:
+    """Write the prepared blocks that are not stored yet (background-safe)."""
+    new_blocks = new_bytes = 0
+    for block in blocks:
+        if not block.tensors:
+            continue
+        try:
+            if store.put_block(block):
+                new_blocks += 1
+                new_bytes += sum(r.stored_bytes for r in store.match_chain([block.hash]))
+        except (OSError, sqlite3.Error, ValueError) as exc:
+            # disk full, an I/O error, or a parent evicted by another process:
+            # the index is unchanged and the caller carries on uncached
+            log.warning("could not save the prefix cache (%s); continuing without it", exc)
+            return SaveResult(len(blocks), new_blocks, new_bytes, None, str(exc))
+    tip = blocks[-1].hash if blocks else None
+    return SaveResult(len(blocks), new_blocks, new_bytes, tip)

@@ -1,0 +1,57 @@
+"""Deleting blocks row first, then file: the one way a block file leaves the store.
+
+Rows go under the index's write lock, in the caller's transaction; then the
+files those rows named go through ``remove_files``. A crash in between
+leaves an orphan file that ``gc`` removes, never a row that points at
+nothing it did not check. ``quarantine``, ``evict``, ``forget`` and the
+snapshot catalogue all delete this way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from .. import faults
+from ..disk import move_to_quarantine, remove_file
+from ..index.blockindex import BlockIndex
+from ..paths import CacheLayout
+
+__all__ = ["bytes_of", "remove_files"]
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_of(index: BlockIndex, hashes: Iterable[str]) -> int:
+    """The bytes stored for these blocks (those the index still holds)."""
+    rows = index.get_blocks(list(hashes))
+    return sum(r.stored_bytes for r in rows.values())
+
+
+def remove_files(
+    index: BlockIndex,
+    layout: CacheLayout,
+    files: Sequence[str],
+    quarantine_reason: str | None = None,
+) -> None:
+    """Unlink files whose rows are gone, under the write lock.
+
+    A file that a row names again (the block was saved anew since its row
+    was deleted) is left alone. With ``quarantine_reason`` files are moved
+    to ``quarantine/`` instead.
+    """
+    if not files:
+        return
+    with index.write() as db:
+        in_use = index.files_in_use(db, files)
+        faults.point("before_unlink")
+        for f in files:
+            if f in in_use:
+                continue
+            try:
+                if quarantine_reason is None:
+                    remove_file(layout.resolve(f))
+                else:
+                    move_to_quarantine(layout, f, quarantine_reason)
+            except (OSError, ValueError) as exc:
+                logger.warning("could not remove %s: %s", f, exc)
