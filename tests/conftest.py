@@ -1,14 +1,32 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures; helpers live in the ``support`` package.
+
+Tests are grouped by scope: ``unit/`` (one component, real llama.cpp and
+SQLite), ``functional/`` (the runtime, CLI and chat app end to end),
+``reliability/`` (crashes, damage, hostile files, concurrency, privacy).
+Every test runs with ``LOCALKV_HOME`` pointing at its own empty directory,
+and without the caller's ``LOCALKV_*`` settings.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from tinymodels import TinyModels, build_tiny_models
+from support.tinymodels import TinyModels, build_tiny_models
 
 from localkv.model.resolve import default_model_path as default_model_path_or_none
-from localkv.model.session import SessionConfig
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A fresh cache home per test; no LOCALKV_* setting leaks in from the caller."""
+    for name in ("LOCALKV_MODEL", "LOCALKV_BUDGET", "LOCALKV_COMPACT_CACHE", "LOCALKV_FAULT"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("LOCALKV_HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +58,3 @@ TEXT = (
 def long_text() -> str:
     """Plenty of ordinary English text for prompts of a few thousand tokens."""
     return " ".join(f"Chapter {i}. {TEXT}" for i in range(80))
-
-
-def tiny_config(path: Path, **overrides: object) -> SessionConfig:
-    """A session config for the tiny models: one thread (the CI machine has two, shared)."""
-    options: dict[str, object] = {"n_ctx": 2048, "n_threads": 1}
-    options.update(overrides)
-    return SessionConfig(model_path=path, **options)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Helpers the tests share: tiny models, store fixtures, the reliability worker."""
