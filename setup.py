@@ -1,7 +1,7 @@
-"""The one compiled part of localkv: joining byte planes (``storage/_planes.c``).
+"""The one compiled part of localkv: the compact blocks' decoder (``storage/_planes.c``).
 
 Everything else is configured in pyproject.toml. The extension is optional:
-where it cannot be built, ``localkv.storage.planes`` joins planes with numpy.
+where it cannot be built, ``localkv.storage.formats.q6`` decodes with numpy.
 """
 
 import sys

@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# commands that need an optional dependency group of pyproject.toml
+EXTRAS = {"bench": "bench"}
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands are imported on first use."""
 
@@ -44,7 +48,14 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, _, attr = COMMANDS[name][0].partition(":")
-        command = getattr(importlib.import_module(module), attr)
+        try:
+            command = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.startswith("localkv"):
+                raise
+            extra = EXTRAS.get(name)
+            hint = f": pip install 'localkv[{extra}]' (`make {extra}` does)" if extra else ""
+            raise click.ClickException(f"`localkv {name}` needs {exc.name}{hint}") from None
         if not isinstance(command, click.Command):  # pragma: no cover - a wiring error
             raise TypeError(f"{COMMANDS[name][0]} is not a click command")
         return command

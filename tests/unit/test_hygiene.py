@@ -112,3 +112,14 @@ def test_folders_hold_few_modules() -> None:
                 crowded[str(folder.relative_to(REPO))] = n
     assert crowded == {}
     assert len(list((REPO / "localkv").glob("*.py"))) <= MAX_TOP_LEVEL_MODULES
+
+
+def test_a_command_missing_its_extra_says_how_to_install_it() -> None:
+    code = (
+        "import sys; sys.modules['zstandard'] = None; sys.argv = ['localkv', 'bench', '--help']\n"
+        "from localkv.cli import main\nmain()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 1
+    assert "`localkv bench` needs zstandard: pip install 'localkv[bench]'" in done.stderr
+    assert "Traceback" not in done.stderr
