@@ -42,8 +42,8 @@ class CacheReport:
             f"({'verified' if self.verified else 'not verified'}) in "
             f"{self.restore_s * 1000:.0f} ms; saved ≈ {self.saved_s:.1f} s"
         )
-        if exact:
-            line += f"; {self.recomputed:,} common tokens recomputed for exactness ({exact})"
+        if exact:  # the common tokens stored from other batches were recomputed
+            line += f"; {exact}"
         return line
 
 
