@@ -38,6 +38,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 ENV_MIN_FREE = "LOCALKV_MIN_FREE"
 MIN_FREE_BYTES = 256 << 20
@@ -134,7 +135,8 @@ def open_block_file(layout: CacheLayout, relpath: str, expected_size: int) -> in
     if not stat.S_ISDIR(dir_st.st_mode):
         raise BlockCorrupt("fan-out directory is a symlink or not a directory")
     try:
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
+        # O_NONBLOCK: a FIFO put in a block file's place must not block the open
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY | _O_NONBLOCK)
     except FileNotFoundError:
         raise BlockCorrupt("file is missing") from None
     except OSError as exc:

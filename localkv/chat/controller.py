@@ -20,7 +20,7 @@ from typing import cast
 from localkv.chat.history import ConversationInfo, ConversationStore, title_of
 from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport
 from localkv.model.sampling import SamplingParams
-from localkv.prompt.request import Document, read_document
+from localkv.prompt.request import Document, byte_limit, read_document
 from localkv.runtime import Runtime
 
 __all__ = [
@@ -197,7 +197,8 @@ class ChatController:
         self, path: str, progress: ProgressFn | None = None, cancel: CancelFn | None = None
     ) -> Attached:
         """Read and prefill a document (restored when cached); raises ``DocumentError``."""
-        return self.attach_document(read_document(path), progress, cancel)
+        limit = byte_limit(self.runtime.session.n_ctx)
+        return self.attach_document(read_document(path, max_bytes=limit), progress, cancel)
 
     def attach_document(
         self,

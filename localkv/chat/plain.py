@@ -19,7 +19,7 @@ from localkv.chat.formats import ago, human_bytes, sync_line, sync_summary, turn
 from localkv.chat.history import ConversationStore
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
-from localkv.prompt.request import Document, DocumentError, read_document
+from localkv.prompt.request import Document, DocumentError, byte_limit, read_document
 from localkv.runtime import Runtime
 
 __all__ = ["run_plain_chat"]
@@ -122,7 +122,8 @@ class _PlainChat:
         match command.name:
             case "attach" if command.arg:
                 try:
-                    self.attach(read_document(command.arg))
+                    limit = byte_limit(self.controller.runtime.session.n_ctx)
+                    self.attach(read_document(command.arg, max_bytes=limit))
                 except DocumentError as exc:
                     self.note(str(exc))
             case "attach":

@@ -76,10 +76,25 @@ def cli(verbose: int) -> None:
     attention state from disk instead of recomputing it, after checking that a
     probe token reproduces the stored logits exactly.
     """
+    _check_environment()
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if verbose < 2:
         logging.getLogger("localkv.llama").setLevel(logging.ERROR)
+
+
+def _check_environment() -> None:
+    """Refuse a malformed ``LOCALKV_BUDGET`` before any work, not after a prefill."""
+    import os
+
+    from localkv.storage.removal.budget import ENV_BUDGET, parse_size
+
+    value = os.environ.get(ENV_BUDGET)
+    if value:
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise click.ClickException(f"{ENV_BUDGET}: {exc}") from None
 
 
 def main() -> None:

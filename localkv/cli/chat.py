@@ -65,7 +65,7 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
         if plain and runtime is not None:
             from localkv.chat.plain import run_plain_chat
 
-            documents = _read_documents(docs)
+            documents = _read_documents(docs, opts["n_ctx"])
             code = run_plain_chat(
                 runtime,
                 params,
@@ -127,10 +127,10 @@ def _chat_history(opts: dict[str, Any]) -> tuple[ConversationStore | None, str |
         return None, str(exc)
 
 
-def _read_documents(paths: tuple[str, ...]) -> list[Document]:
-    from localkv.prompt.request import DocumentError, read_document
+def _read_documents(paths: tuple[str, ...], n_ctx: int) -> list[Document]:
+    from localkv.prompt.request import DocumentError, byte_limit, read_document
 
     try:
-        return [read_document(path) for path in paths]
+        return [read_document(path, max_bytes=byte_limit(n_ctx)) for path in paths]
     except DocumentError as exc:
         raise click.ClickException(str(exc)) from None

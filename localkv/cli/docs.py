@@ -7,7 +7,6 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import click
@@ -20,32 +19,37 @@ from localkv.cli.options import (
     session_config,
 )
 from localkv.model.session import ContextFullError, ModelLoadError
-from localkv.prompt.request import ENCODING_POLICY, Document, DocumentError, read_document
+from localkv.prompt.request import (
+    ENCODING_POLICY,
+    Document,
+    DocumentError,
+    byte_limit,
+    read_document,
+)
 from localkv.runtime import Runtime
 
 __all__ = ["ask", "prefill"]
 
 
-def _system_text(value: str | None) -> str | None:
-    """``--system TEXT`` or ``--system @FILE``."""
+def _system_text(value: str | None, n_ctx: int) -> str | None:
+    """``--system TEXT`` or ``--system @FILE`` (read as a document is, within the context)."""
     if value is None or not value.startswith("@"):
         return value
-    path = Path(value[1:]).expanduser()
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise click.BadParameter(f"cannot read the system prompt file {path}: {exc}") from None
+        return read_document(value[1:], max_bytes=byte_limit(n_ctx)).text
+    except DocumentError as exc:
+        raise click.BadParameter(f"cannot read the system prompt file: {exc}") from None
 
 
-def _documents(files: tuple[str, ...]) -> list[Document]:
+def _documents(files: tuple[str, ...], n_ctx: int) -> list[Document]:
     if list(files).count("-") > 1:
         raise click.BadParameter("standard input (-) can be given once")
     try:
-        docs = [read_document(f) for f in files]
+        docs = [read_document(f, max_bytes=byte_limit(n_ctx)) for f in files]
     except DocumentError as exc:
         raise click.ClickException(str(exc)) from None
     for doc in docs:
-        if doc.encoding != "utf-8":
+        if doc.encoding == "latin-1":
             click.echo(f"warning: {doc.name} is not valid UTF-8: read as Latin-1", err=True)
     return docs
 
@@ -164,8 +168,8 @@ def prefill(
     Later `localkv ask` runs (any process, any day) restore it instead of
     recomputing it. Ctrl-C stops cleanly and keeps the blocks already completed.
     """
-    docs = _documents(files)
-    system_text = _system_text(system)
+    docs = _documents(files, opts["n_ctx"])
+    system_text = _system_text(system, opts["n_ctx"])
     runtime = _open_runtime(opts)
     with runtime:
         if runtime.cache is None and not opts["no_cache"]:
@@ -215,8 +219,8 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     *paths, question = files
     if not question.strip():
         raise click.BadParameter("the question is empty")
-    docs = _documents(tuple(paths))
-    system_text = _system_text(system)
+    docs = _documents(tuple(paths), opts["n_ctx"])
+    system_text = _system_text(system, opts["n_ctx"])
     params = sampling_params(opts)
     runtime = _open_runtime(opts)
     with runtime:

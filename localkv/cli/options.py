@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -90,11 +91,19 @@ def model_options(func: F) -> F:
     return func
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """Refuse NaN and infinities, which pass a FloatRange."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 def sampling_options(func: F) -> F:
     opts = [
         click.option(
             "--temperature",
             type=click.FloatRange(min=0),
+            callback=_finite,
             default=0.7,
             show_default=True,
             help="0 picks the most likely token.",
@@ -102,13 +111,19 @@ def sampling_options(func: F) -> F:
         click.option(
             "--top-p",
             type=click.FloatRange(min=0, max=1, min_open=True),
+            callback=_finite,
             default=0.95,
             show_default=True,
         ),
         click.option(
             "--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off."
         ),
-        click.option("--seed", type=int, default=None, help="Seed for repeatable sampling."),
+        click.option(
+            "--seed",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Seed for repeatable sampling (0 or more).",
+        ),
         click.option(
             "--max-tokens",
             type=click.IntRange(min=1),

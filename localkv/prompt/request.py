@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
+import os
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,15 +15,32 @@ from pathlib import Path
 from localkv.prompt.conversation import Conversation
 from localkv.prompt.template import ChatTemplate, Message
 
-__all__ = ["Document", "DocumentError", "Request", "build_request", "read_document"]
+__all__ = [
+    "Document",
+    "DocumentError",
+    "Request",
+    "build_request",
+    "byte_limit",
+    "read_document",
+]
 
 log = logging.getLogger(__name__)
 
 ENCODING_POLICY = (
-    "Documents are read as UTF-8 (a byte-order mark is dropped); a file that is not "
-    "valid UTF-8 is read as Latin-1, with a warning. Files with NUL bytes are binary "
-    "and refused."
+    "Documents are read as UTF-8 (a byte-order mark is dropped); a file with a UTF-16 "
+    "byte-order mark is read as UTF-16; a file that is not valid UTF-8 is read as "
+    "Latin-1, with a warning. Files with NUL bytes are binary and refused. Only regular "
+    "files are read (not FIFOs, sockets or devices), and at most ``max_bytes`` of them."
 )
+# A context of n tokens never holds more text than this many bytes per token; the
+# CLI caps what it reads by it, so a huge file fails at once instead of filling memory.
+MAX_BYTES_PER_TOKEN = 64
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
+def byte_limit(n_ctx: int) -> int:
+    """The most bytes of text worth reading for a context of ``n_ctx`` tokens."""
+    return n_ctx * MAX_BYTES_PER_TOKEN
 
 
 class DocumentError(ValueError):
@@ -42,34 +62,72 @@ class Document:
         return cls(text, name, hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
-def read_document(source: str | Path) -> Document:
+def read_document(source: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Document:
     """Read a document file (``-`` is standard input) under ``ENCODING_POLICY``."""
     if str(source) == "-":
-        data = sys.stdin.buffer.read()
+        data = sys.stdin.buffer.read(max_bytes + 1)
         name, path = "<stdin>", None
     else:
         path = Path(source).expanduser()
         name = str(source)
-        if not path.exists():
-            raise DocumentError(f"{name}: no such file")
-        if path.is_dir():
-            raise DocumentError(f"{name}: is a directory, not a document")
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise DocumentError(f"{name}: cannot read it ({exc.strerror or exc})") from None
-    if b"\0" in data[:65536]:
-        raise DocumentError(f"{name}: looks binary (NUL bytes); give a text file")
-    encoding = "utf-8"
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        encoding = "latin-1"
-        text = data.decode("latin-1")
-        log.info("%s is not valid UTF-8: read as Latin-1", name)
+        data = _read_regular_file(path, name, max_bytes)
+    if len(data) > max_bytes:
+        raise DocumentError(_too_large(name, max_bytes))
+    text, encoding = _decode(data, name)
     if not text.strip():
         raise DocumentError(f"{name}: the document is empty")
     return Document(text, name, hashlib.sha256(data).hexdigest(), path, encoding)
+
+
+def _too_large(name: str, max_bytes: int) -> str:
+    return (
+        f"{name}: larger than {max_bytes / 1e6:.1f} MB, more text than the context can hold "
+        "(raise --ctx, or split the document)"
+    )
+
+
+def _read_regular_file(path: Path, name: str, max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes of a regular file, never blocking on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise DocumentError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise DocumentError(f"{name}: is a directory, not a document") from None
+    except OSError as exc:
+        raise DocumentError(f"{name}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise DocumentError(f"{name}: is a directory, not a document")
+        if not stat.S_ISREG(st.st_mode):
+            raise DocumentError(f"{name}: not a regular file (a FIFO, socket or device)")
+        if st.st_size > max_bytes:
+            raise DocumentError(_too_large(name, max_bytes))
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(max_bytes + 1)
+        except OSError as exc:
+            raise DocumentError(f"{name}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _decode(data: bytes, name: str) -> tuple[str, str]:
+    """The text and the encoding it was read in (see ``ENCODING_POLICY``)."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return data.decode("utf-16"), "utf-16"
+        except UnicodeDecodeError:
+            raise DocumentError(f"{name}: has a UTF-16 byte-order mark but is not UTF-16") from None
+    if b"\0" in data[:65536]:
+        raise DocumentError(f"{name}: looks binary (NUL bytes); give a text file")
+    try:
+        return data.decode("utf-8-sig"), "utf-8"
+    except UnicodeDecodeError:
+        log.info("%s is not valid UTF-8: read as Latin-1", name)
+        return data.decode("latin-1"), "latin-1"
 
 
 @dataclass(frozen=True, slots=True)
