@@ -27,9 +27,7 @@ from pathlib import Path
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.catalogue import covering_snapshot, save_snapshot, snapshot_listing
-from localkv.cache.identity import identity_of
-from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
-from localkv.kv import codec
+from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.native import llama_cpp
 from localkv.model.resolve import resolve_model
 from localkv.model.sampling import SamplingParams
@@ -37,6 +35,7 @@ from localkv.model.session import (
     CancelFn,
     ContextFullError,
     ModelSession,
+    PrefillCancelled,
     ProgressFn,
     SessionConfig,
 )
@@ -44,9 +43,6 @@ from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, Request, build_request
 from localkv.prompt.template import ChatTemplate
 from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
-from localkv.storage.filehash import FileHasher
-from localkv.storage.paths import CacheDirError
-from localkv.storage.store import SnapshotStore
 
 __all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "TokenCounts"]
 
@@ -102,25 +98,10 @@ class Runtime:
         )
 
     def _open_cache(self, cache_dir: str | Path | None, compact: bool) -> None:
-        try:
-            store = SnapshotStore.open(Path(cache_dir) if cache_dir else None, compact=compact)
-        except (CacheDirError, sqlite3.Error, OSError) as exc:
-            self.cache_error = f"cache unavailable: {exc}"
-            log.warning("%s; continuing without the cache", self.cache_error)
-            return
-        try:
-            hasher = FileHasher(store.root / "filehashes.db")
-            identity = identity_of(self.session, hasher)
-            self.cache = PrefixCache(
-                store,
-                identity,
-                self.namespace,
-                self.session.config.block_size,
-                defer=self._work.defer,  # hit counts and stats after the first token
-            )
-        except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
-            store.close()
-            self.cache_error = f"cache unavailable: {exc}"
+        self.cache, self.cache_error = open_prefix_cache(
+            self.session, cache_dir, compact, self.namespace, self._work.defer
+        )
+        if self.cache_error:
             log.warning("%s; continuing without the cache", self.cache_error)
 
     # -------------------------------------------------------------- lifecycle
@@ -232,17 +213,9 @@ class Runtime:
         self, result: RestoreResult | None, report: CacheReport, tokens: list[int]
     ) -> CacheReport:
         """``report`` naming the longest snapshot that the reused prefix contains."""
-        if result is None:
+        if result is None or self.cache is None:
             return report
-        try:
-            snapshot = (
-                None
-                if self.cache is None
-                else covering_snapshot(self.cache.store, self.namespace, result, tokens)
-            )
-        except (OSError, sqlite3.Error) as exc:
-            log.warning("could not name the snapshot: %s", exc)
-            return report
+        snapshot = covering_snapshot(self.cache.store, self.namespace, result, tokens)
         return dataclasses.replace(report, snapshot=snapshot)
 
     def _check_fits(self, request: Request, room: int) -> None:
@@ -270,21 +243,10 @@ class Runtime:
         ends = self.schedule(request)
         restored, report = self.restore(request.tokens, ends)
         reused = self.session.n_tokens
-        cancelled = False
         t1 = time.perf_counter()
-        try:
-            self.session.prefill(
-                request.tokens[reused:],
-                ends=ends,
-                progress=progress,
-                cancel=cancel,
-            )
-        except Exception as exc:  # PrefillCancelled or an error: keep what is complete
-            from localkv.model.session import PrefillCancelled
-
-            if not isinstance(exc, PrefillCancelled):
-                raise
-            cancelled = True
+        early: list[SaveResult] = []  # blocks saved while the prefill went on
+        cancelled = self._prefill_saving(request, ends, progress, cancel, early.append)
+        self.wait_for_saves()
         prefilled = self.session.n_tokens - reused
         self._note_rate(time.perf_counter() - t1, prefilled)
         done = self.session.n_tokens
@@ -296,12 +258,47 @@ class Runtime:
             reused=reused,
             prefilled=prefilled,
             blocks=saved.blocks,
-            new_blocks=saved.new_blocks,
+            new_blocks=saved.new_blocks + sum(r.new_blocks for r in early),
             bytes_on_disk=bytes_on_disk,
             seconds=time.perf_counter() - t0,
             cancelled=cancelled,
             cache=self.with_snapshot(restored, report, request.tokens),
         )
+
+    def _prefill_saving(
+        self,
+        request: Request,
+        ends: Sequence[int],
+        progress: ProgressFn | None,
+        cancel: CancelFn | None,
+        on_saved: Callable[[SaveResult], None],
+    ) -> bool:
+        """Prefill the rest of ``request`` a block at a time; True if cancelled.
+
+        After each completed block the blocks so far are saved in the background
+        (never delaying the next batch), so a process killed mid-prefill keeps
+        every block that was written before the kill.
+        """
+        start, total = self.session.n_tokens, len(request.tokens)
+        block = self.session.config.block_size
+        stops = sorted({e for e in ends if e > start and e % block == 0} | {total})
+        for stop in stops:
+            begin = self.session.n_tokens
+
+            def overall(done: int, _: int, begin: int = begin) -> None:
+                if progress is not None:
+                    progress(begin - start + done, total - start)
+
+            try:
+                self.session.prefill(
+                    request.tokens[begin:stop], ends=ends, progress=overall, cancel=cancel
+                )
+            except PrefillCancelled:
+                return True
+            if stop < total:
+                tips = [b for b in request.boundaries if b < stop] + [stop]
+                self.save_prefix(tips, on_saved)
+        return False
 
     def _save_prefill(
         self,
@@ -375,11 +372,14 @@ class Runtime:
         if tokens >= 32 and seconds > 0:
             self._seconds_per_token = seconds / tokens
 
-    def save_prefix(self, tips: Sequence[int]) -> None:
+    def save_prefix(
+        self, tips: Sequence[int], on_saved: Callable[[SaveResult], None] | None = None
+    ) -> None:
         """Save the session's sequence up to its last tip, in the background.
 
         The state is captured now (a few ms); encoding and writing happen on a
-        worker thread. ``close()`` and ``wait_for_saves()`` wait for them.
+        worker thread, which hands the result to ``on_saved``. ``close()`` and
+        ``wait_for_saves()`` wait for them.
         """
         if self.cache is None:
             return
@@ -391,6 +391,8 @@ class Runtime:
                 result = cache.write(blocks)
                 if result.new_blocks:
                     cache.enforce_budget()
+                if on_saved is not None:
+                    on_saved(result)
                 return result
 
             self._work.submit(write_then_evict)

@@ -39,9 +39,22 @@ def snapshot_listing(store: SnapshotStore, namespace: str) -> list[dict[str, obj
 def covering_snapshot(
     store: SnapshotStore, namespace: str, result: RestoreResult, tokens: list[int]
 ) -> str | None:
-    """The longest snapshot of ``namespace`` that the restored prefix of ``tokens`` contains."""
+    """The longest snapshot of ``namespace`` that the restored prefix of ``tokens`` contains.
+
+    None as well when the index cannot be read: naming is never worth a failure.
+    """
     if not result.chain:
         return None
+    try:
+        return _covering(store, namespace, result, tokens)
+    except (OSError, sqlite3.Error) as exc:
+        log.warning("could not name the snapshot: %s", exc)
+        return None
+
+
+def _covering(
+    store: SnapshotStore, namespace: str, result: RestoreResult, tokens: list[int]
+) -> str | None:
     on_chain = set(result.chain)
     best: tuple[int, str] | None = None
     for snap in store.snapshots(namespace):

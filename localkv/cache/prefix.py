@@ -16,20 +16,23 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from localkv.cache.identity import Identity
+from localkv.cache.identity import Identity, identity_of
 from localkv.cache.lookup import Plan, miss_reason, plan_chain
 from localkv.cache.restore import load_chain, probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
 from localkv.kv import codec
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_root
+from localkv.storage.filehash import FileHasher
+from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, BlockCorrupt
 
-__all__ = ["PrefixCache", "RestoreResult", "SaveResult"]
+__all__ = ["PrefixCache", "RestoreResult", "SaveResult", "open_prefix_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +238,24 @@ class PrefixCache:
         if freed:
             log.info("cache over its budget of %d bytes: evicted %d bytes", budget, freed)
         return freed
+
+
+def open_prefix_cache(
+    session: ModelSession,
+    cache_dir: str | Path | None,
+    compact: bool,
+    namespace: str,
+    defer: Callable[[Callable[[], None]], object] | None = None,
+) -> tuple[PrefixCache | None, str | None]:
+    """The session's cache in ``cache_dir`` (default: the user cache), or why there is none."""
+    try:
+        store = SnapshotStore.open(Path(cache_dir) if cache_dir else None, compact=compact)
+    except (CacheDirError, sqlite3.Error, OSError) as exc:
+        return None, f"cache unavailable: {exc}"
+    try:
+        identity = identity_of(session, FileHasher(store.root / "filehashes.db"))
+        block_size = session.config.block_size
+        return PrefixCache(store, identity, namespace, block_size, defer=defer), None
+    except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
+        store.close()
+        return None, f"cache unavailable: {exc}"

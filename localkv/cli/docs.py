@@ -26,7 +26,7 @@ from localkv.prompt.request import (
     byte_limit,
     read_document,
 )
-from localkv.runtime import Runtime
+from localkv.runtime import PrefillReport, Runtime
 
 __all__ = ["ask", "prefill"]
 
@@ -68,26 +68,34 @@ def _open_runtime(opts: dict[str, Any]) -> Runtime:
         raise click.ClickException(str(exc)) from None
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
 @contextmanager
-def _ctrl_c_stops() -> Iterator[list[bool]]:
-    """While active, Ctrl-C sets a flag (checked between batches) instead of killing."""
-    flag = [False]
+def _signals_stop() -> Iterator[list[int]]:
+    """While active, Ctrl-C, SIGTERM and SIGHUP set a flag (checked between batches).
+
+    The flag holds the signal number (0: none). A second Ctrl-C aborts at once.
+    """
+    flag = [0]
 
     def handler(signum: int, frame: object) -> None:
-        if flag[0]:
+        if flag[0] and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        flag[0] = True
+        flag[0] = signum
         click.echo("\nstopping after the current batch (Ctrl-C again to abort)", err=True)
 
+    wanted = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
     try:
-        previous = signal.signal(signal.SIGINT, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in wanted}
     except ValueError:  # not the main thread
         yield flag
         return
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _progress_bar(total_hint: str) -> Any:
@@ -166,7 +174,9 @@ def prefill(
     """Prefill documents once and save their KV state to the cache.
 
     Later `localkv ask` runs (any process, any day) restore it instead of
-    recomputing it. Ctrl-C stops cleanly and keeps the blocks already completed.
+    recomputing it. Completed blocks are saved as the prefill goes, so even a
+    killed run keeps them. Ctrl-C, SIGTERM and SIGHUP stop after the current
+    batch and keep what is complete (exit 0, 143 and 129).
     """
     docs = _documents(files, opts["n_ctx"])
     system_text = _system_text(system, opts["n_ctx"])
@@ -176,17 +186,23 @@ def prefill(
             click.echo(f"warning: {runtime.cache_error}; nothing will be saved", err=True)
         show = not as_json and sys.stderr.isatty()
         try:
-            with _ctrl_c_stops() as flag, _Progress("prefill", show) as progress:
+            with _signals_stop() as flag, _Progress("prefill", show) as progress:
                 report = runtime.prefill(
                     docs,
                     system=system_text,
                     label=label,
                     pin=pin,
                     progress=progress,
-                    cancel=lambda: flag[0],
+                    cancel=lambda: bool(flag[0]),
                 )
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
+    _report_prefill(report, as_json)
+    if flag[0] in (getattr(signal, "SIGTERM", -1), getattr(signal, "SIGHUP", -1)):
+        sys.exit(128 + flag[0])  # what was complete is saved; say how the run ended
+
+
+def _report_prefill(report: PrefillReport, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.as_json()))
         return
