@@ -35,10 +35,11 @@ _MODEL_OPTIONS = [
     click.option(
         "--ctx",
         "n_ctx",
-        type=click.IntRange(min=16),
+        type=click.IntRange(min=256, max=2**24),
         default=4096,
         show_default=True,
-        help="Context length in tokens.",
+        help="Context length in tokens, 256 to 16,777,216; llama.cpp rounds it up to "
+        "a multiple of 256 and needs memory for all of it.",
     ),
     click.option(
         "--n-gpu-layers",

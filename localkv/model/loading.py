@@ -75,17 +75,15 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
         log.warning("recurrent/hybrid memory: the KV cache codec will refuse this model")
     _check_kv_types(cfg, model)
+    _check_kv_memory(cfg, model)
     threads = cfg.n_threads or max(1, os.cpu_count() or 1)
     ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads))
     if not ctx:
-        raise ModelLoadError(
-            f"llama.cpp could not create a context (n_ctx={cfg.n_ctx}, type_k={cfg.type_k}, "
-            f"type_v={cfg.type_v}, flash_attn={cfg.flash_attn}); a quantized type_v "
-            "needs flash attention on"
-        )
+        raise ModelLoadError(_context_failure(cfg))
     stack.callback(llama_cpp.llama_free, ctx)
     _attach_loras(cfg.loras, model, ctx, stack)
     n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+    _note_context(cfg.n_ctx, n_ctx, int(llama_cpp.llama_model_n_ctx_train(model)))
     n_batch = min(cfg.n_batch, int(llama_cpp.llama_n_batch(ctx)), n_ctx)
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     stack.callback(llama_cpp.llama_batch_free, batch)
@@ -132,6 +130,79 @@ def _check_kv_types(cfg: SessionConfig, model: Any) -> None:
             raise ModelLoadError(
                 f"{name}={kind} needs a head size divisible by {block}; this model's is {head}"
             )
+
+
+# llama.cpp rounds the context up to a multiple of this many tokens (measured
+# on 0.3.36: 16 and 256 give 256, 257 gives 512, 9000 gives 9216).
+CONTEXT_STEP = 256
+
+# Bytes per element of a KV cache type: quantized types pack 32 values.
+_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+_TYPE_BYTES |= {"q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
+
+
+def context_tokens(n_ctx: int) -> int:
+    """The context length llama.cpp creates for a request of ``n_ctx`` tokens."""
+    return -(-n_ctx // CONTEXT_STEP) * CONTEXT_STEP
+
+
+def kv_bytes_per_token(cfg: SessionConfig, model: Any) -> int:
+    """About how many bytes of K and V one token takes over all layers."""
+    head = int(llama_cpp.llama_model_n_embd(model)) // max(
+        1, int(llama_cpp.llama_model_n_head(model))
+    )
+    width = head * int(llama_cpp.llama_model_n_head_kv(model))
+    per_value = _TYPE_BYTES[cfg.type_k.lower()] + _TYPE_BYTES[cfg.type_v.lower()]
+    return int(int(llama_cpp.llama_model_n_layer(model)) * width * per_value)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_kv_memory(cfg: SessionConfig, model: Any) -> None:
+    # llama.cpp reserves the whole KV cache up front; a context that cannot fit
+    # in this machine's memory fails there with a message about buffers, or
+    # succeeds on overcommit and is killed later. Say it in the user's terms.
+    need = context_tokens(cfg.n_ctx) * kv_bytes_per_token(cfg, model)
+    have = _physical_memory()
+    if have is not None and need > have:
+        raise ModelLoadError(
+            f"a context of {cfg.n_ctx:,} tokens needs {need / 2**30:,.1f} GiB for its KV cache "
+            f"(type_k={cfg.type_k}, type_v={cfg.type_v}); this machine has "
+            f"{have / 2**30:,.1f} GiB of memory: lower --ctx"
+        )
+
+
+def _context_failure(cfg: SessionConfig) -> str:
+    text = (
+        f"llama.cpp could not create a context of {cfg.n_ctx:,} tokens "
+        f"(type_k={cfg.type_k}, type_v={cfg.type_v}, flash_attn={cfg.flash_attn})"
+    )
+    if cfg.type_v.lower() not in ("f16", "f32", "bf16") and cfg.flash_attn == "off":
+        return text + ": a quantized type_v needs flash attention (--flash-attn on or auto)"
+    return text + ": not enough memory for its buffers? lower --ctx"
+
+
+def _note_context(asked: int, made: int, trained: int) -> None:
+    if made != asked:
+        log.warning(
+            "context: llama.cpp rounded %d tokens up to %d (a multiple of %d)",
+            asked,
+            made,
+            CONTEXT_STEP,
+        )
+    if trained > 0 and made > trained:
+        log.warning(
+            "context: %d tokens is longer than this model was trained for (%d); "
+            "answers past %d tokens may degrade",
+            made,
+            trained,
+            trained,
+        )
 
 
 def _attach_loras(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,24 @@ def test_a_malformed_budget_is_refused_before_any_work(
     result = CliRunner().invoke(cli, ["cache", "stats"])
     assert result.exit_code == 1
     assert f"LOCALKV_BUDGET: not a size: {budget!r}" in result.stderr
+
+
+def test_a_context_longer_than_memory_is_refused_in_its_own_terms(tmp_path: Path) -> None:
+    # 16,777,216 tokens of the default model's f16 KV are about 360 GiB: more
+    # than any machine these tests run on, so llama.cpp is never asked for it.
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document.", encoding="utf-8")
+    result = CliRunner().invoke(cli, ["prefill", "--ctx", "16777216", str(doc)])
+    assert result.exit_code == 1
+    assert "a context of 16,777,216 tokens needs" in result.stderr
+    assert "GiB for its KV cache" in result.stderr and "lower --ctx" in result.stderr
+    assert "flash attention" not in result.stderr
+
+
+def test_a_context_llama_cpp_rounds_up_says_so(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document about nothing much.", encoding="utf-8")
+    command = [sys.executable, "-m", "localkv", "prefill", "--threads", "1", "--ctx", "300"]
+    result = subprocess.run([*command, str(doc)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "llama.cpp rounded 300 tokens up to 512 (a multiple of 256)" in result.stderr
