@@ -295,6 +295,7 @@ class Runtime:
                 )
             except PrefillCancelled:
                 return True
+            log.info("prefill: %d of %d tokens computed", stop, total)
             if stop < total:
                 tips = [b for b in request.boundaries if b < stop] + [stop]
                 self.save_prefix(tips, on_saved)

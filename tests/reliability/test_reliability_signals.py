@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,3 +96,57 @@ def test_a_killed_prefill_keeps_the_blocks_it_wrote(
         result = rt.cache.restore(rt.session, request.tokens, rt.schedule(request))
     assert result.verified is True
     assert result.reused >= 512
+
+
+def test_a_kill_at_a_random_moment_keeps_every_block_completed_a_batch_before_it(
+    tmp_path: Path, doc: Path, default_model_path: Path
+) -> None:
+    """SIGKILL lands anywhere in the prefill; what was computed one batch earlier survives.
+
+    ``-v`` makes the prefill log each block it has computed. The kill comes at
+    a random time between the second block and about eight blocks later; every
+    block logged before the last one logged had a whole batch's time for its
+    background save, so a new process must restore at least up to it.
+    """
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "LOCALKV_HOME": str(cache)}
+    env.pop("LOCALKV_MODEL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localkv", "-v", "prefill", "--json", str(doc)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    computed: list[tuple[float, int]] = []
+    reader = threading.Thread(target=_read_computed, args=(proc, computed), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + WAIT_S
+    while len(computed) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(computed) >= 2, f"the prefill logged no two blocks (seed {seed})"
+    per_block = computed[1][0] - computed[0][0]
+    time.sleep(rng.uniform(0.0, 8.0 * per_block))
+    proc.kill()
+    proc.wait(timeout=WAIT_S)
+    reader.join(timeout=WAIT_S)
+    seen = [position for _, position in computed]
+    assert proc.returncode == -signal.SIGKILL, f"it ended before the kill (seed {seed}): {seen}"
+    safe = seen[-2]  # the last one logged may still be in its save
+    with Runtime.open(default_model_path, cache_dir=cache) as rt:
+        request = rt.build([read_document(doc)], system=None)
+        assert rt.cache is not None
+        result = rt.cache.restore(rt.session, request.tokens, rt.schedule(request))
+    assert result.verified is True, f"seed {seed}"
+    assert result.reused >= safe, f"seed {seed}: computed {seen}, restored {result.reused}"
+    print(f"seed {seed}: computed {seen}, restored {result.reused}")
+
+
+def _read_computed(proc: subprocess.Popen[str], into: list[tuple[float, int]]) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        match = re.search(r"prefill: (\d+) of \d+ tokens computed", line)
+        if match:
+            into.append((time.monotonic(), int(match.group(1))))
