@@ -79,8 +79,8 @@ def cli(verbose: int) -> None:
     _check_environment()
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if verbose < 2:
-        logging.getLogger("localkv.llama").setLevel(logging.ERROR)
+    if verbose < 2:  # localkv says what failed in its own words; -vv shows llama.cpp's
+        logging.getLogger("localkv.llama").setLevel(logging.CRITICAL)
 
 
 def _check_environment() -> None:

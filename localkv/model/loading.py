@@ -15,6 +15,7 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from localkv.model.config import FLASH_ATTN_TYPES, LoraSpec, SessionConfig
-from localkv.model.native import ggml_type_id, llama_cpp
+from localkv.model.native import ggml_type_id, llama_cpp, recent_errors
 
 __all__ = ["ModelLoadError", "Native", "flash_attn_setting", "large_buffer", "open_native"]
 
@@ -67,9 +68,10 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
         raise ModelLoadError(f"model file not found: {path}")
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = 2**31 - 1 if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+    recent_errors()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
-        raise ModelLoadError(f"llama.cpp could not load {path} (not a supported GGUF?)")
+        raise ModelLoadError(f"llama.cpp could not load {path}: {_load_reason()}")
     stack.callback(llama_cpp.llama_model_free, model)
     vocab = llama_cpp.llama_model_get_vocab(model)
     if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
@@ -175,6 +177,15 @@ def _check_kv_memory(cfg: SessionConfig, model: Any) -> None:
             f"(type_k={cfg.type_k}, type_v={cfg.type_v}); this machine has "
             f"{have / 2**30:,.1f} GiB of memory: lower --ctx"
         )
+
+
+def _load_reason() -> str:
+    """The first thing llama.cpp said went wrong while loading, in a few words."""
+    for line in recent_errors():
+        reason = re.sub(r"^(\w+: )+", "", line.strip())  # llama.cpp's function names
+        if reason:
+            return reason
+    return "not a GGUF model llama.cpp can load"
 
 
 def _context_failure(cfg: SessionConfig) -> str:

@@ -7,6 +7,7 @@ as llama.cpp rates them), so nothing is printed behind the user's back.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import threading
@@ -20,6 +21,7 @@ __all__ = [
     "ggml_type_name",
     "llama_cpp",
     "llama_cpp_version",
+    "recent_errors",
     "system_info",
 ]
 
@@ -50,6 +52,7 @@ _TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 _state_lock = threading.Lock()
 _started = False
 _last_level = logging.DEBUG
+_errors: collections.deque[str] = collections.deque(maxlen=8)
 
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
@@ -57,8 +60,23 @@ def _route_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     global _last_level
     py_level = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
     _last_level = py_level
+    line = text.decode("utf-8", errors="replace").rstrip("\n")
+    if py_level >= logging.ERROR and line:
+        _errors.append(line)
     if log.isEnabledFor(py_level):
-        log.log(py_level, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
+        log.log(py_level, "%s", line)
+
+
+def recent_errors() -> list[str]:
+    """llama.cpp's last error lines, oldest first, and forget them.
+
+    The command line shows llama.cpp's own log only with ``-vv``; a failure
+    message quotes the first of these instead, in its own words.
+    """
+    with _state_lock:
+        lines = list(_errors)
+        _errors.clear()
+    return lines
 
 
 def ensure_backend() -> None:

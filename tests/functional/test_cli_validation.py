@@ -60,3 +60,24 @@ def test_a_context_llama_cpp_rounds_up_says_so(tmp_path: Path) -> None:
     result = subprocess.run([*command, str(doc)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "llama.cpp rounded 300 tokens up to 512 (a multiple of 256)" in result.stderr
+
+
+def test_a_file_that_is_not_a_model_gets_one_line_in_llama_cpp_s_words(tmp_path: Path) -> None:
+    model = tmp_path / "notes.gguf"
+    model.write_text("not a model at all", encoding="utf-8")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document.", encoding="utf-8")
+    command = [sys.executable, "-m", "localkv", "ask", "--model", str(model), str(doc), "Why?"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: llama.cpp could not load {model}: "
+        "invalid magic characters: 'not ', expected 'GGUF'"
+    ]
+    loud = subprocess.run(
+        [sys.executable, "-m", "localkv", "-vv", *command[3:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "ERROR localkv.llama: gguf_init_from_reader: invalid magic" in loud.stderr
