@@ -109,6 +109,8 @@ class PrefillReport:
     seconds: float
     cancelled: bool
     cache: CacheReport
+    not_kept: str | None = None  # why the budget's eviction took what was just saved
+    over_budget: str | None = None  # pinned snapshots hold more than the budget
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -121,4 +123,6 @@ class PrefillReport:
             "bytes_on_disk": self.bytes_on_disk,
             "seconds": round(self.seconds, 6),
             "cancelled": self.cancelled,
+            "not_kept": self.not_kept,
+            "over_budget": self.over_budget,
         }

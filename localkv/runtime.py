@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from localkv.cache.background import BackgroundWork
+from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import covering_snapshot, save_snapshot, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.native import llama_cpp
@@ -64,7 +65,7 @@ class Runtime:
         compact_cache: bool = False,
     ) -> None:
         self.session = ModelSession(config)
-        self.template = ChatTemplate(self.session)
+        self.template = ChatTemplate(self.session, config.chat_template)
         self.namespace = namespace
         self.cache: PrefixCache | None = None
         self.cache_error: str | None = None if use_cache else "cache disabled"
@@ -101,8 +102,8 @@ class Runtime:
         self.cache, self.cache_error = open_prefix_cache(
             self.session, cache_dir, compact, self.namespace, self._work.defer
         )
-        if self.cache_error:
-            log.warning("%s; continuing without the cache", self.cache_error)
+        if self.cache_error:  # info: the faces say it once (the CLI's cache line or warning)
+            log.info("%s; continuing without the cache", self.cache_error)
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -263,6 +264,8 @@ class Runtime:
             seconds=time.perf_counter() - t0,
             cancelled=cancelled,
             cache=self.with_snapshot(restored, report, request.tokens),
+            not_kept=saved.not_kept,
+            over_budget=saved.over_budget,
         )
 
     def _prefill_saving(
@@ -321,11 +324,11 @@ class Runtime:
             snapshot = save_snapshot(
                 self.cache, saved.tip, documents, tips[-1], label=label, pin=pin
             )
+        saved = fit_budget(self.cache, saved)  # evicts; says if that took this very chain
+        snapshot = None if saved.not_kept else snapshot
         bytes_on_disk = 0
         if saved.tip is not None:
             bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
-        if saved.new_blocks:
-            self.cache.enforce_budget()
         return saved, snapshot, bytes_on_disk
 
     # -------------------------------------------------------------------- ask
@@ -389,9 +392,7 @@ class Runtime:
         if blocks:
 
             def write_then_evict() -> SaveResult:
-                result = cache.write(blocks)
-                if result.new_blocks:
-                    cache.enforce_budget()
+                result = fit_budget(cache, cache.write(blocks))
                 if on_saved is not None:
                     on_saved(result)
                 return result

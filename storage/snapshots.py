@@ -6,6 +6,12 @@ derived from tip, label and namespace, so saving the same one twice keeps one
 row. A pinned snapshot's chain is never evicted. ``SnapshotStore`` delegates
 its snapshot methods to ``SnapshotCatalogue``; ``removal/forget.py`` removes
 snapshots by document instead.
+
+Each snapshot also has a manifest file (``manifests.py``) from which
+``repair`` restores it if the index is lost: written when the snapshot is
+saved, pinned or unpinned, removed with it; ``prune`` removes those of
+snapshots that left the index another way. A manifest that cannot be written
+(a read-only or full disk) is logged, never an error of the operation.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Iterable
 
+from . import manifests
 from .index.blockindex import BlockIndex
 from .paths import CacheLayout
 from .removal.deletion import bytes_of, remove_files
@@ -52,6 +60,7 @@ class SnapshotCatalogue:
             if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
                 if pinned:
                     db.execute("UPDATE snapshots SET pinned = 1 WHERE id = ?", (snap_id,))
+                    self.write_manifest(snap_id)
                 return snap_id
             row = self._index.get_block(tip)
             if row is None:
@@ -61,24 +70,44 @@ class SnapshotCatalogue:
                     f"snapshot says {n_tokens} tokens of {identity}/{namespace!r}, tip block "
                     f"ends at {row.end} under {row.identity}/{row.namespace!r}"
                 )
-            self._index.insert_snapshot(
-                db,
-                SnapshotRow(
-                    snap_id,
-                    tip,
-                    label,
-                    source_path,
-                    source_sha256,
-                    n_tokens,
-                    identity,
-                    namespace,
-                    now,
-                    now,
-                    0,
-                    pinned,
-                ),
+            snap = SnapshotRow(
+                snap_id,
+                tip,
+                label,
+                source_path,
+                source_sha256,
+                n_tokens,
+                identity,
+                namespace,
+                now,
+                now,
+                0,
+                pinned,
             )
+            self._index.insert_snapshot(db, snap)
+        self._write(snap)
         return snap_id
+
+    def _write(self, snap: SnapshotRow) -> None:
+        try:
+            manifests.write(self._layout, snap, self._index.get_identity(snap.identity))
+        except (OSError, ValueError) as exc:
+            logger.warning("could not write the manifest of snapshot %s: %s", snap.id, exc)
+
+    def write_manifest(self, snapshot_id: str) -> None:
+        """Write the manifest of a snapshot as the index holds it now."""
+        for snap in self._index.snapshots_by_prefix(snapshot_id):
+            if snap.id == snapshot_id:
+                self._write(snap)
+
+    def prune(self, gone: Iterable[str] = ()) -> None:
+        """Remove the manifests of ``gone`` and of snapshots gone from index and disk."""
+        try:
+            for snapshot_id in gone:  # e.g. forgotten: the manifest names the document
+                manifests.remove(self._layout, snapshot_id)
+            manifests.prune(self._layout, {s.id for s in self._index.snapshots()})
+        except OSError as exc:
+            logger.warning("could not prune snapshot manifests: %s", exc)
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
         """All snapshots (of one namespace), oldest first."""
@@ -102,6 +131,7 @@ class SnapshotCatalogue:
         snap = self.get(snapshot_id)
         with self._index.write() as db:
             db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snap.id))
+        self.write_manifest(snap.id)
 
     def remove(self, snapshot_id: str) -> int:
         """Delete a snapshot and the blocks only it needed; return the bytes freed."""
@@ -113,6 +143,10 @@ class SnapshotCatalogue:
             victims = self._index.descendants(db, own) - needed
             freed = bytes_of(self._index, victims)
             files = self._index.delete_blocks(db, victims)
+        try:
+            manifests.remove(self._layout, snap.id)
+        except OSError as exc:
+            logger.warning("could not remove the manifest of snapshot %s: %s", snap.id, exc)
         remove_files(self._index, self._layout, files)
         logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
         return freed

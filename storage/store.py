@@ -10,13 +10,13 @@ Deleting is row first, then file: a crash leaves an orphan file that ``gc``
 removes, never a row that points at nothing it did not check.
 
 This module holds the store's lifecycle, identities, block writes and
-lookups and events; the rest it delegates, keeping each public method here.
-The snapshot catalogue (``put_snapshot``, ``get_snapshot``, ``pin``,
-``remove_snapshot``...) is in ``snapshots.py``; block files' bytes and
-reading one file in ``formats/``, reading many in parallel in
-``readpool.py``, placing them on disk in ``disk.py``; the SQLite index in
-``index/``; every way blocks leave (``quarantine``, ``evict``, ``forget``,
-``scrub``, ``gc``) and ``verify`` in ``removal/``.
+lookups and events; the rest it delegates, keeping each public method here:
+opening a root (created, read-only, absent) to ``opening.py``; the snapshot
+catalogue (``put_snapshot``, ``pin``...) to ``snapshots.py``; block files'
+bytes and reading one in ``formats/``, many in parallel in ``readpool.py``,
+placing them on disk in ``disk.py``; the SQLite index in ``index/``; every
+way blocks leave (``quarantine``, ``evict``, ``forget``, ``scrub``, ``gc``)
+and ``verify`` in ``removal/``. ``repair.py`` rebuilds a lost index.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from .disk import (
 from .formats.blockcodec import encode, index_row
 from .formats.readinto import OpenedBlock, Targets
 from .index.blockindex import BlockIndex
-from .paths import CacheLayout, default_root, prepare_root
+from .opening import open_index
+from .paths import CacheLayout, default_root
 from .readpool import BlockReader
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
@@ -86,8 +87,10 @@ class SnapshotStore:
         workers: int | None = None,
         *,
         compact: bool = False,
+        read_only: bool = False,
     ) -> None:
         self.layout = layout
+        self.read_only = read_only  # a root this process cannot write: nothing is saved
         self.compact = compact  # write new blocks in the compact format (``formats.planes``)
         self._index = index
         self._workers = workers or min(8, os.cpu_count() or 1)
@@ -97,15 +100,16 @@ class SnapshotStore:
         self._closed = False
 
     @classmethod
-    def open(cls, root: Path | None = None, *, compact: bool = False) -> SnapshotStore:
+    def open(
+        cls, root: Path | None = None, *, compact: bool = False, create: bool = True
+    ) -> SnapshotStore:
         """Open (creating if needed) the store at ``root``, ``$LOCALKV_HOME`` or the default.
 
-        ``compact``: new blocks are written in the compact format
-        (``formats.planes``: fewer bytes, a little slower to restore). Both
-        formats are read.
+        ``compact``: new blocks are written in the compact format (fewer bytes,
+        a little slower to restore); both are read. ``create``: see ``opening.py``.
         """
-        layout = prepare_root(default_root(root))
-        return cls(layout, BlockIndex(layout.index), compact=compact)
+        layout, index, read_only = open_index(default_root(root), create=create)
+        return cls(layout, index, compact=compact, read_only=read_only)
 
     @property
     def root(self) -> Path:
@@ -241,11 +245,7 @@ class SnapshotStore:
         self, tokens_sha: str, identity: str, namespace: str
     ) -> list[str]:
         """Identities (other than ``identity``) with a first block of the same tokens."""
-        sql = (
-            "SELECT DISTINCT identity FROM blocks WHERE tokens_sha = ? AND parent IS NULL "
-            "AND namespace = ? AND identity != ? ORDER BY identity"
-        )
-        return [str(r[0]) for r in self._index.query(sql, (tokens_sha, namespace, identity))]
+        return self._index.same_first_block_elsewhere(tokens_sha, identity, namespace)
 
     def chain_of(self, tip: str) -> list[BlockRow]:
         """The stored chain ending at ``tip``, root first (empty if ``tip`` is not stored)."""
@@ -279,7 +279,9 @@ class SnapshotStore:
         Returns the hashes removed. The bad block's file goes to ``quarantine/``
         with the reason; its descendants' files (fine but unreachable) are deleted.
         """
-        return quarantine.quarantine(self._index, self.layout, block_hash, reason)
+        gone = quarantine.quarantine(self._index, self.layout, block_hash, reason)
+        self._catalogue.prune()
+        return gone
 
     def touch(self, hashes: Sequence[str]) -> None:
         """Mark blocks (and snapshots whose tip is among them) as used now."""
@@ -287,19 +289,27 @@ class SnapshotStore:
             self._index.touch(hashes, time.time())
 
     # ------------------------------------------------------------- statistics
-    def record_event(self, kind: str, reason: str | None, tokens: int, seconds: float) -> None:
-        """Record a cache ``hit`` (tokens reused) or ``miss`` (with its reason)."""
+    def record_event(
+        self,
+        kind: str,
+        reason: str | None,
+        tokens: int,
+        seconds: float,
+        namespace: str | None = None,
+    ) -> None:
+        """Record a cache ``hit`` (tokens reused) or ``miss`` (with its reason) in a namespace."""
         if kind not in _EVENT_KINDS:
             raise ValueError(f"event kind must be hit or miss, got {kind!r}")
         with self._index.write() as db:
             db.execute(
-                "INSERT INTO events (kind, reason, tokens, seconds, at) VALUES (?, ?, ?, ?, ?)",
-                (kind, reason, int(tokens), float(seconds), time.time()),
+                "INSERT INTO events (kind, reason, tokens, seconds, at, namespace) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (kind, reason, int(tokens), float(seconds), time.time(), namespace),
             )
 
-    def stats(self) -> StoreStats:
-        """Hits, misses by reason, sizes, and an estimate of prefill seconds saved."""
-        return self._index.stats()
+    def stats(self, namespace: str | None = None) -> StoreStats:
+        """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""
+        return self._index.stats(namespace)
 
     # -------------------------------------------------------------- snapshots
     # The catalogue lives in ``snapshots.py``, the privacy path in ``removal/forget.py``.
@@ -342,7 +352,9 @@ class SnapshotStore:
         self, source_path: str | None, source_sha256: str | None, runs: forget.Runs = ()
     ) -> ForgetReport:
         """Remove every trace of one document (see ``forget.forget``)."""
-        return forget.forget(self._index, self.layout, source_path, source_sha256, runs)
+        report = forget.forget(self._index, self.layout, source_path, source_sha256, runs)
+        self._catalogue.prune(report.snapshots)  # their manifests name the document
+        return report
 
     def scrub(self) -> bool:
         """VACUUM the index, empty its WAL; True if another process kept it (``forget.scrub``)."""
@@ -355,11 +367,17 @@ class SnapshotStore:
         Never touches a pinned snapshot's chain or the middle of a chain;
         snapshots whose tip goes are dropped. Returns the bytes freed.
         """
-        return evict.evict(self._index, self.layout, budget_bytes)
+        freed = evict.evict(self._index, self.layout, budget_bytes)
+        self._catalogue.prune()
+        return freed
 
     def default_budget(self) -> int:
         """``$LOCALKV_BUDGET``, else 10% of free disk space at the root, at most 20 GiB."""
-        return budget.default_budget(self.root)
+        return budget.default_budget(next(p for p in (self.root, *self.root.parents) if p.is_dir()))
+
+    def usage(self, namespace: str | None = None) -> budget.Usage:
+        """Bytes stored and bytes pinned snapshots keep (of one namespace, or all)."""
+        return budget.usage(self._index, namespace)
 
     # ----------------------------------------------------------- maintenance
     def gc(self, grace_seconds: float = 3600.0) -> GcReport:
@@ -368,8 +386,15 @@ class SnapshotStore:
         Files younger than ``grace_seconds`` are kept: another process may be
         between writing a block file and inserting its row.
         """
-        return reconcile.gc(self.layout, self._index, grace_seconds)
+        if not self.layout.root.is_dir():  # opened with create=False
+            return GcReport(0, 0, 0, 0)
+        report = reconcile.gc(self.layout, self._index, grace_seconds)
+        self._catalogue.prune()
+        return report
 
     def verify(self, repair: bool = False) -> list[tuple[str, str]]:
         """Recheck every block file and chain hash; ``repair`` quarantines the bad ones."""
-        return reconcile.verify(self._index, self.layout, self._reader, self._executor(), repair)
+        bad = reconcile.verify(self._index, self.layout, self._reader, self._executor(), repair)
+        if repair:
+            self._catalogue.prune()
+        return bad

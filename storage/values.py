@@ -32,6 +32,7 @@ PROBE_TOP = 64
 RESERVED_TENSORS = frozenset({"tokens", "pos"})
 RESERVED_META = frozenset(
     {"format", "hash", "parent", "identity", "namespace", "start", "ends", "probe_digest", "planes"}
+    | {"probe_top", "prefill_seconds", "data_xxh3"}  # what ``repair`` rebuilds an index row from
 )
 
 

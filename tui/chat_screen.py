@@ -228,6 +228,8 @@ class ChatScreen(Screen[None]):
         self._note_history_error()
 
     def _note_history_error(self) -> None:
+        for notice in self.controller.notices():
+            self.conversation.add_note(notice, "error")
         error = self.controller.history_error
         if error and error != self._history_error_shown:
             self._history_error_shown = error
@@ -237,6 +239,7 @@ class ChatScreen(Screen[None]):
         await message.reply.remove()
         await message.question.remove()
         self.conversation.add_note(message.error, "error")
+        self._note_history_error()
         self.status.show(message.error, "error")
         prompt = self.query_one(PromptInput)
         if not prompt.text:
@@ -287,6 +290,7 @@ class ChatScreen(Screen[None]):
             )
         self.status.show(f"{attached.name}: {line}")
         self.query_one(ContextPanel).show_context(attached.context)
+        self._note_history_error()
 
     def on_chat_screen_attach_failed(self, message: AttachFailed) -> None:
         self.conversation.add_note(message.error, "error")
@@ -324,10 +328,13 @@ class ChatScreen(Screen[None]):
             if opened.sync is None:
                 self.status.show("new conversation")
             else:
-                self.status.show(f"resumed “{opened.title}” · {sync_line(opened.sync)}")
+                made = f" · made with {opened.model}" if opened.model else ""
+                self.status.show(f"resumed “{opened.title}” · {sync_line(opened.sync)}{made}")
+        self._note_history_error()
         self._attach_pending()
 
     def on_chat_screen_open_failed(self, message: OpenFailed) -> None:
+        self._note_history_error()
         self.conversation.add_note(f"could not reopen the conversation: {message.error}", "error")
         self.status.show(message.error, "error")
         if message.context_full:

@@ -1,4 +1,8 @@
-"""Saved conversations: Enter reopens one (its prefix restored from the cache), d deletes."""
+"""Saved conversations: Enter reopens one (its prefix restored from the cache), d deletes.
+
+Each row names the model the conversation was made with (it resumes only with
+that model); damaged rows are left out and named below the table.
+"""
 
 from __future__ import annotations
 
@@ -39,23 +43,26 @@ class HistoryScreen(Screen[str | None]):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns("title", "messages", "tokens", "updated")
+        self.query_one(DataTable).add_columns("title", "model", "messages", "tokens", "updated")
         self._reload()
 
     def _reload(self) -> None:
         # a quick indexed SQLite read: no need for a worker
-        self.conversations = self.controller.conversations()
+        self.conversations, skipped = self.controller.conversations()
         table = self.query_one(DataTable)
         table.clear()
         for conv in self.conversations:
             table.add_row(
                 Text(conv.title),
+                Text(conv.model.file if conv.model is not None else "—"),
                 str(conv.messages),
                 f"{conv.tokens:,}",
                 ago(conv.updated),
                 key=conv.id,
             )
         note = "" if self.conversations else "No saved conversations yet."
+        if skipped:
+            note = "\n".join([*([note] if note else []), *(row.line() for row in skipped)])
         if self.controller.history is None:
             note = f"Conversations are not saved: {self.controller.history_error}"
         self.query_one("#history-note", Static).update(Content(note))

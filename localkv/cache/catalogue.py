@@ -79,9 +79,16 @@ def save_snapshot(
     label: str | None,
     pin: bool,
 ) -> str | None:
-    """Name the chain ending at ``tip`` after its documents; None if it cannot be saved."""
+    """Name the chain ending at ``tip`` after its documents; None if it cannot be saved.
+
+    None too when the index was deleted while the chain was saved: the id would
+    name a row no later process finds (its manifest lets ``cache repair`` bring
+    it back).
+    """
+    if not cache.saving:
+        return None
     try:
-        return cache.store.put_snapshot(
+        snapshot = cache.store.put_snapshot(
             tip=tip,
             label=label or ", ".join(d.name for d in documents) or "(system prompt)",
             source_path=_source_path(documents),
@@ -94,6 +101,7 @@ def save_snapshot(
     except (OSError, sqlite3.Error, ValueError) as exc:  # disk full; tip evicted
         log.warning("could not save the snapshot (%s); continuing without it", exc)
         return None
+    return None if cache.index_lost() else snapshot
 
 
 def _source_path(documents: Sequence[Document]) -> str | None:

@@ -6,12 +6,19 @@ hashes, then the probe token's logits bit for bit), and trims the sequence to
 the planned prefix. Any failure leaves the session empty, records a miss
 reason, quarantines what was bad, and the caller prefills normally.
 ``prepare``/``write`` save the session's blocks (``save``).
+
+A read-only cache directory is restored from and never written (no blocks,
+snapshots, statistics or quarantine). A damaged index found on the way
+(``IndexDamaged``) is a miss that names ``localkv cache repair``, and the
+cache does nothing more in this process. ``warning`` says, once, what the
+user should know: a read-only cache, or an index deleted while it was used.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +35,7 @@ from localkv.kv import codec
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_root
 from localkv.storage.filehash import FileHasher
+from localkv.storage.index.health import REPAIR_HINT, IndexDamaged, is_damage
 from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, BlockCorrupt
@@ -68,6 +76,14 @@ def _guarded(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class PrefixCache:
     """A session's view of the store: one identity, one namespace, one block size."""
 
@@ -92,11 +108,35 @@ class PrefixCache:
         self.namespace = namespace
         self.block_size = block_size
         self.root = chain_root(identity.digest, namespace)
-        store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
+        self.damaged: str | None = None  # why the index cannot be used (IndexDamaged's line)
+        self._index_id = _file_id(store.layout.index)
+        if not store.read_only:
+            store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
+
+    @property
+    def saving(self) -> bool:
+        """False when nothing may be written: a read-only cache, or a damaged index."""
+        return not self.store.read_only and self.damaged is None
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run bookkeeping through ``defer``; its index errors are logged, never raised."""
-        self._run_deferred(_guarded(fn))
+        if self.saving:
+            self._run_deferred(_guarded(fn))
+
+    def index_lost(self) -> str | None:
+        """Why ``index.db`` is no longer the file this cache opened (deleted, replaced)."""
+        if self._index_id is None or _file_id(self.store.layout.index) == self._index_id:
+            return None
+        return (
+            f"the cache index {self.store.layout.index} was deleted or replaced while this ran: "
+            f"the blocks saved are on disk but not indexed; {REPAIR_HINT}"
+        )
+
+    def warning(self) -> str | None:
+        """What the user should be told once about this cache, if anything."""
+        if self.store.read_only:
+            return f"the cache at {self.store.root} is read-only: restored from it, saved nothing"
+        return self.damaged or self.index_lost()
 
     @property
     def scope(self) -> BlockScope:
@@ -129,11 +169,25 @@ class PrefixCache:
         """
         t0 = time.perf_counter()
         reasons: list[str] = []
-        for _ in range(3):
-            result = self._restore_once(session, tokens, ends, t0, reasons)
-            if result is not None:
-                return result
+        try:
+            for _ in range(3):
+                result = self._restore_once(session, tokens, ends, t0, reasons)
+                if result is not None:
+                    return result
+        except sqlite3.DatabaseError as exc:
+            if not is_damage(exc):
+                raise
+            session.reset()
+            self.damaged = str(IndexDamaged(self.store.layout.index, str(exc)))
+            log.info("cache miss: %s", self.damaged)
+            return RestoreResult(0, None, self.damaged, time.perf_counter() - t0)
         return self._miss(tokens, reasons[-1], t0)
+
+    def _quarantine(self, block_hash: str, reason: str) -> None:
+        if self.saving:
+            self.store.quarantine(block_hash, reason)
+        else:
+            log.warning("block %s is bad (%s); the cache cannot be changed", block_hash, reason)
 
     def _restore_once(
         self,
@@ -157,13 +211,13 @@ class PrefixCache:
         except (BlockCorrupt, codec.StateFormatError) as exc:
             session.reset()
             bad = exc.block_hash if isinstance(exc, BlockCorrupt) else None
-            self.store.quarantine(bad or last.hash, getattr(exc, "reason", str(exc)))
+            self._quarantine(bad or last.hash, getattr(exc, "reason", str(exc)))
             kind = "corrupt block" if isinstance(exc, BlockCorrupt) else "unreadable state"
             reasons.append(f"{kind}: {getattr(exc, 'reason', exc)}")
             return None
         if not probe_matches(session, last, stored_tokens):
             session.reset()
-            self.store.quarantine(plan.chain[0].hash, "probe mismatch")
+            self._quarantine(plan.chain[0].hash, "probe mismatch")
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         session.truncate(reuse)
         marks.append(time.perf_counter())
@@ -199,7 +253,7 @@ class PrefixCache:
 
         def bookkeeping() -> None:
             self.store.touch(hashes)
-            self.store.record_event("hit", None, reuse, saved)
+            self.store.record_event("hit", None, reuse, saved, self.namespace)
 
         self.defer(bookkeeping)
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
@@ -212,7 +266,7 @@ class PrefixCache:
         self, tokens: Sequence[int], reason: str, t0: float, common: int = 0
     ) -> RestoreResult:
         n = len(tokens)
-        self.defer(lambda: self.store.record_event("miss", reason, n, 0.0))
+        self.defer(lambda: self.store.record_event("miss", reason, n, 0.0, self.namespace))
         log.info("cache miss: %s", reason)
         return RestoreResult(0, None, reason, time.perf_counter() - t0, common=common)
 
@@ -220,8 +274,18 @@ class PrefixCache:
     def prepare(
         self, session: ModelSession, tips: Sequence[int], prefill_seconds_per_token: float
     ) -> list[Block]:
-        """Blocks for the session's sequence up to its last tip (see ``save``)."""
-        return prepare_blocks(self.scope, session, tips, prefill_seconds_per_token)
+        """Blocks for the session's sequence up to its last tip (see ``save``); none when
+        nothing may be saved."""
+        if not self.saving:
+            return []
+        try:
+            return prepare_blocks(self.scope, session, tips, prefill_seconds_per_token)
+        except sqlite3.DatabaseError as exc:
+            if not is_damage(exc):
+                raise
+            self.damaged = str(IndexDamaged(self.store.layout.index, str(exc)))
+            log.warning("%s; nothing is saved", self.damaged)
+            return []
 
     def write(self, blocks: Sequence[Block]) -> SaveResult:
         """Write the prepared blocks that are not stored yet (background-safe)."""
@@ -229,6 +293,8 @@ class PrefixCache:
 
     def enforce_budget(self) -> int:
         """Evict down to the budget (after a write); returns the bytes freed."""
+        if not self.saving:
+            return 0
         budget = self.budget_bytes or self.store.default_budget()
         try:
             freed = self.store.evict(budget)
@@ -253,7 +319,8 @@ def open_prefix_cache(
     except (CacheDirError, sqlite3.Error, OSError) as exc:
         return None, f"cache unavailable: {exc}"
     try:
-        identity = identity_of(session, FileHasher(store.root / "filehashes.db"))
+        hashes = None if store.read_only else store.root / "filehashes.db"
+        identity = identity_of(session, FileHasher(hashes))
         block_size = session.config.block_size
         return PrefixCache(store, identity, namespace, block_size, defer=defer), None
     except (codec.StateFormatError, sqlite3.Error, OSError) as exc:

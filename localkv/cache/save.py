@@ -33,6 +33,10 @@ class SaveResult:
     new_bytes: int  # bytes on disk written now
     tip: str | None  # hash of the chain's last block (None if the save failed)
     error: str | None = None  # why the save stopped (disk full, I/O error, chain evicted)
+    # why the chain is not in the cache after all: the budget's eviction took it at once
+    not_kept: str | None = None
+    # pinned snapshots hold more than the budget: eviction cannot bring the cache within it
+    over_budget: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

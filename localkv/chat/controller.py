@@ -1,5 +1,9 @@
 """What the chat app asks of the engine: one conversation, saved after every change.
 
+The history is written through ``localkv.chat.saving``: the user's message
+before its answer, the answer after it, forks when another chat wrote the
+same conversation. What happened there reaches the faces as ``notices()``.
+
 The methods that touch the model are called from worker threads and take one
 lock, so a new request waits for the previous one (a cancel makes that short).
 They return values (frozen dataclasses); the app never reads engine state itself.
@@ -10,16 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from localkv.chat.history import ConversationInfo, ConversationStore, title_of
+from localkv.chat.history import ConversationInfo, ConversationStore, Skipped, title_of
+from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model_of
 from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport
 from localkv.model.sampling import SamplingParams
+from localkv.model.session import ContextFullError
 from localkv.prompt.request import Document, byte_limit, read_document
 from localkv.runtime import Runtime
 
@@ -30,6 +35,8 @@ __all__ = [
     "ContextInfo",
     "Entry",
     "ModelInfo",
+    "ModelMismatch",
+    "NoHistory",
     "Opened",
     "SnapshotInfo",
 ]
@@ -105,6 +112,7 @@ class Opened:
     transcript: tuple[Entry, ...]
     sync: SyncReport | None  # None: nothing to restore (a fresh conversation)
     context: ContextInfo
+    model: str | None = None  # the model file it was made with, when it was recorded
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +143,9 @@ class ChatController:
     ) -> None:
         self.runtime = runtime
         self.history = history
-        self.history_error = history_error if history is None else None
+        self.keeper = HistoryKeeper(history, model_of(runtime), history_error)
         self.model = ModelInfo.of(runtime)
         self.chat = ChatSession(runtime, ChatState(system=system))
-        self.conversation_id: str | None = None
         self._documents: list[Document] = []  # this conversation's, while it has no turns
         self._lock = threading.Lock()
 
@@ -151,6 +158,19 @@ class ChatController:
             pass
 
     # ------------------------------------------------------------ information
+    @property
+    def history_error(self) -> str | None:
+        """Why conversations are not being saved right now, or None."""
+        return self.keeper.error
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.keeper.id
+
+    def notices(self) -> list[str]:
+        """What happened to the saved history since the last call, for the faces to show."""
+        return self.keeper.notices()
+
     @property
     def cache_status(self) -> str:
         if self.runtime.cache is not None:
@@ -189,8 +209,13 @@ class ChatController:
     ) -> Answered:
         """Answer ``text`` (streaming to ``on_text``); raises ``ContextFullError``."""
         with self._lock:
-            report = self.chat.send(text, params, on_text, cancel)
-            self._save()
+            self.keeper.question(self.chat.state, text)  # kept even if this process dies
+            try:
+                report = self.chat.send(text, params, on_text, cancel)
+            except ContextFullError:
+                self.keeper.answered(self.chat.state)  # refused: nothing is pending
+                raise
+            self.keeper.answered(self.chat.state)
             return Answered(report, self.context())
 
     def attach(
@@ -232,7 +257,7 @@ class ChatController:
                 sync = self.chat.attach(document, progress, cancel)
             if not sync.cancelled:
                 self._documents.append(document)
-                self._save()
+                self.keeper.answered(self.chat.state)
             return Attached(document.name, len(state.tokens) - before, sync, self.context())
 
     def _documents_only(self) -> bool:
@@ -244,7 +269,7 @@ class ChatController:
         """Start a fresh conversation (the current one stays saved)."""
         with self._lock:
             self.chat.reset(system)
-            self.conversation_id = None
+            self.keeper.started(None)
             self._documents = []
             return Opened(title_of(self.chat.state), self.transcript(), None, self.context())
 
@@ -263,29 +288,30 @@ class ChatController:
         if self.history is None:
             raise NoHistory(self.history_error or "conversations are not saved")
         with self._lock:
-            info = (
-                self.history.latest()
-                if conversation_id is None
-                else self.history.info(conversation_id)
-            )
+            if conversation_id is None:
+                found, skipped = self.history.scan()
+                for row in skipped:
+                    self.keeper.note(row.line())
+                info = found[0] if found else None
+            else:
+                info = self.history.info(conversation_id)
             if info is None:
                 return None
+            check_model(info, self.keeper.model)
             state = self.history.load(info.id)
             self.runtime.wait_for_saves()
             chat = ChatSession(self.runtime, state)
+            if info.pending is not None:
+                chat.add_unanswered(info.pending)
+                self.keeper.note(
+                    f"the last message, “{title_of(ChatState(), info.pending)}”, was never "
+                    "answered (the chat was stopped): it is kept, with an empty answer"
+                )
             sync = chat.sync(progress, cancel)  # checks that it fits before touching the KV
-            self.chat, self.conversation_id, self._documents = chat, info.id, []
-            return Opened(info.title, self.transcript(), sync, self.context())
-
-    def _save(self) -> None:
-        state = self.chat.state
-        if self.history is None or all(m.role == "system" for m in state.messages):
-            return
-        try:
-            self.conversation_id = self.history.save(state, self.conversation_id)
-        except (sqlite3.Error, OSError) as exc:
-            log.warning("could not save the conversation: %s", exc)
-            self.history_error = str(exc)
+            self.chat, self._documents = chat, []
+            self.keeper.started(info)
+            model = info.model.describe() if info.model is not None else None
+            return Opened(info.title, self.transcript(), sync, self.context(), model)
 
     # ----------------------------------------------------------------- cache
     def snapshots(self) -> list[SnapshotInfo]:
@@ -310,12 +336,13 @@ class ChatController:
             return self.runtime.remove_snapshot(snapshot_id)
 
     # --------------------------------------------------------------- history
-    def conversations(self) -> list[ConversationInfo]:
-        return [] if self.history is None else self.history.list()
+    def conversations(self) -> tuple[list[ConversationInfo], list[Skipped]]:
+        """The saved conversations that read back, and the damaged ones left out."""
+        return ([], []) if self.history is None else self.history.scan()
 
     def delete_conversation(self, conversation_id: str) -> None:
         if self.history is None:
             raise NoHistory(self.history_error or "conversations are not saved")
         if conversation_id == self.conversation_id:
-            self.conversation_id = None  # the next turn saves it as a new one
+            self.keeper.started(None)  # the next turn saves it as a new one
         self.history.delete(conversation_id)

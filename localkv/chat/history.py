@@ -4,14 +4,20 @@ A conversation is stored exactly as ``ChatState`` holds it — messages, the
 token ids in the KV sequence (generated tokens as sampled), segment
 boundaries and attached documents — so reopening it rebuilds the same tokens
 and its prefix is restored from the cache instead of recomputed. The schema is
-built by migrations recorded in ``_migrations``, applied when the store opens.
+built by migrations (``localkv.chat.historyschema``), applied when the store opens.
+
+Nothing is lost silently. Opening checks that the file is a regular SQLite
+database this process can write (a probe write, rolled back), or raises. Every
+row carries a revision: ``write`` updates a conversation only at the revision
+its writer read, so a second chat on the same conversation forks a new one
+instead of overwriting the first one's turns. Rows that cannot be read back
+(``localkv.chat.historyrows``) are skipped and reported, never raised from a
+listing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import logging
 import os
 import secrets
@@ -26,9 +32,22 @@ from pathlib import Path
 import numpy as np
 import sqlite_utils
 
+from localkv.chat.historyrows import (
+    INFO_COLUMNS,
+    STATE_COLUMNS,
+    ConversationInfo,
+    ConversationModel,
+    MalformedConversation,
+    Skipped,
+    decode_info,
+    decode_state,
+    encode_state,
+    info_or_placeholder,
+    message_texts,
+    title_of,
+)
+from localkv.chat.historyschema import MIGRATIONS, migrate, rebuild_table
 from localkv.chat.session import ChatState
-from localkv.prompt.template import Message
-from localkv.storage.index.migrations import Migrations
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
 from localkv.storage.removal.forget import DocumentRuns
 
@@ -36,8 +55,12 @@ __all__ = [
     "HISTORY_FILE",
     "MIGRATIONS",
     "ConversationInfo",
+    "ConversationModel",
     "ConversationNotFound",
     "ConversationStore",
+    "MalformedConversation",
+    "Skipped",
+    "Written",
     "migrate",
     "title_of",
 ]
@@ -45,96 +68,32 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HISTORY_FILE = "conversations.db"
-_TITLE_CHARS = 60
-
-migration = Migrations()  # the conversation database's schema
-MIGRATIONS = migration.functions
-
-
-def migrate(db: sqlite_utils.Database) -> list[str]:
-    """Apply the migrations not yet named in ``_migrations``; return their names."""
-    return migration.apply(db)
-
-
-@migration
-def m001_conversations(db: sqlite_utils.Database) -> None:
-    db.table("conversations").create(
-        {
-            "id": str,
-            "title": str,
-            "system": str,
-            "messages": str,  # JSON [[role, content], ...]
-            "tokens": bytes,  # little-endian int32 token ids
-            "boundaries": str,  # JSON [int, ...]
-            "documents": str,  # JSON [[name, tokens], ...]
-            "n_messages": int,
-            "n_tokens": int,
-            "created": float,
-            "updated": float,
-        },
-        pk="id",
-        not_null={
-            "title",
-            "messages",
-            "tokens",
-            "boundaries",
-            "documents",
-            "n_messages",
-            "n_tokens",
-            "created",
-            "updated",
-        },
-    )
-    db.table("conversations").create_index(["updated"])
-
-
-@migration
-def m002_generated_spans(db: sqlite_utils.Database) -> None:
-    """The spans of generated tokens (each decoded alone): part of the batch schedule."""
-    db.table("conversations").add_column("generated", str, not_null_default="[]")
 
 
 class ConversationNotFound(KeyError):
     """No saved conversation has this id."""
 
+    def __str__(self) -> str:
+        name = str(self.args[0]) if self.args else ""
+        return f"no saved conversation {name or repr(name)}"
+
 
 @dataclass(frozen=True, slots=True)
-class ConversationInfo:
-    """One saved conversation, as a list shows it."""
+class Written:
+    """Where a write went: ``forked_from`` is set when it became a new conversation."""
 
     id: str
-    title: str
-    messages: int
-    tokens: int
-    created: float
-    updated: float
-
-
-def title_of(state: ChatState) -> str:
-    """The first question asked (a user message answered by the assistant), shortened.
-
-    Attached documents are user messages too, but never directly answered.
-    """
-    msgs = state.messages
-    for message, following in itertools.pairwise(msgs):
-        if message.role == "user" and following.role == "assistant":
-            line = " ".join(message.content.split())
-            return line if len(line) <= _TITLE_CHARS else line[: _TITLE_CHARS - 1] + "…"
-    if state.documents:
-        return ", ".join(name for name, _ in state.documents)
-    return "(new conversation)"
-
-
-def _encode_tokens(tokens: list[int]) -> bytes:
-    return np.asarray(tokens, dtype="<i4").tobytes()
-
-
-def _decode_tokens(data: bytes) -> list[int]:
-    return [int(t) for t in np.frombuffer(data, dtype="<i4")]
+    revision: int
+    forked_from: str | None = None
+    reason: str | None = None  # why it forked
 
 
 def _prepare_file(path: Path) -> None:
-    """Create the database file 0600 before SQLite does (its -wal/-shm copy the mode)."""
+    """Create the database file 0600 before SQLite does (its -wal/-shm copy the mode).
+
+    Anything but a regular file (a directory, a FIFO, a symlink) is refused
+    before SQLite opens it: nothing blocks, nothing is followed.
+    """
     with contextlib.suppress(FileExistsError):
         os.close(create_private_file(path))
     st = os.lstat(path)
@@ -145,22 +104,36 @@ def _prepare_file(path: Path) -> None:
 
 
 class ConversationStore:
-    """Saved conversations; safe to share between threads (one lock, one connection)."""
+    """Saved conversations; safe to share between threads (one lock, one connection).
+
+    ``repairs`` says what opening had to mend (a dropped table made again, empty).
+    """
 
     def __init__(self, path: Path | None) -> None:
-        """``path=None`` keeps everything in memory (for tests)."""
+        """``path=None`` keeps everything in memory (for tests). Raises ``sqlite3.Error``."""
         if path is None:
             conn = sqlite3.connect(":memory:", check_same_thread=False)
         else:
             conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
         self.path = path
+        self.repairs: list[str] = []
         self._lock = threading.Lock()
         self._closed = False
         self.db = sqlite_utils.Database(conn)
-        self.db.execute("PRAGMA busy_timeout = 30000")
-        if path is not None:
-            self.db.execute("PRAGMA journal_mode = WAL")
-        migrate(self.db)
+        try:
+            self.db.execute("PRAGMA busy_timeout = 30000")
+            if path is not None:
+                self.db.execute("PRAGMA journal_mode = WAL")
+            with self._immediate(self.db):  # one process migrates at a time
+                migrate(self.db)
+                if not self.db.table("conversations").exists():
+                    rebuild_table(self.db)
+                    self.repairs.append("its conversations table was missing; made a new one")
+                    log.warning("conversation history %s: %s", path, self.repairs[-1])
+            self._check_writable()
+        except BaseException:
+            conn.close()
+            raise
 
     @classmethod
     def open(cls, root: Path | str | None = None) -> ConversationStore:
@@ -169,7 +142,26 @@ class ConversationStore:
         ensure_private_dir(directory)
         path = directory / HISTORY_FILE
         _prepare_file(path)
-        return cls(path)
+        try:
+            return cls(path)
+        except sqlite3.Error as exc:  # not a database, read-only, disk full, locked
+            raise OSError(f"conversation history {path}: {exc}") from exc
+
+    @classmethod
+    def open_existing(cls, root: Path | str | None = None) -> ConversationStore | None:
+        """Open the history if there is one; None (creating nothing) when there is none."""
+        path = default_root(root) / HISTORY_FILE
+        if not os.path.lexists(path):
+            return None
+        return cls.open(root)
+
+    def _check_writable(self) -> None:
+        """Fail now, not after the first answer, if nothing can be written."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("CREATE TABLE _write_check (x)")
+        finally:
+            self.db.conn.rollback()
 
     def close(self) -> None:
         """Close the connection (safe to call twice)."""
@@ -191,87 +183,149 @@ class ConversationStore:
                 raise RuntimeError("the conversation store is closed")
             yield self.db
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _immediate(db: sqlite_utils.Database) -> Iterator[None]:
+        """A ``BEGIN IMMEDIATE`` transaction: a read-check-write no other process interleaves."""
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            db.execute("COMMIT")
+        except BaseException:
+            if db.conn.in_transaction:
+                db.conn.rollback()
+            raise
+
     # ----------------------------------------------------------------- writes
     def save(self, state: ChatState, id: str | None = None, *, title: str | None = None) -> str:
-        """Insert (``id=None``) or replace a conversation; returns its id."""
+        """Insert (``id=None``) or replace a conversation, whatever its revision; its id."""
         now = time.time()
-        row: dict[str, object] = {
-            "title": title or title_of(state),
-            "system": state.system,
-            "messages": json.dumps([[m.role, m.content] for m in state.messages]),
-            "tokens": _encode_tokens(state.tokens),
-            "boundaries": json.dumps(state.boundaries),
-            "documents": json.dumps([[name, n] for name, n in state.documents]),
-            "generated": json.dumps([[a, b] for a, b in state.generated]),
-            "n_messages": len(state.messages),
-            "n_tokens": len(state.tokens),
-            "updated": now,
-        }
-        with self._db() as db, db.atomic():
+        row = {**encode_state(state), "title": title or title_of(state), "updated": now}
+        with self._db() as db, self._immediate(db):
             table = db.table("conversations")
             if id is not None and table.count_where("id = ?", [id]):
+                db.execute("UPDATE conversations SET revision = revision + 1 WHERE id = ?", [id])
                 table.update(id, row)
                 return id
             new_id = id or secrets.token_hex(8)
-            table.insert({"id": new_id, "created": now, **row})
+            table.insert({"id": new_id, "created": now, "revision": 1, **row})
             return new_id
+
+    def write(
+        self,
+        state: ChatState,
+        id: str | None,
+        revision: int,
+        *,
+        model: ConversationModel | None,
+        pending: str | None = None,
+    ) -> Written:
+        """Save ``state`` (and the message awaiting its answer) in one transaction.
+
+        ``id`` is updated only if it is still at ``revision`` (what this writer
+        last wrote or read); if another writer changed or deleted it meanwhile,
+        the state becomes a new conversation, forked from ``id``. ``id=None``
+        inserts a new one.
+        """
+        now = time.time()
+        row: dict[str, object] = {
+            **encode_state(state),
+            "title": title_of(state, pending),
+            "updated": now,
+            "pending": pending,
+            "model": model.file if model else None,
+            "model_sha256": model.sha256 if model else None,
+            "identity": model.identity if model else None,
+        }
+        with self._db() as db, self._immediate(db):
+            reason = None
+            if id is not None:
+                columns = ", ".join(f"{name} = ?" for name in row)
+                cursor = db.execute(
+                    f"UPDATE conversations SET {columns}, revision = revision + 1 "
+                    "WHERE id = ? AND revision = ?",
+                    [*row.values(), id, revision],
+                )
+                if cursor.rowcount:
+                    return Written(id, revision + 1)
+                held = db.execute("SELECT 1 FROM conversations WHERE id = ?", [id]).fetchone()
+                reason = "another chat saved it meanwhile" if held else "it was deleted meanwhile"
+            new_id = secrets.token_hex(8)
+            db.table("conversations").insert(
+                {"id": new_id, "created": now, "revision": 1, "forked_from": id, **row}
+            )
+            return Written(new_id, 1, id, reason)
 
     def delete(self, id: str) -> bool:
         """Forget a conversation; False if there was none with this id."""
-        with self._db() as db, db.atomic():
+        with self._db() as db, self._immediate(db):
             cursor = db.execute("DELETE FROM conversations WHERE id = ?", [id])
             return cursor.rowcount > 0
 
     # ------------------------------------------------------------------ reads
-    def list(self, limit: int | None = None) -> list[ConversationInfo]:
-        """Saved conversations, most recently updated first."""
+    def scan(self) -> tuple[list[ConversationInfo], list[Skipped]]:
+        """Every conversation that reads back, most recently updated first; and those that don't."""
         sql = (
-            "SELECT id, title, n_messages, n_tokens, created, updated FROM conversations "
+            f"SELECT {INFO_COLUMNS}, {STATE_COLUMNS} FROM conversations "
             "ORDER BY updated DESC, rowid DESC"
         )
-        params: list[object] = []
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
         with self._db() as db:
-            rows = db.execute(sql, params).fetchall()
-        return [ConversationInfo(*row) for row in rows]
+            rows = db.execute(sql).fetchall()
+        found: list[ConversationInfo] = []
+        skipped: list[Skipped] = []
+        for row in rows:
+            try:
+                info = decode_info(row[:12])
+                decode_state(info.id, row[12:], info.tokens)
+            except MalformedConversation as exc:
+                skipped.append(Skipped(exc.id, exc.reason))
+                log.warning("%s", exc)
+            else:
+                found.append(info)
+        return found, skipped
+
+    def list(self, limit: int | None = None) -> list[ConversationInfo]:
+        """Saved conversations that read back, most recently updated first."""
+        found = self.scan()[0]
+        return found if limit is None else found[:limit]
 
     def latest(self) -> ConversationInfo | None:
-        """The most recently updated conversation, or None when there is none."""
+        """The most recently updated conversation that reads back, or None."""
         found = self.list(limit=1)
         return found[0] if found else None
 
     def info(self, id: str) -> ConversationInfo:
-        with self._db() as db:
-            row = db.execute(
-                "SELECT id, title, n_messages, n_tokens, created, updated FROM conversations "
-                "WHERE id = ?",
-                [id],
-            ).fetchone()
-        if row is None:
-            raise ConversationNotFound(id)
-        return ConversationInfo(*row)
+        """Raises ``ConversationNotFound`` or ``MalformedConversation``."""
+        return decode_info(self._row(id, INFO_COLUMNS))
 
     def load(self, id: str) -> ChatState:
-        """The saved state, exactly as it was saved."""
+        """The saved state, exactly as it was saved (raises as ``info``)."""
+        return decode_state(id, self._row(id, STATE_COLUMNS), self.info(id).tokens)
+
+    def _row(self, id: str, columns: str) -> tuple[object, ...]:
         with self._db() as db:
-            row = db.execute(
-                "SELECT system, messages, tokens, boundaries, documents, generated "
-                "FROM conversations WHERE id = ?",
-                [id],
-            ).fetchone()
+            row = db.execute(f"SELECT {columns} FROM conversations WHERE id = ?", [id]).fetchone()
         if row is None:
             raise ConversationNotFound(id)
-        system, messages, tokens, boundaries, documents, generated = row
-        return ChatState(
-            system=system,
-            messages=[Message(role, content) for role, content in json.loads(messages)],
-            tokens=_decode_tokens(tokens),
-            boundaries=[int(b) for b in json.loads(boundaries)],
-            documents=[(str(name), int(n)) for name, n in json.loads(documents)],
-            generated=[(int(a), int(b)) for a, b in json.loads(generated)],
-        )
+        return tuple(row)
+
+    def resolve(self, ident: str) -> str:
+        """The id of the conversation that ``ident`` names: an id, or its unique start."""
+        with self._db() as db:
+            ids = [
+                str(row[0])
+                for row in db.execute(
+                    "SELECT id FROM conversations WHERE substr(id, 1, length(?)) = ?",
+                    [ident, ident],
+                ).fetchall()
+            ]
+        if ident in ids:
+            return ident
+        if len(ids) == 1 and ident:
+            return ids[0]
+        if ids and ident:
+            raise ConversationNotFound(f"{ident} (ambiguous: {len(ids)} conversations start so)")
+        raise ConversationNotFound(ident)
 
     # --------------------------------------------------------------- privacy
     def holding(self, text: str, runs: Sequence[np.ndarray] = ()) -> tuple[ConversationInfo, ...]:
@@ -281,19 +335,27 @@ class ConversationStore:
         text (an attached document is a message holding the text alone), or if
         its tokens contain ``RUN_LENGTH`` consecutive tokens of one of ``runs``
         (the document tokenized by a model's vocabulary, see
-        ``localkv.cache.forgetting``). ``cache forget`` must not leave it there.
+        ``localkv.cache.forgetting``). ``cache forget`` must not leave it there:
+        a damaged row is searched as raw text and bytes, and listed by id.
         """
         needle = text.strip()
         document = DocumentRuns.of(runs)
         with self._db() as db:
-            rows = db.execute("SELECT id, system, messages, tokens FROM conversations").fetchall()
-        found = {
-            str(id)
-            for id, system, messages, tokens in rows
-            if (needle and self._mentions(needle, system, messages))
-            or document.holds(np.frombuffer(tokens, dtype="<i4"))
-        }
-        return tuple(info for info in self.list() if info.id in found)
+            rows = db.execute(
+                f"SELECT {INFO_COLUMNS}, system, messages, tokens FROM conversations "
+                "ORDER BY updated DESC, rowid DESC"
+            ).fetchall()
+        held: list[ConversationInfo] = []
+        for row in rows:
+            system, messages, tokens, pending = row[12], row[13], row[14], row[10]
+            texts = [system, pending, *message_texts(messages)]
+            blob = tokens if isinstance(tokens, bytes) else b""
+            ids = np.frombuffer(blob[: len(blob) // 4 * 4], dtype="<i4")
+            if (needle and any(isinstance(t, str) and needle in t for t in texts)) or (
+                document.holds(ids)
+            ):
+                held.append(info_or_placeholder(row[:12]))
+        return tuple(held)
 
     def forget(self, ids: Sequence[str]) -> tuple[tuple[str, ...], bool]:
         """Delete these conversations, then overwrite what their rows left behind.
@@ -320,10 +382,3 @@ class ConversationStore:
         if not truncated:
             log.warning("the conversation history's WAL is in use; not yet truncated")
         return tuple(deleted), truncated
-
-    @staticmethod
-    def _mentions(needle: str, system: str | None, messages: str) -> bool:
-        """The system prompt or a message (JSON ``[[role, content], ...]``) holds ``needle``."""
-        if system and needle in system:
-            return True
-        return any(needle in str(content) for _, content in json.loads(messages))

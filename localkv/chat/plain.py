@@ -5,18 +5,26 @@ save after every change), the same slash commands (``localkv.chat.commands``)
 and the same cache reports (``localkv.chat.formats``); only the drawing differs.
 Answers and what a command lists go to ``stdout``; notes in brackets (the
 status line with TTFT, tokens/s and what the cache did, errors) go to ``stderr``.
+
+Ctrl-C during an answer stops it and keeps what was produced; SIGTERM and
+SIGHUP do the same, then end the chat (exit 143 and 129) once the turn is
+saved; while waiting for input they end it at once (everything is saved).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sqlite3
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import TextIO
 
 from localkv.chat.commands import PLAIN_HELP, PLAIN_INTRO, Command, message_text, parse_command
-from localkv.chat.controller import ChatController
+from localkv.chat.controller import ChatController, ModelMismatch
 from localkv.chat.formats import ago, human_bytes, sync_line, sync_summary, turn_line
-from localkv.chat.history import ConversationStore
+from localkv.chat.history import ConversationStore, MalformedConversation
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.request import Document, DocumentError, byte_limit, read_document
@@ -40,8 +48,9 @@ def run_plain_chat(
 ) -> int:
     """Read lines, answer each; returns an exit code (streams default to ``sys``'s).
 
-    ``resume`` reopens the latest saved conversation, then ``documents`` are
-    attached; the caller owns ``runtime`` and ``history``.
+    ``resume`` reopens the latest saved conversation (1: it could not be, with
+    the reason on ``stderr``), then ``documents`` are attached; the caller owns
+    ``runtime`` and ``history``.
     """
     controller = ChatController(runtime, history, system=system, history_error=history_error)
     chat = _PlainChat(
@@ -53,14 +62,28 @@ def run_plain_chat(
         stderr or sys.stderr,
     )
     try:
-        chat.note_history_error()
-        if resume:
-            chat.resume()
-        for document in documents:
-            chat.attach(document)
-        return chat.loop()
+        with chat.signals():
+            chat.note_history_error()
+            if resume and not chat.resume():
+                return 1
+            for document in documents:
+                chat.attach(document)
+            return chat.loop()
+    except _Ended as ended:
+        return 128 + ended.signum
     finally:
         controller.close()
+
+
+class _Ended(Exception):
+    """SIGTERM or SIGHUP while the chat waited for input."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class _PlainChat:
@@ -80,6 +103,51 @@ class _PlainChat:
         self.system = system
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self._history_error_shown: str | None = None
+        self._signal = 0  # a stop signal that came during an answer (0: none)
+        self._waiting = False  # reading input: a stop signal ends the chat at once
+
+    # --------------------------------------------------------------- signals
+    @contextlib.contextmanager
+    def signals(self) -> Iterator[None]:
+        """Ctrl-C, SIGTERM and SIGHUP stop an answer (kept); see the module docstring."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self._waiting:
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise _Ended(signum)
+            self._signal = signum
+
+        wanted = [signal.SIGINT, *_ENDING]
+        try:
+            previous = {sig: signal.signal(sig, handler) for sig in wanted}
+        except ValueError:  # not the main thread: no signal handling
+            yield
+            return
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def _stopped(self) -> bool:
+        return bool(self._signal)
+
+    def _ending(self) -> int | None:
+        """The exit code when a stop signal ends the chat; a Ctrl-C is consumed."""
+        if self._signal in _ENDING:
+            return 128 + self._signal
+        self._signal = 0
+        return None
+
+    def _readline(self) -> str:
+        self._waiting = True
+        try:
+            if self._signal in _ENDING:  # it came before we waited
+                raise _Ended(self._signal)
+            return self.stdin.readline()
+        finally:
+            self._waiting = False
 
     # ---------------------------------------------------------------- output
     def note(self, text: str) -> None:
@@ -89,7 +157,9 @@ class _PlainChat:
         print(text, end=end, file=self.stdout, flush=True)
 
     def note_history_error(self) -> None:
-        """Say once that conversations are not saved, each time the reason changes."""
+        """Say what happened to the history; that conversations are not saved, once per reason."""
+        for notice in self.controller.notices():
+            self.note(notice)
         error = self.controller.history_error
         if error and error != self._history_error_shown:
             self._history_error_shown = error
@@ -104,7 +174,7 @@ class _PlainChat:
         while True:
             if interactive:
                 self.say("> ", end="")
-            line = self.stdin.readline()
+            line = self._readline()
             if not line:
                 return 0
             if not line.strip():
@@ -116,6 +186,9 @@ class _PlainChat:
                 return 0
             else:
                 self.run_command(command)
+            code = self._ending()
+            if code is not None:
+                return code
 
     def run_command(self, command: Command) -> None:
         """The same commands as the chat app's; /history and /cache list instead of a screen."""
@@ -148,10 +221,11 @@ class _PlainChat:
     def ask(self, text: str) -> None:
         try:
             answered = self.controller.send(
-                text, self.params, lambda piece: self.say(piece, end=""), lambda: False
+                text, self.params, lambda piece: self.say(piece, end=""), self._stopped
             )
         except ContextFullError as exc:
             self.note(f"context full: {exc}. Type /new to start over.")
+            self.note_history_error()
             return
         self.say()
         self.note(turn_line(answered.report))
@@ -159,7 +233,7 @@ class _PlainChat:
 
     def attach(self, document: Document) -> None:
         try:
-            attached = self.controller.attach_document(document)
+            attached = self.controller.attach_document(document, cancel=self._stopped)
         except ContextFullError as exc:
             self.note(f"context full: {exc}")
             return
@@ -170,33 +244,49 @@ class _PlainChat:
         self.controller.new(self.system)
         self.note("new conversation")
 
-    def resume(self) -> None:
-        """Reopen the latest saved conversation, restored from the cache."""
-        history = self.controller.history
-        latest = history.latest() if history is not None else None
-        if latest is None:
-            return
+    def resume(self) -> bool:
+        """Reopen the latest saved conversation, restored from the cache; False: it cannot be.
+
+        A conversation that does not fit this context is left for a new one (True).
+        """
+        if self.controller.history is None:
+            error = self.controller.history_error or "conversations are not saved"
+            self.note(f"cannot resume: the saved conversations cannot be read: {error}")
+            return False
         try:
-            opened = self.controller.open(latest.id)
+            opened = self.controller.open(None, cancel=self._stopped)
         except ContextFullError as exc:
-            self.note(f"cannot resume “{latest.title}”: {exc}")
-            return
-        if opened is not None and opened.sync is not None:
-            self.note(f"resumed “{opened.title}”: {sync_line(opened.sync)}")
+            self.note_history_error()
+            self.note(f"cannot resume the last conversation: {exc}")
+            return True
+        except (ModelMismatch, MalformedConversation, sqlite3.Error, OSError) as exc:
+            self.note_history_error()
+            self.note(f"cannot resume: {exc}")
+            return False
+        self.note_history_error()
+        if opened is None:
+            self.note("no saved conversation to resume: this is a new one")
+        elif opened.sync is not None:
+            made = f" · made with {opened.model}" if opened.model else ""
+            self.note(f"resumed “{opened.title}”: {sync_line(opened.sync)}{made}")
+        return True
 
     # ------------------------------------------------------------- listings
     def list_history(self) -> None:
         if self.controller.history is None:
             self.note(f"conversations are not saved: {self.controller.history_error or 'off'}")
             return
-        rows = self.controller.conversations()
+        rows, skipped = self.controller.conversations()
         if not rows:
             self.say("No saved conversations yet.")
         for conv in rows:
+            model = f" · {conv.model.file}" if conv.model is not None else ""
             self.say(
-                f"{conv.title} · {conv.messages} messages · {conv.tokens:,} tokens · "
-                f"{ago(conv.updated)}"
+                f"{conv.id} · {conv.title} · {conv.messages} messages · {conv.tokens:,} tokens"
+                f"{model} · {ago(conv.updated)}"
             )
+        for row in skipped:
+            self.note(row.line())
 
     def list_cache(self) -> None:
         if self.controller.runtime.cache is None:

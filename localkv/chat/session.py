@@ -199,6 +199,20 @@ class ChatSession:
             answer.text, len(answer.ids), sync, answer.ttft_s, answer.tokens_per_s, stopped
         )
 
+    def add_unanswered(self, text: str) -> None:
+        """Add a user message whose answer never came (the chat was killed), answered empty.
+
+        Only the conversation changes; ``sync`` brings the KV sequence in line.
+        """
+        template = self.runtime.template
+        self._add(Message("user", text))
+        self.state.tokens.extend(template.assistant_start_tokens(self.state.messages))
+        self.state.boundaries[-1] = len(self.state.tokens)
+        history = list(self.state.messages)
+        self.state.messages.append(Message("assistant", ""))
+        self.state.tokens.extend(template.assistant_end_tokens(history, ""))
+        self.state.boundaries.append(len(self.state.tokens))  # as a turn that got no token
+
     def _close_turn(self, stream: Streamed) -> None:
         history = list(self.state.messages)
         session = self.runtime.session

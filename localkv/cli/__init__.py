@@ -27,6 +27,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Ask a question about documents; the answer streams to stdout.",
     ),
     "cache": ("localkv.cli.cache:cache", "Inspect and manage the on-disk KV cache."),
+    "models": (
+        "localkv.cli.models:models",
+        "List the GGUF models found on this machine (LM Studio, Ollama, Hugging Face cache).",
+    ),
+    "history": ("localkv.cli.history:history", "List, export and delete saved chat conversations."),
     "bench": (
         "localkv.cli.bench:bench",
         "Measure time to first token: cold prefill against a verified restore from disk.",

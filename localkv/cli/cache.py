@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
 
+from localkv.cache.budgeting import budget_warning, namespace_stats, stats_lines
 from localkv.cli.options import model_options, session_config
+from localkv.cli.repair import index_problems, repair_cmd
+from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.model.session import ModelLoadError
 from localkv.prompt.request import Document, DocumentError, read_document
-from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import BlockCorrupt, SnapshotRow
 
@@ -29,16 +29,6 @@ _dir_option = click.option(
     help="Cache directory (default: LOCALKV_HOME, then the user cache dir).",
 )
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-
-
-@contextmanager
-def _store(cache_dir: str | None) -> Iterator[SnapshotStore]:
-    try:
-        store = SnapshotStore.open(Path(cache_dir) if cache_dir else None)
-    except (CacheDirError, OSError) as exc:
-        raise click.ClickException(f"cannot open the cache: {exc}") from None
-    with store:
-        yield store
 
 
 def _snapshot(store: SnapshotStore, ident: str) -> SnapshotRow:
@@ -82,9 +72,10 @@ def cache() -> None:
 @_json_option
 @click.option("--namespace", default=None, help="Only this namespace.")
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
-    """List snapshots."""
+    """List snapshots (and warn when pinned ones hold more than the budget)."""
     with _store(cache_dir) as store:
         rows = [_snapshot_json(store, s) for s in store.snapshots(namespace)]
+        _warn(budget_warning(store))
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -204,7 +195,7 @@ def forget_cmd(
     """
     path = Path(file).expanduser()
     document = _forgotten_document(path)
-    with _store(cache_dir) as store:
+    with _store(cache_dir, create=True) as store:
         runs = _forget_runs(store, document, opts.get("model"))
         chats, chats_truncated = _forget_conversations(
             store.root, document, runs, with_conversations
@@ -294,25 +285,32 @@ def _forget_conversations(
 @_dir_option
 @_json_option
 def gc_cmd(cache_dir: str | None, as_json: bool) -> None:
-    """Remove temp files, files without index rows and rows without files."""
+    """Remove temp files, files without index rows and rows without files, then evict
+    unpinned blocks down to the budget (LOCALKV_BUDGET), least valuable first."""
     with _store(cache_dir) as store:
         report = store.gc()
-    fields = {k: getattr(report, k) for k in report.__dataclass_fields__}
+        fields = {k: getattr(report, k) for k in report.__dataclass_fields__}
+        fields["evicted_bytes"] = store.evict(store.default_budget())
+        _warn(budget_warning(store))
     click.echo(json.dumps(fields) if as_json else ", ".join(f"{k}: {v}" for k, v in fields.items()))
 
 
 @cache.command("stats")
 @_dir_option
 @_json_option
-def stats_cmd(cache_dir: str | None, as_json: bool) -> None:
-    """Hits, misses by reason, bytes, and prefill seconds saved."""
+@click.option("--namespace", default="default", show_default=True, help="Only this namespace.")
+def stats_cmd(cache_dir: str | None, as_json: bool, namespace: str) -> None:
+    """One namespace's hits, misses by reason, bytes (pinned too) and prefill seconds
+    saved; and the whole cache's budget with its use (bytes stored, bytes pinned)."""
     with _store(cache_dir) as store:
-        stats = dict(store.stats())
-    if as_json:
-        click.echo(json.dumps(stats))
-        return
-    for key, value in stats.items():
-        click.echo(f"{key:>22}: {json.dumps(value)}")
+        stats = namespace_stats(store, namespace)
+        _warn(budget_warning(store))
+    click.echo(json.dumps(stats) if as_json else "\n".join(stats_lines(stats)))
+
+
+def _warn(warning: str | None) -> None:
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @cache.command("verify")
@@ -321,16 +319,19 @@ def stats_cmd(cache_dir: str | None, as_json: bool) -> None:
 @_json_option
 @model_options
 def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) -> None:
-    """Recheck every block file; with --deep, recompute snapshots of this model."""
-    with _store(cache_dir) as store:
-        problems = [{"block": h, "reason": r} for h, r in store.verify()]
-        deep_results = _deep_verify(store, opts) if deep else []
+    """Check the index (PRAGMA integrity_check) and recheck every block file; with
+    --deep, recompute snapshots of this model."""
+    problems, deep_results = index_problems(cache_dir), []
+    if not problems:  # a damaged index is the problem: `localkv cache repair`
+        with _store(cache_dir) as store:
+            problems = [{"block": h, "reason": r} for h, r in store.verify()]
+            deep_results = _deep_verify(store, opts) if deep else []
     bad = problems or [r for r in deep_results if not r["ok"]]
     if as_json:
         click.echo(json.dumps({"problems": problems, "deep": deep_results, "ok": not bad}))
     else:
         for p in problems:
-            click.echo(f"BAD  block {p['block']}: {p['reason']}")
+            click.echo(f"BAD  {'block ' + p['block'] if 'block' in p else 'index'}: {p['reason']}")
         for r in deep_results:
             state = "ok  " if r["ok"] else "BAD "
             click.echo(f"{state} snapshot {r['snapshot']}: {r['detail']}")
@@ -386,3 +387,6 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
 
 def _top_diff(ids: np.ndarray, stored: np.ndarray, logits: np.ndarray) -> float:
     return float(np.max(np.abs(logits[ids.astype(np.int64)] - stored))) if ids.size else 0.0
+
+
+cache.add_command(repair_cmd)

@@ -51,16 +51,25 @@ __all__ = ["chat"]
 def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, **opts: Any) -> None:
     """Chat with the model in the terminal.
 
-    Conversations are saved next to the cache; --resume reopens the last one.
+    Conversations are saved next to the cache after every message (the
+    question before its answer); --resume reopens the last one, and fails
+    (exit 1) when the saved conversations cannot be read or the conversation
+    needs another model. `localkv history` lists, exports and deletes them.
     In the chat app, Enter sends, Ctrl+J starts a new line, Esc stops the answer,
     /help lists the commands.
     """
     plain = plain or not (sys.stdin.isatty() and sys.stdout.isatty())
     params = sampling_params(opts)
+    history, history_error = _chat_history(opts)
+    if resume and history_error is not None:  # both faces warn of it otherwise
+        raise click.ClickException(
+            f"cannot resume: the saved conversations cannot be read: {history_error}"
+        )
     runtime, load_error = _chat_runtime(opts)
     if plain and runtime is None:
+        if history is not None:
+            history.close()
         raise click.ClickException(load_error or "the model could not be loaded")
-    history, history_error = _chat_history(opts)
     try:
         if plain and runtime is not None:
             from localkv.chat.plain import run_plain_chat

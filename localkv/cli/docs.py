@@ -197,7 +197,10 @@ def prefill(
                 )
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
+        note = _cache_note(runtime)
     _report_prefill(report, as_json)
+    if note:
+        click.echo(f"warning: {note}", err=True)
     if flag[0] in (getattr(signal, "SIGTERM", -1), getattr(signal, "SIGHUP", -1)):
         sys.exit(128 + flag[0])  # what was complete is saved; say how the run ended
 
@@ -207,6 +210,7 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
         click.echo(json.dumps(report.as_json()))
         return
     state = "cancelled: kept" if report.cancelled else "saved"
+    state = "prefilled" if report.not_kept else state
     click.echo(
         f"{state} {report.reused + report.prefilled:,} of {report.tokens:,} tokens "
         f"({report.reused:,} reused, {report.prefilled:,} prefilled) in {report.seconds:.2f} s; "
@@ -215,6 +219,10 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
     )
     if report.snapshot:
         click.echo(f"snapshot {report.snapshot}")
+    elif report.not_kept:
+        click.echo(f"snapshot {report.not_kept}")
+    if report.over_budget:
+        click.echo(f"warning: {report.over_budget}", err=True)
 
 
 @click.command(epilog=_EPILOG)
@@ -245,11 +253,26 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
             answer = runtime.ask(docs, question, system=system_text, params=params, on_text=stream)
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
+        saves = runtime.wait_for_saves()  # the prompt's blocks, then the budget's eviction
+        note = _cache_note(runtime)
+    note = None if note == answer.cache.miss_reason else note  # the cache line said it
     if as_json:
         click.echo(json.dumps(answer.as_json()))
-        return
-    click.echo()
-    click.echo(answer.cache.line(answer.tokens.prompt), err=True)
+    else:
+        click.echo()
+        click.echo(answer.cache.line(answer.tokens.prompt), err=True)
+    last = saves[-1] if saves else None
+    if last is not None and last.not_kept:
+        click.echo(f"warning: this prompt's cache blocks were {last.not_kept}", err=True)
+    if last is not None and last.over_budget:
+        click.echo(f"warning: {last.over_budget}", err=True)
+    if note:
+        click.echo(f"warning: {note}", err=True)
+
+
+def _cache_note(runtime: Runtime) -> str | None:
+    """The cache's one warning (read-only, index lost), read before the runtime closes."""
+    return runtime.cache.warning() if runtime.cache is not None else None
 
 
 def _too_long(exc: ContextFullError) -> str:

@@ -12,6 +12,7 @@ from localkv.model.native import GGML_TYPES
 from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import LoraSpec, SessionConfig
+from localkv.prompt.templatechoice import ChatTemplateError, parse_template_option
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,8 +30,20 @@ _MODEL_OPTIONS = [
     click.option(
         "--model",
         "model",
-        metavar="PATH",
-        help="GGUF file (default: LOCALKV_MODEL, then the default model package).",
+        metavar="PATH|NAME",
+        help="GGUF file, or a name `localkv models` lists (gemma3:270m for an Ollama "
+        "model, the file stem otherwise). Default: LOCALKV_MODEL, then the default "
+        "model package.",
+    ),
+    click.option(
+        "--chat-template",
+        "chat_template",
+        metavar="NAME|FILE",
+        callback=lambda ctx, param, value: _chat_template(value),
+        help="Chat format: a llama.cpp built-in name (chatml, gemma, llama3, llama2, "
+        "phi3, phi4, mistral-v7, ...) or a template file that llama.cpp recognizes as "
+        "one of them (it runs no Jinja). Default: the model's own; for a model without "
+        "one, the format of its architecture (with a warning).",
     ),
     click.option(
         "--ctx",
@@ -83,6 +96,16 @@ _MODEL_OPTIONS = [
         help="CPU threads (default: all cores).",
     ),
 ]
+
+
+def _chat_template(value: str | None) -> str | None:
+    """Refuse an unknown name or an unusable file before the model loads."""
+    if value is not None:
+        try:
+            parse_template_option(value)
+        except ChatTemplateError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
 
 
 def model_options(func: F) -> F:
@@ -152,6 +175,7 @@ def session_config(opts: dict[str, Any]) -> SessionConfig:
         flash_attn=opts["flash_attn"],
         loras=tuple(LoraSpec.parse(x) for x in opts.get("loras", ())),
         n_threads=opts.get("threads"),
+        chat_template=opts.get("chat_template"),
     )
 
 

@@ -54,6 +54,10 @@ class SessionConfig:
     rope_freq_base: float = 0.0  # 0: the model's own
     rope_freq_scale: float = 0.0  # 0: the model's own
     block_size: int = 256  # prefill alignment; a block's last token is decoded alone
+    # --chat-template: a built-in llama.cpp name or a template file (None: the model's
+    # own, else one chosen by architecture; localkv.prompt.templatechoice). It changes
+    # only the request's tokens, which are the cache key, so it is not identity.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

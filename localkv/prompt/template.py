@@ -6,6 +6,9 @@ delta is tokenized. The conversation's earlier tokens therefore never change,
 and the same document after the same system prompt always gives the same
 tokens, whichever command built the request. Generated tokens are appended as
 the ids that were sampled, never re-tokenized.
+
+Which template is used (the model's own, ``--chat-template``, or one chosen by
+architecture) is decided in ``localkv.prompt.templatechoice``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from localkv.model.native import llama_cpp
+from localkv.prompt.templatechoice import TemplateChoice, choose_template
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -24,9 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["ChatTemplate", "Message"]
 
 log = logging.getLogger(__name__)
-
-# Used when a model ships no chat template.
-_FALLBACK_TEMPLATE = "chatml"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +39,34 @@ class Message:
 class ChatTemplate:
     """Renders messages with llama.cpp's template engine and tokenizes the deltas."""
 
-    def __init__(self, session: ModelSession) -> None:
+    def __init__(self, session: ModelSession, override: str | None = None) -> None:
+        """``override``: a built-in llama.cpp name or a template file (``--chat-template``)."""
         self.session = session
-        raw = llama_cpp.llama_model_chat_template(session.model, None)
-        self.template = raw if raw else _FALLBACK_TEMPLATE.encode()
+        self.choice: TemplateChoice = choose_template(session, override)
+        self.template = self.choice.template
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(session.vocab))
+        self.end_of_turn = self._end_of_turn()
+
+    @property
+    def name(self) -> str:
+        """The built-in format's name, or "model" for the GGUF's own template."""
+        return self.choice.name
+
+    def _end_of_turn(self) -> int | None:
+        """The token that closes an assistant turn; warns if generation would not stop there."""
+        closing = self.assistant_end_tokens([Message("user", "U")], "A")
+        if not closing:
+            return None
+        token = closing[0]
+        if not self.session.is_end_of_generation(token):
+            text = self.session.detokenize(closing, special=True).strip()
+            log.warning(
+                "chat template %r closes a turn with %r, which this model does not end "
+                "generation on: answers may run past the end of their turn",
+                self.name,
+                text,
+            )
+        return token
 
     def render(self, messages: Sequence[Message], *, add_assistant: bool = False) -> str:
         arr = (llama_cpp.llama_chat_message * max(1, len(messages)))()
@@ -87,8 +111,9 @@ class ChatTemplate:
         opened = self.render(history, add_assistant=True)
         closed = self.render([*history, Message("assistant", answer)])
         delta = _delta(opened, closed)
-        if delta.startswith(answer):
-            return self.session.tokenize(delta[len(answer) :])
+        for text in (answer, answer.strip()):  # some formats trim the message text
+            if delta.startswith(text):
+                return self.session.tokenize(delta[len(text) :])
         log.debug("template changes the answer text when closing the turn")
         return []
 

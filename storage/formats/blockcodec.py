@@ -8,6 +8,12 @@ caller's metadata (all strings). The index row records its size and the
 xxh3-128 of all its bytes; a read checks both, and the metadata, tokens and
 positions against the row.
 
+A file also carries the rest of its index row (the probe's top entries,
+``probe_top`` in hex, and ``prefill_seconds``) and ``data_xxh3``, the
+xxh3-128 of its data section: ``localkv cache repair`` rebuilds the index
+from the files alone (``storage/repair.py``). Files written before these
+fields are read as before; repair reports them as not recoverable.
+
 Why uncompressed (``lkv-block2``): restoring is what the cache is for, and
 decompressing dominated it, while compression saved little of a KV cache's
 bytes; a plain file is read straight into llama.cpp's state buffer
@@ -46,11 +52,13 @@ __all__ = [
     "block_of",
     "check_metadata",
     "checksum",
+    "data_checksum",
     "decode",
     "encode",
     "expand",
     "index_row",
     "parse_header",
+    "sealed",
 ]
 
 FORMAT_VERSION = "lkv-block2"
@@ -119,10 +127,27 @@ def encode(block: Block, *, compact: bool = False) -> bytes:
         start=str(block.start),
         ends=ends_text(block.ends),
         probe_digest=block.probe.digest,
+        probe_top=block.probe.top_bytes().hex(),
+        prefill_seconds=repr(float(block.prefill_seconds)),
     )
     if compact:
         tensors, metadata["planes"], metadata["format"] = planes.split(tensors)
-    return bytes(_st_save(tensors, metadata=metadata))
+    return sealed(bytes(_st_save(tensors, metadata=metadata)))
+
+
+def data_checksum(data: bytes | bytearray | memoryview, body: int) -> str:
+    """xxh3-128 hex of a safetensors file's data section (from offset ``body``)."""
+    return xxhash.xxh3_128_hexdigest(memoryview(data)[body:])
+
+
+def sealed(data: bytes) -> bytes:
+    """A safetensors file with ``data_xxh3`` (its data section's checksum) in its metadata."""
+    body = header_span(data[:8], len(data))
+    header = json.loads(data[8:body])
+    header.setdefault("__metadata__", {})["data_xxh3"] = data_checksum(data, body)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return b"".join((struct.pack("<Q", len(text)), text, memoryview(data)[body:]))
 
 
 def expand(data: bytes | bytearray | memoryview) -> bytes:
@@ -137,8 +162,9 @@ def expand(data: bytes | bytearray | memoryview) -> bytes:
     metadata = dict(decoded.metadata)
     order = planes.parse_planes(metadata.pop("planes", None))
     metadata["format"] = FORMAT_VERSION
+    metadata.pop("data_xxh3", None)
     tensors = planes.join(decoded.tensors, order)
-    return bytes(_st_save(tensors, metadata=metadata))
+    return sealed(bytes(_st_save(tensors, metadata=metadata)))
 
 
 def decode(

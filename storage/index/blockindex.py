@@ -20,6 +20,7 @@ import sqlite_utils
 
 from .. import faults
 from ..values import BlockRow, SnapshotRow, StoreStats
+from .health import IndexDamaged, is_damage, read_only_uri
 from .migrations import MIGRATIONS, migrate
 from .rows import BLOCK_COLUMNS, SNAPSHOT_COLUMNS, block_row, readable_rows, snapshot_row
 
@@ -44,20 +45,51 @@ def _marks(n: int) -> str:
 class BlockIndex:
     """Rows of ``index.db``; every method takes the connection lock."""
 
-    def __init__(self, path: Path | None) -> None:
-        if path is None:
-            conn = sqlite3.connect(":memory:", check_same_thread=False)
-        else:
-            conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
+    def __init__(self, path: Path | None, *, read_only: bool = False) -> None:
+        """Open (creating and migrating) the index at ``path`` (None: in memory).
+
+        ``read_only``: open it without writing anything (a cache directory this
+        process cannot write); every write raises ``sqlite3.OperationalError``.
+        A file that is not a sound SQLite index raises ``IndexDamaged``.
+        """
         self.lock = threading.RLock()
+        self.read_only = read_only
+        self.path = path
+        try:
+            conn = self._connect(path)
+        except sqlite3.DatabaseError as exc:
+            raise IndexDamaged(path, str(exc)) if is_damage(exc) else exc from None
         self.db = sqlite_utils.Database(conn)
+        try:
+            self._prepare(path)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise IndexDamaged(path, str(exc)) if is_damage(exc) else exc from None
+
+    def _connect(self, path: Path | None) -> sqlite3.Connection:
+        if path is None:
+            return sqlite3.connect(":memory:", check_same_thread=False)
+        if not self.read_only:
+            return sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
+        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=30.0, check_same_thread=False)
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:  # a WAL index whose -shm cannot be made here
+            conn.close()
+        uri = read_only_uri(path, immutable=True)
+        return sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False)
+
+    def _prepare(self, path: Path | None) -> None:
         self.db.execute("PRAGMA busy_timeout = 30000")
+        if self.read_only:
+            return  # pending migrations wait for a writer; reads of what is there work
+        applied: set[str] = set()
         # deleted rows (a forgotten document's tokens) are overwritten, not left in free pages
         self.db.execute("PRAGMA secure_delete = ON")
         if path is not None:
             self.db.execute("PRAGMA journal_mode = WAL")
             self.db.execute("PRAGMA synchronous = NORMAL")
-        applied: set[str] = set()
         if self.db["_migrations"].exists():
             applied = {r[0] for r in self.db.execute("SELECT name FROM _migrations")}
         if any(fn.__name__ not in applied for fn in MIGRATIONS):
@@ -207,6 +239,15 @@ class BlockIndex:
         )
         return [row for r in self.query(sql, params) for row in readable_rows([r])]
 
+    def same_first_block_elsewhere(
+        self, tokens_sha: str, identity: str, namespace: str
+    ) -> list[str]:
+        sql = (
+            "SELECT DISTINCT identity FROM blocks WHERE tokens_sha = ? AND parent IS NULL "
+            "AND namespace = ? AND identity != ? ORDER BY identity"
+        )
+        return [str(r[0]) for r in self.query(sql, (tokens_sha, namespace, identity))]
+
     def chain_of(self, tip: str) -> list[BlockRow]:
         """The chain ending at ``tip``, root first (empty if ``tip`` is not stored)."""
         sql = (
@@ -252,23 +293,28 @@ class BlockIndex:
                     (now, *chunk),
                 )
 
-    def stats(self) -> StoreStats:
-        """Hits, misses by reason, sizes, and an estimate of prefill seconds saved."""
+    def stats(self, namespace: str | None = None) -> StoreStats:
+        """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""
+        where, params = ("", ()) if namespace is None else ("WHERE namespace = ?", (namespace,))
+        also = where.replace("WHERE", "AND", 1)
         q = self.query
         blocks, stored, raw, seconds, tokens = q(
             "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
             "COALESCE(SUM(prefill_seconds), 0.0), "
-            "COALESCE(SUM(length(tokens) / 4), 0) FROM blocks"
+            f"COALESCE(SUM(length(tokens) / 4), 0) FROM blocks {where}",
+            params,
         )[0]
         hits, hit_tokens, hit_seconds = q(
             "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(seconds), 0.0) "
-            "FROM events WHERE kind = 'hit'"
+            f"FROM events WHERE kind = 'hit' {also}",
+            params,
         )[0]
         misses = {
             str(r[0]): int(r[1])
             for r in q(
                 "SELECT COALESCE(reason, 'unknown'), COUNT(*) FROM events WHERE kind = 'miss' "
-                "GROUP BY 1 ORDER BY 2 DESC"
+                f"{also} GROUP BY 1 ORDER BY 2 DESC",
+                params,
             )
         }
         per_token = float(seconds) / tokens if tokens else 0.0
@@ -277,7 +323,7 @@ class BlockIndex:
             misses=sum(misses.values()),
             misses_by_reason=misses,
             blocks=int(blocks),
-            snapshots=int(q("SELECT COUNT(*) FROM snapshots")[0][0]),
+            snapshots=int(q(f"SELECT COUNT(*) FROM snapshots {where}", params)[0][0]),
             stored_bytes=int(stored),
             raw_bytes=int(raw),
             saved_prefill_seconds=max(0.0, hit_tokens * per_token - float(hit_seconds)),

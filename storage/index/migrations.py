@@ -165,3 +165,13 @@ def m002_batch_ends(db: sqlite_utils.Database) -> None:
     db.execute("DELETE FROM snapshots")
     db.execute("DELETE FROM blocks")
     db.table("blocks").add_column("ends", bytes)
+
+
+@migration
+def m003_event_namespace(db: sqlite_utils.Database) -> None:
+    """Hits and misses record their namespace, so ``stats`` of one names no other.
+
+    Events recorded before this migration have none: they count only in the
+    statistics of the whole store.
+    """
+    db.table("events").add_column("namespace", str)

@@ -7,6 +7,8 @@ evicted. Among the leaves, the least valuable goes first:
     value = prefill_seconds / stored_bytes / (1 + hours since last use)
 
 When a leaf goes, its parent may become a leaf and joins the candidates.
+``usage`` says how much the store holds and how much of it pinned
+snapshots keep (more than the budget: eviction cannot reach it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENV_BUDGET", "LeafInfo", "default_budget", "parse_size", "plan_eviction", "value"]
+from ..index.blockindex import BlockIndex
+
+__all__ = [
+    "ENV_BUDGET",
+    "LeafInfo",
+    "Usage",
+    "default_budget",
+    "parse_size",
+    "plan_eviction",
+    "usage",
+    "value",
+]
 
 ENV_BUDGET = "LOCALKV_BUDGET"
 BUDGET_FRACTION = 0.10
@@ -92,3 +105,27 @@ def plan_eviction(
         if n_children[parent] == 0 and parent not in protected:
             heapq.heappush(heap, (value(by_hash[parent], now), parent))
     return victims
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Bytes stored, and of those the bytes a pinned snapshot's chain needs."""
+
+    stored_bytes: int
+    pinned_bytes: int
+
+
+_PINNED_BYTES = (
+    "WITH RECURSIVE c(hash) AS (SELECT tip FROM snapshots WHERE pinned = 1 {cond} UNION "
+    "SELECT b.parent FROM blocks b JOIN c ON b.hash = c.hash WHERE b.parent IS NOT NULL) "
+    "SELECT COALESCE(SUM(b.stored_bytes), 0) FROM c JOIN blocks b ON b.hash = c.hash"
+)
+
+
+def usage(index: BlockIndex, namespace: str | None = None) -> Usage:
+    """What the store (or one namespace of it) holds; shared blocks count once."""
+    cond, params = ("", ()) if namespace is None else ("AND namespace = ?", (namespace,))
+    where = cond.replace("AND", "WHERE", 1)
+    stored = index.query(f"SELECT COALESCE(SUM(stored_bytes), 0) FROM blocks {where}", params)
+    pinned = index.query(_PINNED_BYTES.format(cond=cond), params)
+    return Usage(int(stored[0][0]), int(pinned[0][0]))

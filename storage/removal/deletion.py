@@ -10,7 +10,10 @@ snapshot catalogue all delete this way.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from .. import faults
 from ..disk import move_to_quarantine, remove_file
@@ -33,15 +36,19 @@ def remove_files(
     layout: CacheLayout,
     files: Sequence[str],
     quarantine_reason: str | None = None,
-) -> None:
-    """Unlink files whose rows are gone, under the write lock.
+) -> int:
+    """Unlink files whose rows are gone, under the write lock; return the bytes freed.
 
     A file that a row names again (the block was saved anew since its row
-    was deleted) is left alone. With ``quarantine_reason`` files are moved
-    to ``quarantine/`` instead.
+    was deleted) is left alone. So is one whose path goes through a symlink
+    (a fan-out directory replaced by a link): it is outside the cache, never
+    followed, and its bytes are not counted. Only regular files count, so the
+    sum is what the disk really got back. With ``quarantine_reason`` files are
+    moved to ``quarantine/`` instead (nothing is freed).
     """
     if not files:
-        return
+        return 0
+    freed = 0
     with index.write() as db:
         in_use = index.files_in_use(db, files)
         faults.point("before_unlink")
@@ -50,8 +57,19 @@ def remove_files(
                 continue
             try:
                 if quarantine_reason is None:
-                    remove_file(layout.resolve(f))
+                    freed += _unlink_regular(layout.resolve(f))
                 else:
                     move_to_quarantine(layout, f, quarantine_reason)
             except (OSError, ValueError) as exc:
                 logger.warning("could not remove %s: %s", f, exc)
+    return freed
+
+
+def _unlink_regular(path: Path) -> int:
+    """Unlink ``path``; its size if it was a regular file, else 0 (a link frees nothing)."""
+    try:
+        regular = stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return 0
+    size = remove_file(path)
+    return size if regular else 0

@@ -13,7 +13,7 @@ import time
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
 from . import budget
-from .deletion import bytes_of, remove_files
+from .deletion import remove_files
 
 __all__ = ["evict"]
 
@@ -24,7 +24,8 @@ def evict(index: BlockIndex, layout: CacheLayout, budget_bytes: int) -> int:
     """Evict unpinned leaf blocks, least valuable first, until within budget.
 
     Never touches a pinned snapshot's chain or the middle of a chain;
-    snapshots whose tip goes are dropped. Returns the bytes freed.
+    snapshots whose tip goes are dropped. Returns the bytes freed on disk
+    (a file reached through a symlink is not removed, so not counted).
     """
     with index.write() as db:
         total = int(db.execute("SELECT COALESCE(SUM(stored_bytes), 0) FROM blocks").fetchone()[0])
@@ -38,8 +39,7 @@ def evict(index: BlockIndex, layout: CacheLayout, budget_bytes: int) -> int:
             ).fetchall()
         ]
         victims = budget.plan_eviction(infos, protected, total - budget_bytes, time.time())
-        freed = bytes_of(index, victims)
         files = index.delete_blocks(db, victims)
-    remove_files(index, layout, files)
+    freed = remove_files(index, layout, files)
     logger.info("evicted %d block(s), %d bytes, budget %d", len(victims), freed, budget_bytes)
     return freed

@@ -25,7 +25,7 @@ from ..disk import remove_file
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
 from ..values import BlockRow, ForgetReport, SnapshotRow
-from .deletion import bytes_of, remove_files
+from .deletion import remove_files
 
 __all__ = ["RUN_LENGTH", "DocumentRuns", "Runs", "forget", "scrub"]
 
@@ -129,10 +129,10 @@ def forget(
         victims = index.descendants(db, [*own, *_extensions(index, own)]) - needed
         victims |= index.descendants(db, sorted(_holding(index, document)))
         removed = {s.id for s in matched} | _snapshots_on(index, victims)
-        freed = bytes_of(index, victims)
         files = index.delete_blocks(db, victims)
-    remove_files(index, layout, files)
-    quarantined = _remove_quarantined(layout, victims)
+    freed = remove_files(index, layout, files)  # only what really left the disk
+    quarantined, quarantined_bytes = _remove_quarantined(layout, victims)
+    freed += quarantined_bytes
     busy = scrub(index)
     logger.info("forgot %d snapshot(s), %d block(s), %d bytes", len(removed), len(victims), freed)
     return ForgetReport(
@@ -212,12 +212,15 @@ def _extensions(index: BlockIndex, hashes: set[str]) -> set[str]:
     return out
 
 
-def _remove_quarantined(layout: CacheLayout, hashes: set[str]) -> int:
-    """Delete the quarantined copies of these blocks' files; return how many went."""
+def _remove_quarantined(layout: CacheLayout, hashes: set[str]) -> tuple[int, int]:
+    """Delete the quarantined copies of these blocks' files; return how many went and
+    the bytes of those that were regular files."""
     names = {layout.block_relpath(h).rsplit("/", 1)[1] for h in hashes}
-    count = 0
+    count = freed = 0
     for entry in os.scandir(layout.quarantine):
         if entry.name.split(".lkv", 1)[0] + ".lkv" in names:
-            remove_file(Path(entry.path))
+            regular = entry.is_file(follow_symlinks=False)
+            size = remove_file(Path(entry.path))
+            freed += size if regular else 0
             count += 1
-    return count
+    return count, freed

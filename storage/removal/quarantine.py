@@ -5,18 +5,26 @@ restore, or ``verify(repair=True)``) decides to quarantine. The bad block's
 file goes to ``quarantine/`` with a note of the reason, for a person to
 inspect; its descendants are fine but unreachable, so their rows and files
 go too.
+
+A damaged ``index.db`` is quarantined the same way by ``repair``
+(``quarantine_index``): moved aside with its -wal and -shm and a note, never
+deleted, before a new index is rebuilt from the block files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
+import time
+from pathlib import Path
 
 from ..index.blockindex import BlockIndex
-from ..paths import CacheLayout
+from ..paths import SQLITE_SIDE_FILES, CacheLayout, create_private_file, fsync_dir
 from .deletion import remove_files
 
-__all__ = ["quarantine"]
+__all__ = ["quarantine", "quarantine_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,3 +49,25 @@ def quarantine(index: BlockIndex, layout: CacheLayout, block_hash: str, reason: 
         "quarantined block %s (%s); dropped %d descendant(s)", block_hash, reason, len(files)
     )
     return sorted(gone)
+
+
+def quarantine_index(layout: CacheLayout, reason: str) -> Path | None:
+    """Move ``index.db`` (and its -wal, -shm, -journal) into ``quarantine/`` with a note.
+
+    Returns where the index went (None if there was none). Nothing is deleted.
+    """
+    if not os.path.lexists(layout.index):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime())
+    dest = layout.quarantine / f"index-{stamp}-{secrets.token_hex(3)}.db"
+    for suffix in ("", *SQLITE_SIDE_FILES):
+        src = layout.index.with_name(layout.index.name + suffix)
+        if os.path.lexists(src):
+            os.replace(src, dest.with_name(dest.name + suffix))
+    fd = create_private_file(dest.with_name(dest.name + ".reason"))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(reason + "\n")
+    fsync_dir(layout.quarantine)
+    fsync_dir(layout.root)
+    logger.info("quarantined the cache index as %s (%s)", dest, reason)
+    return dest

@@ -4,7 +4,9 @@ After a crash or a manual deletion the two can disagree three ways: temp files
 left in ``tmp/``, block files no row names, rows whose file is gone. ``gc``
 removes the first two (past a grace period, since a writer in another process
 may be between placing its file and its ``INSERT``) and drops the third with
-their descendants: a chain without its middle is useless. ``verify`` reads
+their descendants: a chain without its middle is useless. An intact block
+file older than the index is kept: the index was lost, and ``cache repair``
+indexes it again. ``verify`` reads
 every block file and recomputes every chain hash; with ``repair`` it
 quarantines the bad ones.
 """
@@ -77,7 +79,12 @@ def _rows_without_files(layout: CacheLayout, index: BlockIndex) -> tuple[int, in
 
 def _files_without_rows(layout: CacheLayout, index: BlockIndex, cutoff: float) -> tuple[int, int]:
     known = {str(r[0]) for r in index.query("SELECT file FROM blocks")}
-    count = freed = 0
+    # An intact block file older than the index itself was not left by a save
+    # into this index: the index was lost or replaced, and ``repair`` indexes
+    # it again. Files written since (a save that died before its row) and
+    # damaged ones go.
+    born = index.query("SELECT MIN(applied_at) FROM _migrations")[0][0] or 0.0
+    count = freed = kept = 0
     for fan in os.scandir(layout.blocks):
         if not fan.is_dir(follow_symlinks=False):
             if _old(Path(fan.path), cutoff):
@@ -91,12 +98,32 @@ def _files_without_rows(layout: CacheLayout, index: BlockIndex, cutoff: float) -
             path = Path(entry.path)
             if entry.is_dir(follow_symlinks=False) or not _old(path, cutoff):
                 continue
+            if _old(path, float(born)) and _intact(layout, relpath):
+                kept += 1
+                continue
             faults.point("mid_gc")
             freed += remove_file(path)
             count += 1
     if count:
         logger.warning("gc: removed %d file(s) without an index row", count)
+    if kept:
+        logger.warning(
+            "gc: kept %d block file(s) older than the index: `localkv cache repair` indexes them",
+            kept,
+        )
     return count, freed
+
+
+def _intact(layout: CacheLayout, relpath: str) -> bool:
+    """Whether a block file carries a whole, checked index row (``repair`` can use it)."""
+    from ..repair import recover_row  # imported here: repair builds on removal
+    from ..store import MAX_RAW_BLOCK_BYTES
+
+    try:
+        recover_row(layout, relpath, MAX_RAW_BLOCK_BYTES)
+    except BlockCorrupt:
+        return False
+    return True
 
 
 def gc(layout: CacheLayout, index: BlockIndex, grace_seconds: float) -> GcReport:

@@ -33,8 +33,9 @@ def _path(store: SnapshotStore, row: BlockRow) -> Path:
 
 
 def _flip_byte(path: Path) -> None:
+    """Flip a bit in the data section (the header of these small blocks is most of the file)."""
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
+    data[len(data) - 40] ^= 0x40
     path.write_bytes(bytes(data))
 
 

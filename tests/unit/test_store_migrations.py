@@ -42,7 +42,14 @@ EXPECTED = {
         "hits": int,
         "pinned": int,
     },
-    "events": {"kind": str, "reason": str, "tokens": int, "seconds": float, "at": float},
+    "events": {
+        "kind": str,
+        "reason": str,
+        "tokens": int,
+        "seconds": float,
+        "at": float,
+        "namespace": str,
+    },
     "_migrations": {"name": str, "applied_at": float},
 }
 

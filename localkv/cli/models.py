@@ -1,0 +1,111 @@
+"""``localkv models``: the GGUF models on this machine, and whether the cache can hold them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from localkv.model.discovery import ModelInfo, describe, find_models
+
+__all__ = ["models"]
+
+_SOURCES = {"LOCALKV_MODELS": "dir", "huggingface": "hf"}
+_MEMORY = {"sliding-window": "sliding"}
+# (title, width); the row is at most 80 columns
+_COLUMNS = (
+    ("NAME", 24),
+    ("SOURCE", 8),
+    ("ARCH", 8),
+    ("PARAMS", 6),
+    ("QUANT", 7),
+    ("SIZE", 6),
+    ("MEMORY", 9),
+    ("CACHE", 5),
+)
+
+_EPILOG = """\b
+Sources, where present: the default model package; LOCALKV_MODELS directories
+(separated by ':'); LM Studio (~/.lmstudio/models, ~/.cache/lm-studio/models);
+Ollama (OLLAMA_MODELS or ~/.ollama/models); the Hugging Face hub cache
+($HF_HOME/hub or ~/.cache/huggingface/hub).
+
+\b
+MEMORY is what the model keeps per sequence, from its GGUF metadata: attention
+(a plain KV cache), sliding (sliding-window layers), hybrid, recurrent. CACHE
+says whether localkv's prefix cache can hold it (today: plain attention only);
+the others run, uncached. --model NAME loads a model by the name listed here;
+--json gives every field and the file paths."""
+
+
+@click.command(epilog=_EPILOG)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def models(as_json: bool) -> None:
+    """List the GGUF models found on this machine (LM Studio, Ollama, Hugging Face cache)."""
+    infos = [describe(found) for found in find_models()]
+    if as_json:
+        click.echo(json.dumps({"models": [info.as_json() for info in infos]}))
+        return
+    if not infos:
+        click.echo("no models found (see `localkv models --help` for where they are looked for)")
+        return
+    click.echo(_row([title for title, _ in _COLUMNS]))
+    for info in infos:
+        name_width = _COLUMNS[0][1]
+        if len(info.found.name) > name_width:  # a name is never cut: it is what --model takes
+            click.echo(info.found.name)
+            info = dataclasses.replace(info, found=dataclasses.replace(info.found, name=""))
+        click.echo(_row(_cells(info)) if info.error is None else _error_row(info))
+
+
+def _cells(info: ModelInfo) -> list[str]:
+    return [
+        info.found.name,
+        _source(info),
+        info.architecture or "?",
+        _count(info.parameters),
+        info.quantization or "?",
+        _bytes(info.size),
+        _MEMORY.get(info.memory, info.memory),
+        "yes" if info.cacheable else "no",
+    ]
+
+
+def _source(info: ModelInfo) -> str:
+    return _SOURCES.get(info.found.source, info.found.source)
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _row(cells: list[str]) -> str:
+    out = []
+    for cell, (title, width) in zip(cells, _COLUMNS, strict=True):
+        text = _fit(cell, width)
+        out.append(text.rjust(width) if title in ("PARAMS", "SIZE") else text.ljust(width))
+    return " ".join(out).rstrip()
+
+
+def _error_row(info: ModelInfo) -> str:
+    """Name and source, then why the header could not be read, in the other columns."""
+    head = _row([info.found.name, _source(info)] + [""] * (len(_COLUMNS) - 2))
+    start = sum(width + 1 for _, width in _COLUMNS[:2])
+    return head.ljust(start) + _fit(f"unreadable: {info.error}", 80 - start)
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n}B"

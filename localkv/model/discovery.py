@@ -1,0 +1,263 @@
+"""The GGUF models a user already has, found where the usual tools keep them.
+
+Sources, in order: the default model package, ``LOCALKV_MODELS`` directories
+(``os.pathsep``-separated), LM Studio (``~/.lmstudio/models``, ``~/.cache/lm-studio/models``),
+Ollama (``OLLAMA_MODELS`` or ``~/.ollama/models``: a manifest per ``NAME:TAG`` names the
+blob of its model layer) and the Hugging Face hub cache (``$HF_HOME/hub`` or
+``~/.cache/huggingface/hub``, ``models--ORG--NAME/snapshots/REV/*.gguf``). Each model
+has a name ``--model`` accepts: ``NAME:TAG`` for Ollama, the file stem otherwise.
+
+``find_models`` only walks directories; ``describe`` reads a file's GGUF header
+(``localkv.model.ggufmeta``), never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from localkv.model.ggufmeta import GGUFArray, GGUFError, GGUFMetadata, read_gguf_metadata
+from localkv.model.resolve import default_model_path
+
+__all__ = ["FoundModel", "ModelInfo", "describe", "find_models"]
+
+ENV_MODELS = "LOCALKV_MODELS"
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_LIBRARY = "registry.ollama.ai/library"
+MAX_MANIFEST_BYTES = 1 << 20
+_LATER_SPLIT = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")  # parts after the first of a split
+
+# llama_ftype (general.file_type) -> name
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0", 38: "MXFP4_MOE",
+}  # fmt: skip
+# ggml tensor types, for files without general.file_type (the most common one is named)
+TENSOR_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+RECURRENT = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
+HYBRID = {"jamba", "falcon-h1", "granitehybrid", "nemotron_h", "lfm2", "plamo2", "qwen3next"}
+CACHEABLE = {"attention"}  # memory kinds the KV cache codec supports today
+
+
+@dataclass(frozen=True, slots=True)
+class FoundModel:
+    """A GGUF file and the name ``--model`` knows it by."""
+
+    name: str
+    source: str  # "default", "LOCALKV_MODELS", "lmstudio", "ollama", "huggingface"
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A found model with what its GGUF header says."""
+
+    found: FoundModel
+    size: int
+    architecture: str | None
+    parameters: int | None
+    quantization: str | None
+    memory: str  # "attention", "sliding-window", "hybrid", "recurrent" or "unknown"
+    error: str | None = None  # why the header could not be read
+
+    @property
+    def cacheable(self) -> bool:
+        return self.memory in CACHEABLE
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "name": self.found.name,
+            "source": self.found.source,
+            "path": str(self.found.path),
+            "size": self.size,
+            "architecture": self.architecture,
+            "parameters": self.parameters,
+            "quantization": self.quantization,
+            "memory": self.memory,
+            "cacheable": self.cacheable,
+            "error": self.error,
+        }
+
+
+def find_models(home: Path | None = None) -> list[FoundModel]:
+    """Every model in every source that is present, without reading the files."""
+    home = Path.home() if home is None else home
+    found: list[FoundModel] = []
+    default = default_model_path()
+    if default is not None:
+        found.append(FoundModel(default.stem, "default", default))
+    for directory in _env_dirs(ENV_MODELS):
+        found += _gguf_files(directory, "LOCALKV_MODELS")
+    for directory in (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"):
+        found += _gguf_files(directory, "lmstudio")
+    found += _ollama(_ollama_root(home))
+    found += _huggingface(_hf_hub(home))
+    seen: set[Path] = set()
+    unique = []
+    for model in found:  # a file reachable from two sources is listed once
+        key = model.path.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(model)
+    return unique
+
+
+def _env_dirs(name: str) -> list[Path]:
+    value = os.environ.get(name, "")
+    return [Path(p).expanduser() for p in value.split(os.pathsep) if p]
+
+
+def _gguf_files(directory: Path, source: str) -> Iterator[FoundModel]:
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.rglob("*.gguf")):
+        if path.is_file() and not _LATER_SPLIT.search(path.name) and not _is_projector(path):
+            yield FoundModel(path.stem, source, path)
+
+
+def _is_projector(path: Path) -> bool:
+    """Vision projectors (``mmproj-*.gguf``) sit next to models but are not models."""
+    return path.name.lower().startswith("mmproj")
+
+
+def _ollama_root(home: Path) -> Path:
+    env = os.environ.get("OLLAMA_MODELS")
+    return Path(env).expanduser() if env else home / ".ollama" / "models"
+
+
+def _ollama(root: Path) -> Iterator[FoundModel]:
+    manifests = root / "manifests"
+    if not manifests.is_dir():
+        return
+    for manifest in sorted(manifests.rglob("*")):
+        if not manifest.is_file():
+            continue
+        digest = _ollama_model_digest(manifest)
+        if digest is None:
+            continue
+        blob = root / "blobs" / digest.replace(":", "-")
+        if blob.is_file():
+            yield FoundModel(_ollama_name(manifest.relative_to(manifests)), "ollama", blob)
+
+
+def _ollama_model_digest(manifest: Path) -> str | None:
+    try:
+        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+            return None
+        layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
+        for layer in layers:
+            if layer.get("mediaType") == OLLAMA_MODEL_LAYER:
+                digest = str(layer.get("digest", ""))
+                return digest if re.fullmatch(r"sha256:[0-9a-f]{64}", digest) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def _ollama_name(relative: Path) -> str:
+    """``registry.ollama.ai/library/gemma3/270m`` -> ``gemma3:270m``."""
+    *repo, tag = relative.parts
+    name = "/".join(repo)
+    if name.startswith(OLLAMA_LIBRARY + "/"):
+        name = name[len(OLLAMA_LIBRARY) + 1 :]
+    elif name.startswith("registry.ollama.ai/"):
+        name = name[len("registry.ollama.ai/") :]
+    return f"{name}:{tag}"
+
+
+def _hf_hub(home: Path) -> Path:
+    hub = os.environ.get("HUGGINGFACE_HUB_CACHE") or os.environ.get("HF_HUB_CACHE")
+    if hub:
+        return Path(hub).expanduser()
+    hf_home = os.environ.get("HF_HOME")
+    return (Path(hf_home).expanduser() if hf_home else home / ".cache" / "huggingface") / "hub"
+
+
+def _huggingface(hub: Path) -> Iterator[FoundModel]:
+    if not hub.is_dir():
+        return
+    for repo in sorted(hub.glob("models--*")):
+        snapshots = repo / "snapshots"
+        main = repo / "refs" / "main"
+        revisions = sorted(snapshots.glob("*")) if snapshots.is_dir() else []
+        if main.is_file():  # the revision "main" points at, when there is one
+            wanted = snapshots / main.read_text(encoding="utf-8", errors="replace").strip()
+            revisions = [wanted] if wanted in revisions else revisions
+        names: set[str] = set()
+        for revision in reversed(revisions):
+            for model in _gguf_files(revision, "huggingface"):
+                if model.name not in names:
+                    names.add(model.name)
+                    yield model
+
+
+def describe(model: FoundModel) -> ModelInfo:
+    """``model`` with its architecture, parameters, quantization and memory kind."""
+    try:
+        size = model.path.stat().st_size
+        meta = read_gguf_metadata(model.path)
+    except (OSError, GGUFError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return ModelInfo(model, _size(model.path), None, None, None, "unknown", reason)
+    return ModelInfo(
+        model,
+        size,
+        meta.architecture,
+        meta.parameters or None,
+        quantization(meta),
+        memory_kind(meta),
+    )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def quantization(meta: GGUFMetadata) -> str | None:
+    """The file type's name (``Q4_K_M``), else the most common tensor type's."""
+    file_type = meta.get("general.file_type")
+    if isinstance(file_type, int) and not isinstance(file_type, bool):
+        return FILE_TYPES.get(file_type, f"type {file_type}")
+    counts: dict[int, int] = {}
+    for tensor in meta.tensors:
+        counts[tensor.ggml_type] = counts.get(tensor.ggml_type, 0) + tensor.n_elements
+    if not counts:
+        return None
+    common = max(counts, key=counts.__getitem__)
+    return TENSOR_TYPES.get(common, f"ggml type {common}")
+
+
+def memory_kind(meta: GGUFMetadata) -> str:
+    """What the model keeps per sequence, from its metadata.
+
+    ``attention``: a plain KV cache (what localkv caches); ``sliding-window``: some
+    layers attend to a window only; ``recurrent``: a state per sequence (Mamba, RWKV);
+    ``hybrid``: attention and recurrent layers.
+    """
+    arch = meta.architecture
+    if arch is None:
+        return "unknown"
+    if arch in HYBRID:
+        return "hybrid"
+    if arch in RECURRENT:
+        return "recurrent"
+    if any(k.startswith((f"{arch}.ssm.", f"{arch}.wkv.")) for k in meta.values):
+        heads = meta.get(f"{arch}.attention.head_count")
+        return "hybrid" if isinstance(heads, int) and heads > 0 else "recurrent"
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if isinstance(window, GGUFArray) or (isinstance(window, int | float) and window > 0):
+        return "sliding-window"
+    if isinstance(window, tuple) and any(isinstance(w, int) and w > 0 for w in window):
+        return "sliding-window"
+    return "attention"

@@ -1,0 +1,224 @@
+"""Which chat template a model gets: its own, the one ``--chat-template`` names, or one
+chosen by architecture when the GGUF has none.
+
+llama.cpp's C API (``llama_chat_apply_template``) runs no Jinja. It knows a fixed set of
+built-in formats, by name (``gemma``, ``llama3``, ``chatml``, ...), and recognizes a
+template text by its markers (``<start_of_turn>`` is gemma, ``<|im_start|>`` is chatml).
+So a template file is accepted only where llama.cpp recognizes it as one of its formats,
+and it is then applied as that format, not as the file's own logic.
+
+The choice only changes the tokens of a request, and the tokens are the cache key, so
+two templates share cached state exactly as far as their tokens agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import difflib
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from localkv.model.native import llama_cpp
+
+if TYPE_CHECKING:
+    from localkv.model.session import ModelSession
+
+__all__ = [
+    "ChatTemplateError",
+    "TemplateChoice",
+    "builtin_templates",
+    "choose_template",
+    "has_token",
+    "parse_template_option",
+    "render_probe",
+    "template_for_architecture",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_TEMPLATE_BYTES = 1024 * 1024
+_FILE_SUFFIXES = {".jinja", ".jinja2", ".j2", ".txt", ".tmpl", ".template"}
+FALLBACK = "chatml"
+
+# general.architecture -> built-in names to try in order: the first whose marker is
+# one token of the model's vocabulary wins (the last one of each list needs none).
+_BY_ARCHITECTURE: dict[str, tuple[str, ...]] = {
+    "llama": ("llama3", "chatml", "mistral-v7", "llama2"),
+    "llama4": ("llama4",),
+    "mistral3": ("mistral-v7-tekken", "mistral-v7"),
+    "gemma": ("gemma",),
+    "gemma2": ("gemma",),
+    "gemma3": ("gemma",),
+    "gemma3n": ("gemma",),
+    "qwen2": ("chatml",),
+    "qwen2moe": ("chatml",),
+    "qwen2vl": ("chatml",),
+    "qwen3": ("chatml",),
+    "qwen3moe": ("chatml",),
+    "phi3": ("phi4", "phi3"),
+    "command-r": ("command-r",),
+    "cohere2": ("command-r",),
+    "deepseek2": ("deepseek3", "deepseek2"),
+    "exaone": ("exaone3",),
+    "exaone4": ("exaone4",),
+    "granite": ("granite",),
+    "granitemoe": ("granite",),
+    "chatglm": ("chatglm4", "chatglm3"),
+    "minicpm": ("minicpm",),
+    "falcon-h1": ("falcon3",),
+    "smollm3": ("chatml",),
+}
+# a token each built-in format needs in the vocabulary to be chosen by architecture
+# (in the order an unknown architecture tries them: the more specific first)
+_MARKERS: dict[str, str] = {
+    "llama3": "<|start_header_id|>",
+    "llama4": "<|header_start|>",
+    "phi4": "<|im_sep|>",
+    "chatml": "<|im_start|>",
+    "mistral-v7": "[SYSTEM_PROMPT]",
+    "mistral-v7-tekken": "[SYSTEM_PROMPT]",
+    "gemma": "<start_of_turn>",
+    "phi3": "<|user|>",
+    "command-r": "<|START_OF_TURN_TOKEN|>",
+    "granite": "<|start_of_role|>",
+}
+_PROBE = (("system", "S"), ("user", "U"), ("assistant", "A"), ("user", "V"))
+_warned: set[tuple[str, str]] = set()
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that llama.cpp cannot apply, or that does not exist."""
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateChoice:
+    """What ``llama_chat_apply_template`` is given, and why."""
+
+    template: bytes
+    name: str  # a built-in name, or "model" for the GGUF's own template
+    source: str  # "model", "--chat-template", "architecture", or "file PATH"
+
+
+@functools.cache
+def builtin_templates() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat formats."""
+    count = int(llama_cpp.llama_chat_builtin_templates(None, 0))
+    names = (ctypes.c_char_p * max(1, count))()
+    llama_cpp.llama_chat_builtin_templates(names, count)
+    return tuple(sorted(name.decode() for name in names[:count] if name))
+
+
+def render_probe(template: bytes) -> str | None:
+    """A fixed small conversation rendered with ``template``; None if llama.cpp refuses it."""
+    arr = (llama_cpp.llama_chat_message * len(_PROBE))()
+    keep = [(role.encode(), text.encode()) for role, text in _PROBE]
+    for i, (role, text) in enumerate(keep):
+        arr[i].role, arr[i].content = role, text
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_chat_apply_template(template, arr, len(keep), True, buf, len(buf))
+    if n < 0 or n > len(buf):
+        return None
+    return buf.raw[:n].decode("utf-8", errors="replace")
+
+
+def _recognized_as(template: bytes) -> str | None:
+    """The built-in format that renders like ``template``, if any."""
+    rendered = render_probe(template)
+    for name in builtin_templates():
+        if render_probe(name.encode()) == rendered:
+            return name
+    return None
+
+
+def parse_template_option(value: str) -> TemplateChoice:
+    """``--chat-template NAME|FILE`` as a choice, or ``ChatTemplateError`` in one line."""
+    names = builtin_templates()
+    if value in names:
+        return TemplateChoice(value.encode(), value, "--chat-template")
+    path = Path(value).expanduser()
+    if path.is_file():
+        return _template_file(path)
+    if path.exists():
+        raise ChatTemplateError(f"chat template {value!r} is not a regular file")
+    if "/" in value or "\\" in value or path.suffix.lower() in _FILE_SUFFIXES:
+        raise ChatTemplateError(f"chat template file not found: {path}")
+    close = difflib.get_close_matches(value, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ChatTemplateError(
+        f"unknown chat template {value!r}: neither a built-in name nor a file{hint} "
+        f"(built-in names: {', '.join(names)})"
+    )
+
+
+def _template_file(path: Path) -> TemplateChoice:
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise ChatTemplateError(f"cannot read chat template {path}: {exc.strerror}") from None
+    if len(data) > MAX_TEMPLATE_BYTES or b"\0" in data:
+        raise ChatTemplateError(f"chat template {path} is not a template text file")
+    if render_probe(data) is None:
+        raise ChatTemplateError(
+            f"llama.cpp cannot apply the chat template in {path}: its C API runs no Jinja "
+            "and recognizes only its built-in formats, by their markers; give a built-in "
+            "name instead (e.g. chatml, gemma, llama3)"
+        )
+    name = _recognized_as(data) or "custom"
+    log.info("chat template %s is applied as llama.cpp's %r format", path, name)
+    return TemplateChoice(data, name, f"file {path}")
+
+
+def has_token(session: ModelSession, text: str) -> bool:
+    """Whether ``text`` is a single (special) token of the model's vocabulary."""
+    ids = session.tokenize(text, parse_special=True)
+    return len(ids) == 1 and session.token_bytes(ids[0], special=True) == text.encode()
+
+
+def template_for_architecture(session: ModelSession, architecture: str) -> str | None:
+    """The built-in format for ``architecture``, checked against the vocabulary's markers.
+
+    For an architecture not in the table, the first format whose marker the vocabulary
+    has, or None.
+    """
+    candidates = _BY_ARCHITECTURE.get(architecture)
+    if candidates is None:
+        return next((n for n in _MARKERS if has_token(session, _MARKERS[n])), None)
+    for name in candidates:
+        marker = _MARKERS.get(name)
+        if marker is None or has_token(session, marker):
+            return name
+    return candidates[-1]
+
+
+def choose_template(session: ModelSession, override: str | None = None) -> TemplateChoice:
+    """The template for ``session``: ``override``, else the model's own, else by architecture."""
+    if override:
+        choice = parse_template_option(override)
+        log.info("chat template: %s (from %s)", choice.name, choice.source)
+        return choice
+    raw = llama_cpp.llama_model_chat_template(session.model, None)
+    if raw and render_probe(raw) is not None:
+        return TemplateChoice(raw, "model", "model")
+    architecture = session.meta("general.architecture") or "unknown"
+    name = template_for_architecture(session, architecture)
+    if name is None:
+        name = FALLBACK
+        why = f"localkv knows no format for architecture {architecture}"
+    else:
+        why = f"for architecture {architecture}"
+    problem = "has no chat template" if not raw else "has a chat template llama.cpp cannot apply"
+    _warn_once(
+        str(session.config.model_path),
+        f"model {problem}; using {name!r} {why} (override with --chat-template)",
+    )
+    return TemplateChoice(name.encode(), name, "architecture")
+
+
+def _warn_once(model: str, message: str) -> None:
+    if (model, message) not in _warned:
+        _warned.add((model, message))
+        log.warning("%s", message)

@@ -1,0 +1,207 @@
+"""``localkv models`` and ``--model NAME``: models planted where LM Studio, Ollama and the
+Hugging Face cache keep them, under a temporary HOME, found and loaded by name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import pytest
+from support.tinymodels import TinyModels
+
+from localkv.model.discovery import FoundModel, describe
+from localkv.model.ggufmeta import GGUFArray, GGUFError, read_gguf_metadata
+
+
+@dataclass(frozen=True)
+class Planted:
+    home: Path
+    env: dict[str, str]
+    paths: dict[str, Path]  # name -> the file it must resolve to
+
+
+def _link(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+    return dst
+
+
+def _header_only(path: Path, arch: str, **keys: int) -> Path:
+    """A GGUF with metadata and no tensors: enough for ``localkv models``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(2)
+    for key, value in keys.items():
+        writer.add_uint32(f"{arch}.{key.replace('__', '.')}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _ollama(root: Path, name: str, tag: str, blob_source: Path) -> Path:
+    digest = hashlib.sha256(blob_source.read_bytes()).hexdigest()
+    blob = _link(blob_source, root / "blobs" / f"sha256-{digest}")
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    layers = [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}"},
+    ]
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    return blob
+
+
+@pytest.fixture
+def planted(tmp_path: Path, tiny_models: TinyModels) -> Planted:
+    home = tmp_path / "home"
+    lms = home / ".lmstudio" / "models" / "someone" / "tiny-GGUF"
+    hub = tmp_path / "hf" / "hub" / "models--org--tiny-GGUF"
+    (hub / "refs").mkdir(parents=True)
+    (hub / "refs" / "main").write_text("abc123")
+    ollama = tmp_path / "ollama"
+    paths = {
+        "tiny-lms": _link(tiny_models.base, lms / "tiny-lms.gguf"),
+        "tiny-q8": _link(tiny_models.q8_0, home / ".cache/lm-studio/models/a/b/tiny-q8.gguf"),
+        "tiny-hf": _link(tiny_models.base, hub / "snapshots" / "abc123" / "tiny-hf.gguf"),
+        "tinyllm:1b": _ollama(ollama, "tinyllm", "1b", tiny_models.other_weights),
+        "tiny-dir": _link(tiny_models.base, tmp_path / "mine" / "tiny-dir.gguf"),
+        "windowed": _header_only(lms / "windowed.gguf", "gemma3", attention__sliding_window=512),
+        "snake": _header_only(lms / "snake.gguf", "mamba", ssm__conv_kernel=4),
+        "mixed": _header_only(lms / "mixed.gguf", "jamba", attention__head_count=4),
+    }
+    _link(tiny_models.base, hub / "snapshots" / "old999" / "tiny-hf.gguf")  # not main's
+    (lms / "mmproj-tiny.gguf").write_bytes(b"GGUF")  # a vision projector: not a model
+    (lms / "big-00002-of-00002.gguf").write_bytes(b"GGUF")  # a later part of a split
+    paths["broken"] = lms / "broken.gguf"
+    paths["broken"].write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 16)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env.update(
+        HOME=str(home),
+        HF_HOME=str(tmp_path / "hf"),
+        OLLAMA_MODELS=str(ollama),
+        LOCALKV_MODELS=str(tmp_path / "mine"),
+    )
+    return Planted(home, env, paths)
+
+
+def _localkv(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "localkv", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_models_finds_lm_studio_ollama_and_the_hugging_face_cache(planted: Planted) -> None:
+    done = _localkv(planted.env, "models", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {m["name"]: m for m in json.loads(done.stdout.splitlines()[-1])["models"]}
+    assert {name: Path(rows[name]["path"]) for name in planted.paths} == planted.paths
+    assert [r["source"] for r in rows.values()].count("default") == 1
+    sources = {name: rows[name]["source"] for name in ("tiny-lms", "tiny-hf", "tinyllm:1b")}
+    assert sources == {"tiny-lms": "lmstudio", "tiny-hf": "huggingface", "tinyllm:1b": "ollama"}
+    assert rows["tiny-dir"]["source"] == "LOCALKV_MODELS"
+    assert not any(name.startswith(("mmproj", "big")) for name in rows)
+    assert sum(name == "tiny-hf" for name in rows) == 1  # only the revision main names
+    reader = gguf.GGUFReader(planted.paths["tiny-lms"])
+    tiny = rows["tiny-lms"]
+    assert tiny["architecture"] == "llama"
+    assert tiny["parameters"] == sum(int(t.n_elements) for t in reader.tensors)
+    assert tiny["quantization"] == "F32" and rows["tiny-q8"]["quantization"] == "Q8_0"
+    assert tiny["size"] == planted.paths["tiny-lms"].stat().st_size
+    memory = {name: (rows[name]["memory"], rows[name]["cacheable"]) for name in rows}
+    assert memory["tiny-lms"] == ("attention", True)
+    assert memory["windowed"] == ("sliding-window", False)
+    assert memory["snake"] == ("recurrent", False)
+    assert memory["mixed"] == ("hybrid", False)
+    assert rows["broken"]["error"] and memory["broken"] == ("unknown", False)
+
+
+def test_models_table_fits_80_columns(planted: Planted) -> None:
+    done = _localkv(planted.env, "models")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    titles = "NAME SOURCE ARCH PARAMS QUANT SIZE MEMORY CACHE"
+    assert lines[0].split() == titles.split()
+    assert all(len(line) <= 80 for line in lines)
+    for name in planted.paths:  # each name whole, as --model takes it
+        assert any(line.split()[:1] == [name] for line in lines), name
+    assert any("unreadable:" in line for line in lines)
+
+
+def test_ask_loads_a_model_by_its_listed_name(planted: Planted, tmp_path: Path) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document about nothing much.", encoding="utf-8")
+    answers = {}
+    for name in ("tinyllm:1b", "tinyllm:1b", "tiny-hf"):
+        args = ["--model", name, "--threads", "1", "--ctx", "512", "--max-tokens", "4"]
+        done = _localkv(planted.env, "ask", *args, "--json", "--temperature", "0", str(doc), "Why?")
+        assert done.returncode == 0, done.stderr
+        answers.setdefault(name, []).append(json.loads(done.stdout.splitlines()[-1]))
+    assert answers["tinyllm:1b"][1]["cache"]["hit"]  # the same file, found again by name
+    assert not answers["tiny-hf"][0]["cache"]["hit"]  # another model: other weights
+
+
+def test_an_unknown_model_name_lists_close_matches(planted: Planted, tmp_path: Path) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document.", encoding="utf-8")
+    done = _localkv(planted.env, "ask", "--model", "tinyllm:2b", str(doc), "Why?")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "no model file or listed model named 'tinyllm:2b'" in done.stderr
+    assert "close matches: tinyllm:1b" in done.stderr
+
+
+def test_nothing_is_listed_where_nothing_is_present(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA", "LOCALKV_M"))}
+    env["HOME"] = str(tmp_path)
+    done = _localkv(env, "models", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [m["source"] for m in json.loads(done.stdout)["models"]] == ["default"]
+
+
+# ------------------------------------------------------------------- the header reader
+def test_the_header_reader_agrees_with_gguf_reader(tiny_models: TinyModels) -> None:
+    meta = read_gguf_metadata(tiny_models.base)
+    reader = gguf.GGUFReader(tiny_models.base)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        ours = meta.values[key]
+        if isinstance(ours, GGUFArray):
+            assert ours.length == len(field.data)
+        elif isinstance(ours, float):
+            assert ours == pytest.approx(field.contents())
+        else:
+            assert (list(ours) if isinstance(ours, tuple) else ours) == field.contents()
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert {t.name: t.shape for t in meta.tensors} == shapes
+
+
+@pytest.mark.parametrize("cut", [3, 8, 24, 100, 5000])
+def test_a_truncated_header_is_an_error_not_a_crash(
+    tmp_path: Path, tiny_models: TinyModels, cut: int
+) -> None:
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(tiny_models.base.read_bytes()[:cut])
+    with pytest.raises(GGUFError):
+        read_gguf_metadata(path)
+    info = describe(FoundModel("cut", "LOCALKV_MODELS", path))
+    assert info.error and info.memory == "unknown" and not info.cacheable
+
+
+def test_an_implausible_length_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "huge.gguf"
+    header = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
+    path.write_bytes(header + (1).to_bytes(8, "little") + (2**62).to_bytes(8, "little"))
+    with pytest.raises(GGUFError, match="implausible"):
+        read_gguf_metadata(path)
