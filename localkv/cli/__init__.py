@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "List the GGUF models found on this machine (LM Studio, Ollama, Hugging Face cache).",
     ),
     "history": ("localkv.cli.history:history", "List, export and delete saved chat conversations."),
+    "serve": (
+        "localkv.cli.serve:serve",
+        "Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.",
+    ),
     "bench": (
         "localkv.cli.bench:bench",
         "Measure time to first token: cold prefill against a verified restore from disk.",
@@ -40,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 # commands that need an optional dependency group of pyproject.toml
-EXTRAS = {"bench": "bench"}
+EXTRAS = {"bench": "bench", "serve": "serve"}
 
 
 class LazyGroup(click.Group):

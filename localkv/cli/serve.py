@@ -1,0 +1,147 @@
+"""``localkv serve``: the OpenAI-compatible HTTP server (needs the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import click
+import uvicorn
+
+from localkv.cli.options import cache_options, model_options, session_config
+from localkv.runtime import Runtime
+from localkv.server.app import ServerSettings, create_app
+from localkv.server.engine import Engine
+from localkv.server.worker import ModelWorker
+
+__all__ = ["serve"]
+
+_EPILOG = """\b
+Endpoints: GET /health (503 while the model loads), GET /v1/models,
+POST /v1/chat/completions, POST /v1/completions (streaming and not),
+POST /v1/localkv/prefill, GET /v1/localkv/cache.
+Example:
+  localkv serve --port 8000
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "local", "messages": [{"role": "user", "content": "Hello"}]}'
+"""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM/SIGINT end it with exit status 0.
+
+    uvicorn shuts down gracefully on them and then raises the signal again
+    (dying by it); a finished graceful shutdown is a clean exit here.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        wanted = [signal.SIGINT, signal.SIGTERM]
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in wanted}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command(epilog=_EPILOG)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port."
+)
+@click.option(
+    "--api-key",
+    envvar="LOCALKV_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1 (needed to bind a non-loopback "
+    "address). [env: LOCALKV_API_KEY]",
+)
+@click.option(
+    "--queue",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Requests admitted at once, the running one included; more get 503 with Retry-After.",
+)
+@click.option(
+    "--max-body",
+    type=click.IntRange(min=1024),
+    default=16 * 2**20,
+    show_default=True,
+    help="Largest request body in bytes; larger ones get 413.",
+)
+@model_options
+@cache_options
+def serve(
+    host: str, port: int, api_key: str | None, queue: int, max_body: int, **opts: Any
+) -> None:
+    """Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.
+
+    Chat UIs and SDKs (openai, LangChain, Open WebUI, ...) point their base URL
+    at http://HOST:PORT/v1. A system prompt or document computed once is
+    restored from disk on later requests, across restarts; every response
+    reports usage.prompt_tokens_details.cached_tokens and a `localkv` object
+    (verified, restore_ms, miss_reason). One line per request is logged to
+    stderr. SIGTERM or Ctrl-C finishes the admitted requests and the
+    background saves, then exits 0.
+    """
+    if not _is_loopback(host) and not api_key:
+        raise click.UsageError(
+            f"--host {host} is reachable from other machines: give --api-key KEY "
+            "(or LOCALKV_API_KEY) to bind it"
+        )
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty", param_hint="--api-key")
+    config = session_config(opts)  # a missing model fails here, before binding
+
+    def open_engine() -> Engine:
+        runtime = Runtime(
+            config,
+            cache_dir=opts.get("cache_dir"),
+            namespace=opts["namespace"],
+            use_cache=not opts["no_cache"],
+            compact_cache=opts["compact_cache"],
+        )
+        return Engine(runtime)
+
+    server: list[uvicorn.Server] = []
+    failed: list[BaseException] = []
+
+    def on_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        if server:
+            server[0].should_exit = True
+
+    worker = ModelWorker(open_engine, queue, on_failure)
+    settings = ServerSettings(api_key=api_key, queue=queue, max_body=max_body)
+    logging.getLogger("localkv.server").setLevel(logging.INFO)
+    app = create_app(settings, worker)
+    uv = _Server(
+        uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on")
+    )
+    server.append(uv)
+    click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
+    uv.run()
+    if failed:
+        raise click.ClickException(f"the model could not be loaded: {failed[0]}")
+    if not uv.started:
+        sys.exit(1)  # uvicorn said why (the port is taken, ...)

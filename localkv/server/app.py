@@ -1,0 +1,224 @@
+"""The routes of the OpenAI-compatible server (Starlette), on one ``ModelWorker``.
+
+``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions``, ``POST /v1/localkv/prefill``, ``GET /v1/localkv/cache``.
+Streaming is Server-Sent Events ending in ``data: [DONE]``; keep-alives are
+comment lines. Every error is OpenAI-shaped JSON (``errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from localkv.server.engine import Engine, Outcome
+from localkv.server.errors import ApiError, error_response
+from localkv.server.gate import Gate, read_body
+from localkv.server.openai import decode_body, parse_chat, parse_completion
+from localkv.server.responses import DONE, KEEP_ALIVE, Reply
+from localkv.server.worker import ModelWorker, NotReady, QueueFull, Ticket
+
+__all__ = ["ServerSettings", "create_app"]
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    api_key: str | None = None
+    queue: int = 4  # requests admitted at once, the running one included
+    max_body: int = 16 * 2**20
+    keepalive_s: float = 10.0
+
+
+def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
+    """The ASGI app; its lifespan starts the worker (loading the model) and stops it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:  # uvicorn has finished the open requests by now
+            await asyncio.to_thread(worker.stop)
+
+    routes = Routes(settings, worker)
+    app = Starlette(
+        routes=[
+            Route("/health", routes.health),
+            Route("/v1/models", routes.models),
+            Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/localkv/prefill", routes.prefill, methods=["POST"]),
+            Route("/v1/localkv/cache", routes.cache),
+        ],
+        exception_handlers={HTTPException: _http_error, ApiError: _api_error},  # type: ignore[dict-item]
+        lifespan=lifespan,
+    )
+    app.add_middleware(Gate, api_key=settings.api_key)
+    return app
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = "not_found" if exc.status_code == 404 else None
+    return error_response(
+        ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+    )
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return error_response(exc)
+
+
+class Routes:
+    def __init__(self, settings: ServerSettings, worker: ModelWorker) -> None:
+        self.settings = settings
+        self.worker = worker
+
+    # ---------------------------------------------------------- information
+    async def health(self, request: Request) -> Response:
+        status = self.worker.status()
+        code = {"ready": 200, "loading": 503, "failed": 500}.get(str(status["state"]), 503)
+        body: dict[str, object] = {
+            "status": "ok" if code == 200 else status["state"],
+            "queue": status,
+        }
+        if self.worker.error:
+            body["error"] = self.worker.error
+        headers = {"Retry-After": "1"} if code == 503 else None
+        return JSONResponse(body, status_code=code, headers=headers)
+
+    async def models(self, request: Request) -> Response:
+        engine = self._engine()
+        info = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "localkv"}
+        return JSONResponse({"object": "list", "data": [info]})
+
+    async def cache(self, request: Request) -> Response:
+        snapshots = await self._run(request, lambda engine, ticket: engine.snapshots())
+        return JSONResponse({"object": "list", "data": snapshots})
+
+    async def prefill(self, request: Request) -> Response:
+        body = decode_body(await read_body(request, self.settings.max_body))
+        report = await self._run(request, lambda engine, ticket: engine.prefill(body))
+        return JSONResponse(report)
+
+    # ---------------------------------------------------------- generation
+    async def chat(self, request: Request) -> Response:
+        parsed = parse_chat(decode_body(await read_body(request, self.settings.max_body)))
+        reply = Reply.new(True, self._engine().model_id, parsed.include_usage)
+        return await self._generate(request, reply, parsed.stream, lambda e, t: e.chat(parsed, t))
+
+    async def completions(self, request: Request) -> Response:
+        parsed = parse_completion(decode_body(await read_body(request, self.settings.max_body)))
+        reply = Reply.new(False, self._engine().model_id, parsed.include_usage)
+        return await self._generate(
+            request, reply, parsed.stream, lambda e, t: e.complete(parsed, t)
+        )
+
+    async def _generate(
+        self, request: Request, reply: Reply, stream: bool, job: Callable[[Engine, Ticket], Outcome]
+    ) -> Response:
+        ticket = self._submit(job)
+        request.state.ticket = ticket  # its outcome goes into the log line
+        if not stream:
+            outcome: Outcome = await self._result(request, ticket)
+            return JSONResponse(reply.body(outcome))
+        # the response starts once the request fits and its work begins, so a
+        # request that is too long still gets its 413
+        await self._next(request, ticket, until="started")
+        events = self._events(request, ticket, reply)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _events(self, request: Request, ticket: Ticket, reply: Reply) -> AsyncIterator[str]:
+        try:
+            yield reply.chunk(None, role=True)
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(
+                        ticket.events.get(), self.settings.keepalive_s
+                    )
+                except TimeoutError:
+                    yield KEEP_ALIVE
+                    continue
+                if kind == "text":
+                    yield reply.chunk(value)
+                elif kind == "done":
+                    yield reply.finish_chunk(value)
+                    if reply.include_usage:
+                        yield reply.usage_chunk(value)
+                    break
+                elif kind == "error":
+                    yield reply.error_chunk(_as_api_error(value).body())
+                    break
+            yield DONE
+        finally:
+            ticket.cancel()  # a client that went away stops its generation
+
+    # --------------------------------------------------------------- helpers
+    def _engine(self) -> Engine:
+        if self.worker.engine is None or self.worker.state != "ready":
+            raise ApiError(
+                503, self.worker.error or "the model is loading", headers={"Retry-After": "1"}
+            )
+        return self.worker.engine
+
+    def _submit(self, job: Callable[[Engine, Ticket], Any]) -> Ticket:
+        try:
+            return self.worker.submit(asyncio.get_running_loop(), job)
+        except QueueFull as exc:
+            raise ApiError(
+                503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}
+            ) from None
+        except NotReady as exc:
+            raise ApiError(503, str(exc), code="loading", headers={"Retry-After": "1"}) from None
+
+    async def _run(self, request: Request, job: Callable[[Engine, Ticket], Any]) -> Any:
+        return await self._result(request, self._submit(job))
+
+    async def _result(self, request: Request, ticket: Ticket) -> Any:
+        return await self._next(request, ticket, until="done")
+
+    async def _next(self, request: Request, ticket: Ticket, *, until: str) -> Any:
+        """Wait for the ticket's ``until`` event (text before it is dropped: not streaming).
+
+        A client that disconnects meanwhile cancels the ticket.
+        """
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(ticket.events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        ticket.cancel()
+                        raise ApiError(499, "the client disconnected") from None
+                    continue
+                if kind == "error":
+                    raise _as_api_error(value)
+                if kind == until:
+                    return value
+        except BaseException:
+            ticket.cancel()
+            raise
+
+
+def _as_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return ApiError(499, "the request was cancelled")
+    log.error("request failed: %s", exc, exc_info=exc)
+    return ApiError(500, f"internal error: {exc}")

@@ -1,0 +1,334 @@
+"""What one request does on the runtime: find the prefix, restore or prefill, generate.
+
+Runs on the worker thread that owns the model (``worker``), one request at a
+time. Reuse comes from the live context when it holds the prompt's prefix (no
+disk read), else from the disk cache (verified), else prefill; the prompt's
+new blocks are saved in the background after the answer, as ``chat`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from localkv.chat.session import ChatSession, ChatState, SyncReport
+from localkv.model.sampling import SamplingParams
+from localkv.model.schedule import shared_end
+from localkv.prompt.conversation import stream_answer
+from localkv.prompt.request import Document, DocumentError
+from localkv.prompt.template import Message
+from localkv.runtime import Runtime
+from localkv.server.conversation import AnswerMemory, build_history, common_prefix
+from localkv.server.errors import ApiError, bad_request
+from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
+from localkv.server.stops import StopText
+
+__all__ = ["Engine", "Outcome"]
+
+log = logging.getLogger(__name__)
+
+TextFn = Callable[[str], None]
+
+
+class Channel(Protocol):
+    """Where a request's progress goes (``worker.Ticket``)."""
+
+    def started(self) -> None: ...
+    def text(self, piece: str) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One generation: the answer and what the cache did for it."""
+
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    cached_tokens: int
+    generated: int
+    source: str  # where the reused tokens came from: "live", "disk" or "none"
+    verified: bool | None
+    restore_ms: float
+    miss_reason: str | None
+    diverged_at: int | None
+    ttft_s: float
+    total_s: float
+
+    def localkv(self) -> dict[str, object]:
+        """The ``localkv`` object of a response."""
+        return {
+            "cached_tokens": self.cached_tokens,
+            "source": self.source,
+            "verified": self.verified,
+            "restore_ms": round(self.restore_ms, 3),
+            "miss_reason": self.miss_reason,
+            "diverged_at": self.diverged_at,
+            "ttft_ms": round(self.ttft_s * 1000, 3),
+        }
+
+
+class Engine:
+    """The runtime, plus the sampled ids of recent answers (for resent histories)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.memory = AnswerMemory()
+        self.model_id = Path(runtime.session.config.model_path).stem
+
+    # ------------------------------------------------------------------ chat
+    def chat(self, request: ChatRequest, channel: Channel) -> Outcome:
+        t0 = time.perf_counter()
+        template = self.runtime.template
+        *history, last = request.messages
+        state = build_history(template, history, self.memory)
+        user = Message("user", last.content)
+        state.tokens.extend(template.message_tokens(state.messages, user))
+        state.messages.append(user)
+        state.tokens.extend(template.assistant_start_tokens(state.messages))
+        state.boundaries.append(len(state.tokens))
+        prompt = list(state.tokens)
+        chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
+        sync, diverged = self._sync(chat, state, channel)
+        stops = StopText(request.sampling.stop)
+        params = self._params(request.sampling, len(prompt))
+        answer = stream_answer(
+            self.runtime.session,
+            params,
+            t0,
+            _sender(stops, channel.text),
+            lambda: stops.hit or channel.cancelled(),
+        )
+        channel.text(stops.flush())
+        self._close_turn(chat, answer.ids, answer.text, stops.text)
+        return self._outcome(
+            t0,
+            prompt,
+            sync,
+            diverged,
+            stops,
+            answer.ids,
+            answer.ttft_s,
+            params,
+            channel.cancelled(),
+        )
+
+    def _close_turn(self, chat: ChatSession, ids: list[int], full: str, shown: str) -> None:
+        """Keep the answer in the live context with the turn's closing tokens, then save.
+
+        The same tokens as ``ChatSession`` records after a turn; the sampled ids
+        are remembered under the text the client got, when that is the whole answer.
+        """
+        state, session = chat.state, self.runtime.session
+        history = list(state.messages)
+        start = len(state.tokens)
+        if shown == full:
+            self.memory.remember(state.tokens, full, ids)
+        if session.n_tokens > start:
+            state.generated.append((start, session.n_tokens))
+        state.tokens.extend(ids)
+        state.messages.append(Message("assistant", full))
+        state.tokens.extend(self.runtime.template.assistant_end_tokens(history, full))
+        del state.tokens[session.n_ctx :]
+        state.boundaries.append(len(state.tokens))
+        pending = state.tokens[session.n_tokens :]
+        if pending and session.n_tokens == start + len(ids):
+            session.prefill(pending, ends=chat.schedule())
+        self.runtime.save_prefix(state.boundaries)
+
+    # ----------------------------------------------------------- completions
+    def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
+        t0 = time.perf_counter()
+        session = self.runtime.session
+        if isinstance(request.prompt, str):
+            prompt = self.runtime.template.start_tokens() + session.tokenize(request.prompt)
+        else:
+            prompt = list(request.prompt)
+            if any(t >= session.n_vocab for t in prompt):
+                raise bad_request(f"token ids must be below {session.n_vocab}", "prompt")
+        if not prompt:
+            raise bad_request("the prompt has no tokens", "prompt")
+        state = ChatState(tokens=list(prompt), boundaries=[len(prompt)])
+        chat = ChatSession(self.runtime, state)
+        sync, diverged = self._sync(chat, state, channel)
+        stops = StopText(request.sampling.stop)
+        params = self._params(request.sampling, len(prompt))
+        answer = stream_answer(
+            session,
+            params,
+            t0,
+            _sender(stops, channel.text),
+            lambda: stops.hit or channel.cancelled(),
+        )
+        channel.text(stops.flush())
+        self.runtime.save_prefix(state.boundaries)
+        return self._outcome(
+            t0,
+            prompt,
+            sync,
+            diverged,
+            stops,
+            answer.ids,
+            answer.ttft_s,
+            params,
+            channel.cancelled(),
+        )
+
+    # ------------------------------------------------------------- the cache
+    def _sync(
+        self, chat: ChatSession, state: ChatState, channel: Channel
+    ) -> tuple[SyncReport, int | None]:
+        """Bring the KV sequence to the prompt: live context, else disk, else prefill.
+
+        Returns the sync report and the first position where the live context
+        diverged from the prompt (None when it did not).
+        """
+        session, prompt = self.runtime.session, state.tokens
+        n = len(prompt)
+        if n + 1 > session.n_ctx:
+            raise ApiError(
+                413,
+                f"the prompt has {n:,} tokens; with the answer's first token it does not fit "
+                f"in the context of {session.n_ctx:,} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        channel.started()
+        live = session.tokens
+        common = common_prefix(live, prompt)
+        diverged = common if common < min(len(live), n) else None
+        ends = chat.schedule()
+        keep = shared_end(session.batch_ends, ends, min(common, n - 1)) if common else 0
+        if keep < n - 1 and self._on_disk(prompt, ends) > keep:
+            session.reset()  # the disk holds more of this prompt than the live context
+        elif 0 < keep < len(live):
+            session.truncate(keep)
+        return chat.sync(), diverged
+
+    def _on_disk(self, tokens: Sequence[int], ends: Sequence[int]) -> int:
+        """How many of ``tokens`` the disk cache could restore (an index lookup only)."""
+        cache = self.runtime.cache
+        if cache is None:
+            return 0
+        self.runtime.wait_for_saves()
+        try:
+            return cache.plan(tokens, ends).reuse
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("cache lookup failed: %s", exc)
+            return 0
+
+    def _params(self, sampling: Sampling, n_prompt: int) -> SamplingParams:
+        room = self.runtime.session.n_ctx - n_prompt
+        wanted = sampling.max_tokens if sampling.max_tokens is not None else room
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            max_tokens=max(1, min(wanted, room)),
+        )
+
+    def _outcome(
+        self,
+        t0: float,
+        prompt: list[int],
+        sync: SyncReport,
+        diverged: int | None,
+        stops: StopText,
+        ids: list[int],
+        ttft_s: float,
+        params: SamplingParams,
+        cancelled: bool,
+    ) -> Outcome:
+        report = sync.cache
+        cached = len(prompt) - sync.prefilled
+        if cancelled:
+            finish = "cancelled"
+        elif stops.hit:
+            finish = "stop"
+        else:
+            full = (
+                len(ids) >= params.max_tokens
+                or len(prompt) + len(ids) >= self.runtime.session.n_ctx
+            )
+            finish = "length" if full else "stop"
+        source = "none" if cached == 0 else "live" if report is None else "disk"
+        return Outcome(
+            text=stops.text,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            generated=len(ids),
+            source=source,
+            verified=None if report is None else report.verified,
+            restore_ms=0.0 if report is None else report.restore_s * 1000,
+            miss_reason=None if report is None else report.miss_reason,
+            diverged_at=diverged,
+            ttft_s=ttft_s,
+            total_s=time.perf_counter() - t0,
+        )
+
+    # --------------------------------------------------------- pre-warm, list
+    def prefill(self, body: dict[str, Any]) -> dict[str, object]:
+        """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints."""
+        system = body.get("system")
+        if system is not None and not isinstance(system, str):
+            raise bad_request("'system' must be a string", "system")
+        documents = _documents(body.get("documents", []))
+        if not documents and not system:
+            raise bad_request("give 'documents', a 'system' prompt, or both", "documents")
+        label = body.get("label")
+        if label is not None and not isinstance(label, str):
+            raise bad_request("'label' must be a string", "label")
+        try:
+            report = self.runtime.prefill(
+                documents, system=system, label=label, pin=bool(body.get("pin", False))
+            )
+        except ValueError as exc:  # ContextFullError is one
+            raise ApiError(
+                413, str(exc), param="documents", code="context_length_exceeded"
+            ) from None
+        return {
+            **report.as_json(),
+            "cache": _cache_json(report.cache.hit, report.cache.verified, report.cache.miss_reason),
+        }
+
+    def snapshots(self) -> list[dict[str, object]]:
+        self.runtime.wait_for_saves()
+        return self.runtime.snapshots()
+
+
+def _sender(stops: StopText, emit: TextFn) -> TextFn:
+    def send(piece: str) -> None:
+        out = stops.push(piece)
+        if out:
+            emit(out)
+
+    return send
+
+
+def _documents(raw: object) -> list[Document]:
+    if not isinstance(raw, list):
+        raise bad_request("'documents' must be an array", "documents")
+    docs = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            text, name = item, f"document {i + 1}"
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            text, name = item["text"], str(item.get("name") or f"document {i + 1}")
+        else:
+            raise bad_request("each document is a string or {'name', 'text'}", f"documents[{i}]")
+        try:
+            docs.append(Document.from_text(text, name))
+        except DocumentError as exc:
+            raise bad_request(str(exc), f"documents[{i}]") from None
+    return docs
+
+
+def _cache_json(hit: bool, verified: bool | None, miss_reason: str | None) -> dict[str, object]:
+    return {"hit": hit, "verified": verified, "miss_reason": miss_reason}

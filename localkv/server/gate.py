@@ -1,0 +1,116 @@
+"""What every request passes: the API key, the body limit, and its one log line."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from localkv.server.errors import ApiError, error_response
+
+__all__ = ["Gate", "read_body"]
+
+log = logging.getLogger("localkv.server")
+
+# a body over the limit but under this is read and dropped, so that a client still
+# writing it gets the 413 rather than a reset connection
+DRAIN_LIMIT = 256 * 2**20
+OPEN_PATHS = ("/health",)  # answered without a key: it says nothing but "ready"
+
+
+class Gate:
+    """ASGI middleware: refuse a missing or wrong key (401), log one line per request.
+
+    The line: method, path, status, prompt/cached/generated tokens, time to
+    first token and total time (the handlers leave the counts in
+    ``scope["state"]["ticket"]``).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def logged_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+                _check_key(scope, self.api_key)
+            await self.app(scope, receive, logged_send)
+        except ApiError as exc:
+            await error_response(exc)(scope, receive, logged_send)
+        finally:
+            _log_line(scope, status[0], time.perf_counter() - t0)
+
+
+def _check_key(scope: Scope, api_key: str) -> None:
+    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    scheme, _, given = header.partition(" ")
+    if not header:
+        raise ApiError(
+            401, "missing API key: send 'Authorization: Bearer KEY'", code="missing_api_key"
+        )
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), api_key.encode()
+    ):
+        raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+
+def _log_line(scope: Scope, status: int, seconds: float) -> None:
+    """Log the request now, or, when its generation is still stopping, once it has."""
+    ticket: Any = scope.get("state", {}).get("ticket")
+    method, path = scope["method"], scope["path"]
+
+    def line(outcome: Any) -> None:
+        tokens = ttft = ""
+        if outcome is not None:
+            tokens = (
+                f" prompt={outcome.prompt_tokens} cached={outcome.cached_tokens}"
+                f" generated={outcome.generated} ({outcome.source}"
+                f"{', cancelled' if outcome.finish_reason == 'cancelled' else ''})"
+            )
+            ttft = f" ttft={outcome.ttft_s * 1000:.0f}ms"
+        total = seconds * 1000
+        log.info("%s %s %s%s%s total=%.0fms", method, path, status or "-", tokens, ttft, total)
+
+    if ticket is None:
+        line(None)
+    else:
+        ticket.when_done(line)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 past ``limit`` bytes (before reading it all)."""
+    declared = request.headers.get("content-length")
+    too_large = ApiError(
+        413,
+        f"the request body is larger than the limit of {limit:,} bytes",
+        code="request_too_large",
+    )
+    declared_size = int(declared) if declared is not None and declared.isdigit() else 0
+    if declared_size > DRAIN_LIMIT:
+        raise too_large  # not worth reading: the connection closes after the answer
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DRAIN_LIMIT:
+            raise too_large
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:  # read to the end (and dropped), so the client gets the answer
+        raise too_large
+    return b"".join(chunks)

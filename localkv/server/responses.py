@@ -1,0 +1,117 @@
+"""Response bodies and stream chunks in the OpenAI shapes, built from an ``Outcome``."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from localkv.server.engine import Outcome
+
+__all__ = ["Reply", "sse"]
+
+DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"
+
+
+def sse(data: dict[str, object]) -> str:
+    """One Server-Sent Event carrying ``data`` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(outcome: Outcome) -> dict[str, object]:
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.generated,
+        "total_tokens": outcome.prompt_tokens + outcome.generated,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def finish(outcome: Outcome) -> str:
+    return "length" if outcome.finish_reason == "length" else "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The fixed parts of one response: its id, kind, model and creation time."""
+
+    id: str
+    chat: bool  # chat.completion, else text_completion
+    model: str
+    created: int
+    include_usage: bool = False
+
+    @classmethod
+    def new(cls, chat: bool, model: str, include_usage: bool = False) -> Reply:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(prefix + secrets.token_hex(12), chat, model, int(time.time()), include_usage)
+
+    def _head(self, stream: bool) -> dict[str, object]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if stream and self.chat:
+            kind += ".chunk"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def body(self, outcome: Outcome) -> dict[str, object]:
+        """The whole non-streamed response."""
+        if self.chat:
+            choice: dict[str, object] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": outcome.text},
+                "logprobs": None,
+                "finish_reason": finish(outcome),
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": outcome.text,
+                "logprobs": None,
+                "finish_reason": finish(outcome),
+            }
+        return {
+            **self._head(False),
+            "choices": [choice],
+            "usage": usage(outcome),
+            "localkv": outcome.localkv(),
+        }
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, *, role: bool = False
+    ) -> str:
+        """A stream chunk with new text (or the opening role, or the finish reason)."""
+        if self.chat:
+            delta: dict[str, object] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        data = {**self._head(True), "choices": [choice]}
+        if self.include_usage:
+            data["usage"] = None
+        return sse(data)
+
+    def finish_chunk(self, outcome: Outcome) -> str:
+        """The chunk that ends the choice: its finish reason and the ``localkv`` object."""
+        chunk = json.loads(self.chunk(None, finish(outcome))[len("data: ") :])
+        chunk["localkv"] = outcome.localkv()
+        return sse(chunk)
+
+    def usage_chunk(self, outcome: Outcome) -> str:
+        """The last chunk when the client asked for usage: no choices, the usage."""
+        return sse(
+            {
+                **self._head(True),
+                "choices": [],
+                "usage": usage(outcome),
+                "localkv": outcome.localkv(),
+            }
+        )
+
+    def error_chunk(self, body: dict[str, object]) -> str:
+        return sse(body)

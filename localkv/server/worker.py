@@ -1,0 +1,190 @@
+"""The one thread that owns the model, and the bounded queue in front of it.
+
+llama.cpp's context is not shared: every request runs on this thread, one at
+a time, so an answer never depends on what else was running. The queue admits
+at most ``capacity`` requests (the running one included); one more is refused
+at once (``QueueFull``, a 503 with ``Retry-After``) instead of waiting for
+minutes. Results and text pieces go back to the event loop through a
+``Ticket``; a ticket cancelled by its client (it disconnected) stops its
+generation between tokens, or is skipped if it has not started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from localkv.server.engine import Engine
+
+__all__ = ["ModelWorker", "NotReady", "QueueFull", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+Job = Callable[[Engine, "Ticket"], Any]
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class NotReady(Exception):
+    """The model is still loading (or failed to)."""
+
+
+class Ticket:
+    """One submitted request: its events arrive on the event loop's ``events`` queue.
+
+    Events are ``("started", None)`` when the request fits and its work begins,
+    ``("text", piece)``, then ``("done", result)`` or ``("error", exception)``.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, job: Job) -> None:
+        self.loop = loop
+        self.job = job
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._finished = False
+        self.result: Any = None  # what the job returned (None: it failed or never ran)
+        self._callbacks: list[Callable[[Any], None]] = []
+
+    def when_done(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(result)`` once the job has ended (now, if it has)."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(callback)
+                return
+        callback(self.result)
+
+    def _finish(self, result: Any) -> None:
+        with self._lock:
+            self._finished, self.result = True, result
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(result)
+
+    # the client side (event loop)
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    # the worker side
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def started(self) -> None:
+        self._put("started", None)
+
+    def text(self, piece: str) -> None:
+        if piece:
+            self._put("text", piece)
+
+    def _put(self, kind: str, value: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+
+class ModelWorker:
+    """Opens the engine on its own thread, then runs submitted jobs in order."""
+
+    def __init__(
+        self,
+        open_engine: Callable[[], Engine],
+        capacity: int,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"the queue needs room for at least one request, got {capacity}")
+        self.capacity = capacity
+        self.state = "loading"  # -> "ready" -> "stopped", or "failed"
+        self.error: str | None = None
+        self.engine: Engine | None = None
+        self._open_engine = open_engine
+        self._on_failure = on_failure
+        self._jobs: queue.Queue[Ticket | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._running = 0
+        self._recent_s = 1.0  # a moving average of request durations, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="localkv-model", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the admitted requests, let the background saves complete, free the model."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "state": self.state,
+                "running": self._running,
+                "waiting": self._admitted - self._running,
+                "capacity": self.capacity,
+            }
+
+    def submit(self, loop: asyncio.AbstractEventLoop, job: Job) -> Ticket:
+        if self.state != "ready":
+            raise NotReady(self.error or "the model is loading")
+        with self._lock:
+            if self._admitted >= self.capacity:
+                raise QueueFull(self._retry_after())
+            self._admitted += 1
+        ticket = Ticket(loop, job)
+        self._jobs.put(ticket)
+        return ticket
+
+    def _retry_after(self) -> int:
+        return max(1, math.ceil(self._recent_s * self._admitted))
+
+    # ----------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            self.engine = self._open_engine()
+        except BaseException as exc:
+            self.state, self.error = "failed", str(exc)
+            log.error("the model could not be loaded: %s", exc)
+            if self._on_failure is not None:
+                self._on_failure(exc)
+            return
+        self.state = "ready"
+        log.info("model ready: %s", self.engine.model_id)
+        try:
+            while (ticket := self._jobs.get()) is not None:
+                self._one(self.engine, ticket)
+        finally:
+            self.state = "stopped"
+            self.engine.runtime.close()  # waits for the background saves
+
+    def _one(self, engine: Engine, ticket: Ticket) -> None:
+        with self._lock:
+            self._running = 1
+        t0 = time.perf_counter()
+        result = None
+        try:
+            if ticket.cancelled():
+                ticket._put("error", asyncio.CancelledError())
+            else:
+                result = ticket.job(engine, ticket)
+                ticket._put("done", result)
+        except Exception as exc:
+            log.debug("request failed", exc_info=True)
+            ticket._put("error", exc)
+        finally:
+            ticket._finish(result)
+            elapsed = time.perf_counter() - t0
+            with self._lock:
+                self._running = 0
+                self._admitted -= 1
+                self._recent_s = 0.7 * self._recent_s + 0.3 * elapsed
