@@ -69,11 +69,15 @@ class Answer:
     tokens: TokenCounts
     cache: CacheReport
     timing: Timing
+    # why the answer ended: "stop" (the model ended it), "length" (max tokens),
+    # "context" (the context is full) or "cancelled"
+    finish_reason: str = "stop"
 
     def as_json(self) -> dict[str, object]:
         c = self.cache
         return {
             "answer": self.text,
+            "finish_reason": self.finish_reason,
             "tokens": {
                 "prompt": self.tokens.prompt,
                 "reused": self.tokens.reused,
@@ -87,6 +91,7 @@ class Answer:
                 "miss_reason": c.miss_reason,
                 "common": c.common,
                 "recomputed": c.recomputed,
+                "saved_s": round(c.saved_s, 6),
             },
             "timing": {
                 "restore_s": round(self.timing.restore_s, 6),
@@ -109,6 +114,7 @@ class PrefillReport:
     seconds: float
     cancelled: bool
     cache: CacheReport
+    kept: int = 0  # tokens in the cache after the run: what the next run of it restores
     not_kept: str | None = None  # why the budget's eviction took what was just saved
     over_budget: str | None = None  # pinned snapshots hold more than the budget
 
@@ -122,6 +128,7 @@ class PrefillReport:
             "new_blocks": self.new_blocks,
             "bytes_on_disk": self.bytes_on_disk,
             "seconds": round(self.seconds, 6),
+            "kept": self.kept,
             "cancelled": self.cancelled,
             "not_kept": self.not_kept,
             "over_budget": self.over_budget,

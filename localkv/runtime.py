@@ -27,7 +27,7 @@ from pathlib import Path
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.catalogue import covering_snapshot, save_snapshot, snapshot_listing
+from localkv.cache.catalogue import covering_snapshot, save_prefill, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.native import llama_cpp
 from localkv.model.resolve import resolve_model
@@ -70,7 +70,7 @@ class Runtime:
         self.cache: PrefixCache | None = None
         self.cache_error: str | None = None if use_cache else "cache disabled"
         self._work = BackgroundWork()  # saves and bookkeeping, after the answer
-        self._seconds_per_token = 1 / 240  # updated from measured prefills
+        self._rate = 1 / 240  # updated from measured prefills
         if use_cache:
             self._open_cache(cache_dir, compact_cache)
 
@@ -102,6 +102,8 @@ class Runtime:
         self.cache, self.cache_error = open_prefix_cache(
             self.session, cache_dir, compact, self.namespace, self._work.defer
         )
+        if self.cache is not None:
+            self._rate = self.cache.seconds_per_token(self.session.n_ctx) or self._rate
         if self.cache_error:  # info: the faces say it once (the CLI's cache line or warning)
             log.info("%s; continuing without the cache", self.cache_error)
 
@@ -249,10 +251,12 @@ class Runtime:
         cancelled = self._prefill_saving(request, ends, progress, cancel, early.append)
         self.wait_for_saves()
         prefilled = self.session.n_tokens - reused
-        self._note_rate(time.perf_counter() - t1, prefilled)
+        self.note_prefill(time.perf_counter() - t1, prefilled)
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
-        saved, snapshot, bytes_on_disk = self._save_prefill(tips, documents, label, pin, cancelled)
+        saved, snapshot, bytes_on_disk, kept = save_prefill(
+            self.cache, self.session, tips, documents, (label, pin, cancelled), self._rate
+        )
         return PrefillReport(
             snapshot=snapshot,
             tokens=len(request.tokens),
@@ -263,6 +267,7 @@ class Runtime:
             bytes_on_disk=bytes_on_disk,
             seconds=time.perf_counter() - t0,
             cancelled=cancelled,
+            kept=kept,
             cache=self.with_snapshot(restored, report, request.tokens),
             not_kept=saved.not_kept,
             over_budget=saved.over_budget,
@@ -304,33 +309,6 @@ class Runtime:
                 self.save_prefix(tips, on_saved)
         return False
 
-    def _save_prefill(
-        self,
-        tips: list[int],
-        documents: Sequence[Document],
-        label: str | None,
-        pin: bool,
-        cancelled: bool,
-    ) -> tuple[SaveResult, str | None, int]:
-        """Save a prefill's blocks now, then its snapshot unless it was cancelled.
-
-        Returns what was saved, the snapshot id and the chain's bytes on disk.
-        """
-        if self.cache is None:
-            return SaveResult(0, 0, 0, None), None, 0
-        saved = self.cache.write(self.cache.prepare(self.session, tips, self._seconds_per_token))
-        snapshot = None
-        if saved.tip is not None and not cancelled:
-            snapshot = save_snapshot(
-                self.cache, saved.tip, documents, tips[-1], label=label, pin=pin
-            )
-        saved = fit_budget(self.cache, saved)  # evicts; says if that took this very chain
-        snapshot = None if saved.not_kept else snapshot
-        bytes_on_disk = 0
-        if saved.tip is not None:
-            bytes_on_disk = sum(r.stored_bytes for r in self.cache.store.chain_of(saved.tip))
-        return saved, snapshot, bytes_on_disk
-
     # -------------------------------------------------------------------- ask
     def ask(
         self,
@@ -360,21 +338,23 @@ class Runtime:
         prefill_s = time.perf_counter() - t1
         answer = stream_answer(self.session, params, t0, on_text, cancel)
         total = time.perf_counter() - t0
-        self._note_rate(prefill_s, len(request.tokens) - reused)
+        self.note_prefill(prefill_s, len(request.tokens) - reused)
         self.save_prefix(request.boundaries)
-        report = self.with_snapshot(restored, report, request.tokens)
         return Answer(
             text=answer.text,
             tokens=TokenCounts(
                 len(request.tokens), reused, len(request.tokens) - reused, len(answer.ids)
             ),
-            cache=report,
+            cache=self.with_snapshot(restored, report, request.tokens),
             timing=Timing(report.restore_s, prefill_s, answer.ttft_s, total),
+            finish_reason=answer.finish_reason,
         )
 
-    def _note_rate(self, seconds: float, tokens: int) -> None:
+    def note_prefill(self, seconds: float, tokens: int) -> None:
+        """A measured prefill: it joins the one rate (per identity and n_ctx) every writer uses."""
         if tokens >= 32 and seconds > 0:
-            self._seconds_per_token = seconds / tokens
+            cache, n = self.cache, self.session.n_ctx
+            self._rate = cache.note_prefill(n, seconds, tokens) if cache else seconds / tokens
 
     def save_prefix(
         self, tips: Sequence[int], on_saved: Callable[[SaveResult], None] | None = None
@@ -388,7 +368,7 @@ class Runtime:
         if self.cache is None:
             return
         cache = self.cache
-        blocks = cache.prepare(self.session, tips, self._seconds_per_token)
+        blocks = cache.prepare(self.session, tips, self._rate)
         if blocks:
 
             def write_then_evict() -> SaveResult:

@@ -6,8 +6,7 @@ tips. It never interprets tensors: the engine converts KV state to and from
 blocks. Reading never deletes; a block that fails a check raises
 ``BlockCorrupt`` and the caller decides to ``quarantine`` it.
 
-Deleting is row first, then file: a crash leaves an orphan file that ``gc``
-removes, never a row that points at nothing it did not check.
+Deleting is row first, then file: a crash leaves an orphan file for ``gc``.
 
 This module holds the store's lifecycle, identities, block writes and
 lookups and events; the rest it delegates, keeping each public method here:
@@ -41,6 +40,7 @@ from .disk import (
 )
 from .formats.blockcodec import encode, index_row
 from .formats.readinto import OpenedBlock, Targets
+from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
@@ -74,7 +74,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_RAW_BLOCK_BYTES = 4 << 30
-_EVENT_KINDS = frozenset({"hit", "miss"})
 
 
 class SnapshotStore:
@@ -296,20 +295,21 @@ class SnapshotStore:
         tokens: int,
         seconds: float,
         namespace: str | None = None,
+        snapshot: str | None = None,
     ) -> None:
-        """Record a cache ``hit`` (tokens reused) or ``miss`` (with its reason) in a namespace."""
-        if kind not in _EVENT_KINDS:
-            raise ValueError(f"event kind must be hit or miss, got {kind!r}")
-        with self._index.write() as db:
-            db.execute(
-                "INSERT INTO events (kind, reason, tokens, seconds, at, namespace) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (kind, reason, int(tokens), float(seconds), time.time(), namespace),
-            )
+        """Record a ``hit`` (tokens reused, seconds saved, the snapshot it names) or a ``miss``."""
+        events.record(self._index, kind, reason, tokens, seconds, namespace, snapshot)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""
-        return self._index.stats(namespace)
+        return events.stats(self._index, namespace)
+
+    def prefill_rate(self, identity: str, n_ctx: int) -> tuple[float, int] | None:
+        """Measured prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx`` (``events``)."""
+        return events.rate(self._index, identity, n_ctx)
+
+    def note_prefill(self, identity: str, n_ctx: int, seconds: float, tokens: int) -> None:
+        events.note_rate(self._index, identity, n_ctx, seconds, tokens)
 
     # -------------------------------------------------------------- snapshots
     # The catalogue lives in ``snapshots.py``, the privacy path in ``removal/forget.py``.

@@ -240,9 +240,12 @@ class ForgetReport:
 
 
 class StoreStats(TypedDict):
-    """``SnapshotStore.stats()``."""
+    """``SnapshotStore.stats()``: ``hits`` counts every verified restore, of which
+    ``hits_without_snapshot`` named no listed snapshot (the others are the snapshots'
+    ``hits``); ``saved_prefill_seconds`` sums the hits' own estimates."""
 
     hits: int
+    hits_without_snapshot: int
     misses: int
     misses_by_reason: dict[str, int]
     blocks: int

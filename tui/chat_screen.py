@@ -23,7 +23,7 @@ from textual.worker import get_current_worker
 from localkv import ContextFullError, DocumentError, SamplingParams
 from localkv.chat.commands import HELP, Command, message_text, parse_command
 from localkv.chat.controller import Answered, Attached, ChatController, Opened
-from localkv.chat.formats import sync_line, turn_line
+from localkv.chat.formats import finish_line, sync_line, turn_line
 
 from .assistant_message import AssistantMessage
 from .cache_screen import CacheScreen
@@ -224,6 +224,9 @@ class ChatScreen(Screen[None]):
         if message.reply.is_attached:
             await message.reply.finish(report.text)
         self.status.show(turn_line(report))
+        if report.finish_reason == "context":  # kept in the conversation, not only the status
+            reason = finish_line(report.finish_reason, report.n_ctx) or ""
+            self.conversation.add_note(reason, "error")
         self.query_one(ContextPanel).show_context(message.answered.context)
         self._note_history_error()
 
@@ -288,6 +291,8 @@ class ChatScreen(Screen[None]):
             self.conversation.add_note(
                 f"attached {attached.name} · {attached.tokens:,} tokens", "document"
             )
+            if attached.reuse:
+                self.conversation.add_note(attached.reuse)
         self.status.show(f"{attached.name}: {line}")
         self.query_one(ContextPanel).show_context(attached.context)
         self._note_history_error()

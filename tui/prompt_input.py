@@ -15,7 +15,11 @@ __all__ = ["PromptInput"]
 
 
 class PromptInput(TextArea):
-    """A multi-line input; a ``Suggester`` completes it inline (Tab or → accepts)."""
+    """A multi-line input; a ``Suggester`` completes it inline (Tab or → accepts).
+
+    Tab never moves the focus out of it (it would, silently, in a ``TextArea``
+    with ``tab_behavior="focus"``): typing goes on where the user is looking.
+    """
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+j", "newline", "New line", show=False),
@@ -46,10 +50,12 @@ class PromptInput(TextArea):
             if text:
                 self.clear()
                 self.post_message(self.Submitted(self, text))
-        elif event.key == "tab" and self.suggestion:
+        elif event.key in ("tab", "shift+tab"):
+            # the message box keeps the focus: Tab completes a path, or does nothing
             event.stop()
             event.prevent_default()
-            self.insert(self.suggestion)
+            if event.key == "tab" and self.suggestion:
+                self.insert(self.suggestion)
 
     def action_newline(self) -> None:
         self.insert("\n")

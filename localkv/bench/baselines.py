@@ -58,9 +58,17 @@ class LlamaFileResult:
 class LlamaFiles:
     """llama.cpp's own sequence-state files of the session's current state (seq 0)."""
 
-    def __init__(self, session: ModelSession, tokens: Sequence[int], work: Path, n: int) -> None:
+    def __init__(
+        self,
+        session: ModelSession,
+        tokens: Sequence[int],
+        work: Path,
+        n: int,
+        ends: Sequence[int] = (),
+    ) -> None:
         self.session = session
         self.tokens = list(tokens)
+        self.ends = [e for e in ends if e < n]  # the cold run's batch ends before the last token
         self.full = work / f"llama-seq-{n}.bin"
         self.head = work / f"llama-seq-{n}-minus-1.bin"
         self.save_times: list[float] = []
@@ -90,13 +98,19 @@ class LlamaFiles:
     def save_both(self, repeats: int) -> None:
         """Save the session's N tokens ``repeats`` times (timed), then N-1 tokens once.
 
-        The session must hold exactly the N tokens; it holds N-1 afterwards.
+        The session must hold exactly the N tokens; it holds N-1 afterwards. Memory
+        that cannot be trimmed (an SWA window, a recurrent state) is emptied and the
+        N-1 tokens prefilled in the cold run's batches (``ends``) instead.
         """
         n = len(self.tokens)
         if self.session.tokens != self.tokens:
             raise ValueError("the session does not hold the bench tokens")
         self.save_times = [timed(lambda: self._save(self.full, n)) for _ in range(repeats)]
-        self.session.truncate(n - 1)
+        if self.session.memory_kind == "kv":
+            self.session.truncate(n - 1)
+        else:
+            self.session.reset()
+            self.session.prefill(self.tokens[: n - 1], ends=[*self.ends, n - 1])
         self._save(self.head, n - 1)
 
     def _ttft(self) -> tuple[float, int]:

@@ -65,6 +65,7 @@ def _size_json(s: SizeResult) -> dict[str, object]:
         "save_s": {"prepare": s.save_prepare_s, "write": s.save_write_s},
         "blocks": s.blocks,
         "stored_bytes": s.stored_bytes,
+        "partial_bytes": s.partial_bytes,
         "raw_kv_bytes": s.raw_bytes,
         "compact": {
             "warm_ttft_s": s.compact_ttft.as_json(),

@@ -99,6 +99,7 @@ class SizeResult:
     save_write_s: float
     blocks: int
     stored_bytes: int
+    partial_bytes: int  # of stored_bytes: the SWA windows / recurrent states kept with blocks
     raw_bytes: int
     compact_ttft: Stat  # warm TTFT from the same blocks written compact (``storage.planes``)
     compact_steps: dict[str, Stat]

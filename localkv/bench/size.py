@@ -26,6 +26,8 @@ from localkv.bench.stats import ColdStat, PeakMemory, Stat, peak_memory, timed
 from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity
 from localkv.cache.prefix import PrefixCache
+from localkv.kv import partial
+from localkv.kv.partial import MemoryKind
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document
@@ -52,6 +54,7 @@ class _Saved(NamedTuple):
     write_s: float
     blocks: int
     stored_bytes: int
+    partial_bytes: int  # of stored_bytes: the SWA windows / recurrent states (``kv.partial``)
 
 
 class _Warm(NamedTuple):
@@ -145,7 +148,8 @@ class _SizeBench:
             raise RuntimeError("nothing was saved")
         self.tip, self.blocks = saved.tip, blocks
         chain = self.store.chain_of(saved.tip)
-        return _Saved(t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain))
+        partial = sum(int(b.meta.get("partial_bytes", 0)) for b in blocks)
+        return _Saved(t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain), partial)
 
     def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
         t0 = time.perf_counter()
@@ -286,12 +290,15 @@ def _document(rt: Runtime, n: int) -> Document:
 
 
 def _encodings(
-    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: ProgressFn
+    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: ProgressFn, kind: MemoryKind | None
 ) -> list[benchcodecs.EncodingResult]:
-    """The block encodings of the state ``raw`` (``llama_state_seq_get_data`` of N tokens)."""
+    """The block encodings of the state ``raw`` (``llama_state_seq_get_data`` of N tokens):
+    its attention part (the rows blocks hold; a partial part is stored as it is)."""
+    if kind == "recurrent":  # no attention rows to encode
+        return []
     say(f"  block encodings of {n:,} tokens on {cfg.workers} thread(s)")
     return benchcodecs.compare(
-        raw,
+        bytes(partial.split(raw, kind)[0]) if kind in ("swa", "hybrid") else raw,
         work / f"encodings-{n}",
         block_size=cfg.block_size,
         workers=cfg.workers,
@@ -319,12 +326,12 @@ def bench_size(
         raw_path = work / f"raw-{n}.bin"
         raw_path.write_bytes(raw)
         saved = sb.save(cold.median / n)
-        files = base.LlamaFiles(session, sb.tokens, work, n)
+        files = base.LlamaFiles(session, sb.tokens, work, n, sb.ends)
         files.save_both(cfg.repeats)
         restores = _restores(sb, files)
         baselines = _baselines(sb, files, llm, raw_path)
         ask = _ask(cfg, work, n, say)
-        encodings = _encodings(cfg, raw, work, n, say)
+        encodings = _encodings(cfg, raw, work, n, say, session.memory_kind)
     finally:
         sb.close()
     firsts = restores.firsts | set(baselines.llama_file.first_tokens)
@@ -370,6 +377,7 @@ def _size_result(
         save_write_s=saved.write_s,
         blocks=saved.blocks,
         stored_bytes=saved.stored_bytes,
+        partial_bytes=saved.partial_bytes,
         raw_bytes=raw_bytes,
         compact_ttft=compact.ttft,
         compact_steps=compact.steps,

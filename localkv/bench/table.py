@@ -150,6 +150,14 @@ def _encoding(name: str, fmt: Callable[[EncodingResult], str] = fmt_encoding) ->
     return cell
 
 
+def _per_block(s: SizeResult) -> str:
+    """A block's bytes without and with the partial state (SWA window, recurrent state)."""
+    attention = (s.stored_bytes - s.partial_bytes) / s.blocks
+    if not s.partial_bytes:
+        return fmt_bytes(attention)
+    return f"{fmt_bytes(attention)} + {fmt_bytes(s.partial_bytes / s.blocks)} partial"
+
+
 def _cold_reads(s: SizeResult) -> str:
     return f"{fmt_read(s.warm_evicted)} / {fmt_read(s.llama_file.ttft_cold)}"
 
@@ -188,6 +196,8 @@ CELLS: list[tuple[str, Cell]] = [
     ("  the same, each run / the load_file just before it", _paired),
     ("restore without the probe / floor", _ratio("restore_over_floor")),
     ("bytes on disk", lambda s: fmt_bytes(s.stored_bytes)),
+    ("  per token", lambda s: fmt_bytes(s.stored_bytes / s.tokens)),
+    ("  per block / snapshot", _per_block),
     ("raw KV bytes", lambda s: fmt_bytes(s.raw_bytes)),
     ("  on disk / raw", lambda s: f"{s.ratios['stored_over_raw']:.3f}"),
     ("compact blocks: warm TTFT", lambda s: fmt_stat(s.compact_ttft)),

@@ -8,11 +8,20 @@ import logging
 import sqlite3
 from collections.abc import Sequence
 
-from localkv.cache.prefix import PrefixCache, RestoreResult
+from localkv.cache.budgeting import fit_budget
+from localkv.cache.naming import covering
+from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
+from localkv.model.session import ModelSession
 from localkv.prompt.request import Document
 from localkv.storage.store import SnapshotStore
 
-__all__ = ["covering_snapshot", "save_snapshot", "snapshot_listing"]
+__all__ = [
+    "covering_snapshot",
+    "document_label",
+    "save_prefill",
+    "save_snapshot",
+    "snapshot_listing",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,35 +48,8 @@ def snapshot_listing(store: SnapshotStore, namespace: str) -> list[dict[str, obj
 def covering_snapshot(
     store: SnapshotStore, namespace: str, result: RestoreResult, tokens: list[int]
 ) -> str | None:
-    """The longest snapshot of ``namespace`` that the restored prefix of ``tokens`` contains.
-
-    None as well when the index cannot be read: naming is never worth a failure.
-    """
-    if not result.chain:
-        return None
-    try:
-        return _covering(store, namespace, result, tokens)
-    except (OSError, sqlite3.Error) as exc:
-        log.warning("could not name the snapshot: %s", exc)
-        return None
-
-
-def _covering(
-    store: SnapshotStore, namespace: str, result: RestoreResult, tokens: list[int]
-) -> str | None:
-    on_chain = set(result.chain)
-    best: tuple[int, str] | None = None
-    for snap in store.snapshots(namespace):
-        if snap.n_tokens > result.reused or (best and snap.n_tokens <= best[0]):
-            continue
-        rows = store.match_chain([snap.tip])
-        if not rows:
-            continue
-        tip = rows[0]
-        parent_ok = tip.parent is None or tip.parent in on_chain
-        if parent_ok and list(tip.tokens) == tokens[tip.start : tip.end]:
-            best = (snap.n_tokens, snap.id)
-    return best[1] if best else None
+    """The longest snapshot of ``namespace`` that the restored prefix of ``tokens`` contains."""
+    return covering(store, namespace, result.chain, result.reused, tokens)
 
 
 def save_snapshot(
@@ -90,7 +72,7 @@ def save_snapshot(
     try:
         snapshot = cache.store.put_snapshot(
             tip=tip,
-            label=label or ", ".join(d.name for d in documents) or "(system prompt)",
+            label=label or ", ".join(document_label(d) for d in documents) or "(system prompt)",
             source_path=_source_path(documents),
             source_sha256=_source_sha(documents),
             n_tokens=n_tokens,
@@ -102,6 +84,40 @@ def save_snapshot(
         log.warning("could not save the snapshot (%s); continuing without it", exc)
         return None
     return None if cache.index_lost() else snapshot
+
+
+def document_label(document: Document) -> str:
+    """How a snapshot and the chat name a document: its file name (``LICENSE``), not the
+    path it was given by, so one document gets one snapshot from every face."""
+    return document.path.name if document.path is not None else document.name
+
+
+def save_prefill(
+    cache: PrefixCache | None,
+    session: ModelSession,
+    tips: list[int],
+    documents: Sequence[Document],
+    naming: tuple[str | None, bool, bool],
+    seconds_per_token: float,
+) -> tuple[SaveResult, str | None, int, int]:
+    """Save a prefill's blocks now, then its snapshot unless it was cancelled.
+
+    ``naming`` is (label, pin, cancelled). Returns what was saved, the snapshot
+    id, the chain's bytes on disk and the tokens kept: where the saved chain
+    ends, the prefix the next run restores.
+    """
+    if cache is None:
+        return SaveResult(0, 0, 0, None), None, 0, 0
+    label, pin, cancelled = naming
+    saved = cache.write(cache.prepare(session, tips, seconds_per_token))
+    snapshot = None
+    if saved.tip is not None and not cancelled:
+        snapshot = save_snapshot(cache, saved.tip, documents, tips[-1], label=label, pin=pin)
+    saved = fit_budget(cache, saved)  # evicts; says if that took this very chain
+    snapshot = None if saved.not_kept else snapshot
+    chain = cache.store.chain_of(saved.tip) if saved.tip is not None else []
+    kept = chain[-1].end if chain and not saved.not_kept else 0
+    return saved, snapshot, sum(r.stored_bytes for r in chain), kept
 
 
 def _source_path(documents: Sequence[Document]) -> str | None:

@@ -23,8 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from localkv.kv import codec
+from localkv.kv import codec, partial
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
+from localkv.model.snapshots import read_state_ext
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -58,6 +59,9 @@ _REPRESENTATION = (
     "state_format",
 )
 _EXECUTION = ("llama_cpp_python", "backend", "flash_attn", "attn_threads", "system_info")
+# representation fields of memory that is not a plain KV cache; left out of a plain
+# model's digest, so plain caches keep their identity
+_MEMORY = ("swa_window", "swa_full", "partial_layout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +94,18 @@ class Identity:
     flash_attn: bool
     attn_threads: int  # flash attention's numerics depend on the thread count; 0 when off
     system_info: str
+    # memory kinds (kv.partial): SWA window, swa_full, the partial part's layers and rows
+    swa_window: int = 0
+    swa_full: bool = False
+    partial_layout: str = ""
 
     def tiers(self) -> dict[str, dict[str, Any]]:
         """Fields by tier, as plain JSON-able values."""
         values = self.as_dict()
+        memory = _MEMORY if self.memory_kind != "kv" else ()
         return {
             "semantic": {k: values[k] for k in _SEMANTIC},
-            "representation": {k: values[k] for k in _REPRESENTATION},
+            "representation": {k: values[k] for k in (*_REPRESENTATION, *memory)},
             "execution": {k: values[k] for k in _EXECUTION},
         }
 
@@ -137,19 +146,29 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def probe_kv_layout(session: ModelSession) -> codec.KVState:
+def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
     """Decode one token on an empty sequence and parse its state (then empty it again).
 
     This shows the KV representation llama.cpp actually chose (types, row sizes,
-    transposed V = flash attention off) and proves the codec can read it.
-    Raises ``codec.StateFormatError`` for layouts localkv cannot cache.
+    transposed V = flash attention off) and proves the codec can read it; and,
+    for memory with a partial part, that part's layout. The KV state is None
+    for recurrent memory. Raises ``codec.StateFormatError`` for layouts localkv
+    cannot cache.
     """
     if session.n_tokens:
         raise ValueError("probe_kv_layout needs an empty sequence")
     token = session.bos_token()
+    kind = session.memory_kind
+    if kind is None:
+        raise codec.StateFormatError(session.memory_refusal or "unknown memory")
     try:
         session.decode_one(0 if token is None else token)
-        return session.capture()
+        kv = None if kind == "recurrent" else session.capture()
+        if kind == "kv":
+            return kv, ""
+        info = partial.check_partial(read_state_ext(session.ctx, partial.PARTIAL_ONLY), kind, 1)
+        size = f":{info.nbytes}" if kind != "swa" else ""
+        return kv, info.layout + size
     finally:
         session.reset()
 
@@ -157,13 +176,9 @@ def probe_kv_layout(session: ModelSession) -> codec.KVState:
 def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:
     """The identity of a freshly opened session (its sequence must be empty)."""
     cfg = session.config
-    if llama_cpp.llama_model_is_recurrent(session.model) or llama_cpp.llama_model_is_hybrid(
-        session.model
-    ):
-        raise codec.StateFormatError("recurrent or hybrid memory: not cacheable")
-    if llama_cpp.llama_model_n_swa(session.model) > 0:
-        raise codec.StateFormatError("sliding-window attention memory: not cacheable")
-    kv = probe_kv_layout(session)
+    kv, partial_layout = probe_kv_layout(session)
+    layout = kv.layout() if kv is not None else ()
+    v_trans = kv.v_trans if kv is not None else False
     arch = session.meta("general.architecture") or "unknown"
     scale_factor = float(session.meta(f"{arch}.rope.scaling.factor") or 0.0)
     model_scale = 1.0 / scale_factor if scale_factor > 0 else 1.0
@@ -190,14 +205,17 @@ def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:
         architecture=arch,
         n_layer=session.n_layer(),
         kv_layout=tuple(
-            (ggml_type_name(kt), kb, ggml_type_name(vt), vb) for kt, kb, vt, vb in kv.layout()
+            (ggml_type_name(kt), kb, ggml_type_name(vt), vb) for kt, kb, vt, vb in layout
         ),
-        v_trans=kv.v_trans,
-        memory_kind="kv",
+        v_trans=v_trans,
+        memory_kind=session.memory_kind or "unknown",
         state_format=STATE_FORMAT,
         llama_cpp_python=llama_cpp_version(),
         backend="gpu-offload" if gpu else "cpu",
-        flash_attn=not kv.v_trans,
-        attn_threads=0 if kv.v_trans else session.n_threads,
+        flash_attn=not v_trans,
+        attn_threads=0 if v_trans else session.n_threads,
         system_info=system_info(),
+        swa_window=int(llama_cpp.llama_model_n_swa(session.model)),
+        swa_full=bool(cparams.swa_full) if session.memory_kind == "swa" else False,
+        partial_layout=partial_layout,
     )

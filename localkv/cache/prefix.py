@@ -16,6 +16,7 @@ user should know: a read-only cache, or an index deleted while it was used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +30,8 @@ import numpy as np
 
 from localkv.cache.identity import Identity, identity_of
 from localkv.cache.lookup import Plan, miss_reason, plan_chain
+from localkv.cache.naming import covering
+from localkv.cache.partials import snapshot_cut
 from localkv.cache.restore import load_chain, probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
 from localkv.kv import codec
@@ -165,13 +168,16 @@ class PrefixCache:
         request's uncached run would compute it. At most ``len(tokens) - 1``
         tokens are reused unless the stored chain ends exactly at the request's
         end, so the caller always has the last token's logits. A damaged block is
-        quarantined and the chain before it is tried again.
+        quarantined and the chain before it is tried again; a hit after that
+        keeps the damage as its ``miss_reason`` (why no more was reused).
         """
         t0 = time.perf_counter()
         reasons: list[str] = []
         try:
             for _ in range(3):
                 result = self._restore_once(session, tokens, ends, t0, reasons)
+                if result is not None and result.reused and reasons:
+                    return dataclasses.replace(result, miss_reason=reasons[-1])
                 if result is not None:
                     return result
         except sqlite3.DatabaseError as exc:
@@ -205,6 +211,9 @@ class PrefixCache:
         reuse, refusal = self._usable(plan, tokens, session.n_ctx, reasons)
         if refusal is not None:
             return self._miss(tokens, refusal, t0, plan.common)
+        plan, reuse, refusal = snapshot_cut(plan, reuse, session.memory_kind, self.block_size)
+        if refusal is not None:  # memory with a partial part: restore at a snapshot only
+            return self._miss(tokens, refusal, t0, plan.common)
         last = plan.chain[-1]
         try:
             stored_tokens = load_chain(self.store, self.root, session, plan.chain, marks)
@@ -221,7 +230,7 @@ class PrefixCache:
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         session.truncate(reuse)
         marks.append(time.perf_counter())
-        return self._hit(plan, reuse, marks, t0)
+        return self._hit(plan, reuse, marks, t0, (list(tokens[:reuse]), session.n_ctx))
 
     def _usable(
         self, plan: Plan, tokens: Sequence[int], n_ctx: int, reasons: list[str]
@@ -244,16 +253,26 @@ class PrefixCache:
             return 0, f"stored chain of {end} tokens exceeds n_ctx"
         return reuse, None
 
-    def _hit(self, plan: Plan, reuse: int, marks: list[float], t0: float) -> RestoreResult:
-        saved = sum(
-            row.prefill_seconds * min(row.n_tokens, max(0, reuse - row.start)) / row.n_tokens
-            for row in plan.chain
+    def _hit(
+        self, plan: Plan, reuse: int, marks: list[float], t0: float, seen: tuple[list[int], int]
+    ) -> RestoreResult:
+        """A verified restore of ``reuse`` tokens; ``seen``: those tokens and the n_ctx."""
+        prefix, n_ctx = seen
+        rate = self.seconds_per_token(n_ctx)
+        saved = (
+            reuse * rate
+            if rate is not None
+            else sum(
+                row.prefill_seconds * min(row.n_tokens, max(0, reuse - row.start)) / row.n_tokens
+                for row in plan.chain
+            )
         )
         hashes = [row.hash for row in plan.chain]
 
         def bookkeeping() -> None:
             self.store.touch(hashes)
-            self.store.record_event("hit", None, reuse, saved, self.namespace)
+            named = covering(self.store, self.namespace, hashes, reuse, prefix)
+            self.store.record_event("hit", None, reuse, saved, self.namespace, named)
 
         self.defer(bookkeeping)
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
@@ -269,6 +288,31 @@ class PrefixCache:
         self.defer(lambda: self.store.record_event("miss", reason, n, 0.0, self.namespace))
         log.info("cache miss: %s", reason)
         return RestoreResult(0, None, reason, time.perf_counter() - t0, common=common)
+
+    # ------------------------------------------------------------- prefill rate
+    def seconds_per_token(self, n_ctx: int) -> float | None:
+        """The measured prefill rate of this identity at ``n_ctx`` (None: none measured).
+
+        Every writer's blocks and every hit's saved-time estimate use it.
+        """
+        try:
+            found = self.store.prefill_rate(self.identity.digest, n_ctx)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("could not read the prefill rate: %s", exc)
+            return None
+        return found[0] / found[1] if found else None
+
+    def note_prefill(self, n_ctx: int, seconds: float, tokens: int) -> float:
+        """Add a measured prefill to the rate (written off the critical path); the new rate."""
+        digest = self.identity.digest
+        try:
+            before = self.store.prefill_rate(digest, n_ctx) if self.saving else None
+        except (OSError, sqlite3.Error):
+            before = None
+        self.defer(lambda: self.store.note_prefill(digest, n_ctx, seconds, tokens))
+        if before is None:
+            return seconds / tokens
+        return (before[0] + seconds) / (before[1] + tokens)
 
     # ------------------------------------------------------------------ save
     def prepare(

@@ -10,12 +10,13 @@ Only then is the sequence trimmed to the exact prefix the lookup planned.
 
 from __future__ import annotations
 
+import struct
 import time
 
 import numpy as np
 
-from localkv.kv import codec
-from localkv.kv.blocks import block_layout, tensors_to_state
+from localkv.kv import codec, partial
+from localkv.kv.blocks import block_layout, block_partial, tensors_to_state
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_next
 from localkv.storage.formats.readinto import OpenedBlock
@@ -49,7 +50,9 @@ def load_chain(
     tokens = np.concatenate([b.tokens for b in blocks])
     n = int(tokens.shape[0]) - 1
     held = [int(t) for t in tokens[:n]]
-    if buffer is not None:
+    if session.memory_kind != "kv":
+        _load_with_partial(session, blocks, buffer, held)
+    elif buffer is not None:
         session.load_state(buffer, held)
     elif n > 0:
         pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
@@ -57,6 +60,31 @@ def load_chain(
     marks.append(time.perf_counter())
     session.batch_ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e < n] + [n]
     return tokens
+
+
+def _load_with_partial(
+    session: ModelSession, blocks: list[Block], buffer: np.ndarray | None, held: list[int]
+) -> None:
+    """Attention rows ``[0, n)`` of the blocks + the last block's partial part, loaded.
+
+    The partial part must be the one taken with exactly ``n`` tokens in the
+    sequence (its positions are checked), so the state is the one the writer
+    held before decoding the chain's final token.
+    """
+    kind = session.memory_kind
+    if kind is None or kind == "kv":
+        raise codec.StateFormatError("this memory has no partial part")
+    n = len(held)
+    blob = block_partial(blocks[-1].tensors, blocks[-1].meta)
+    partial.check_partial(blob, kind, n)
+    if kind == "recurrent":
+        attention = np.frombuffer(struct.pack("<Ii", codec.STATE_MAGIC, 0), dtype=np.uint8)
+    elif buffer is not None:
+        attention = buffer
+    else:
+        pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
+        attention = codec.assemble(pieces, n_tokens=n)
+    session.load_state(partial.join(attention, blob), held)
 
 
 def _read(
@@ -86,7 +114,7 @@ def _read(
         raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
     v_trans, layout = layouts.pop()
     n = at - 1
-    if v_trans or n <= 0:
+    if v_trans or n <= 0 or not layout:
         return store.fill_blocks(opened, [None] * len(opened)), None
     buffer, k_rows, v_rows = session.restore_buffer(layout, n)
     # the chain's final token is read (the checksum covers it) but not loaded:

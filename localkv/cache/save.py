@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localkv.kv.blocks import state_to_tensors
+from localkv.kv.blocks import add_partial, state_to_tensors
+from localkv.kv.codec import KVState
 from localkv.model.session import ModelSession
 from localkv.storage.chain import block_ends, chain_next
 from localkv.storage.store import SnapshotStore
@@ -64,7 +65,8 @@ def prepare_blocks(
         return []
     ends = sorted({*range(scope.block_size, n_max + 1, scope.block_size), *tips})
     ends = [e for e in ends if 0 < e <= n_max]
-    state = session.capture()
+    kind = session.memory_kind
+    state = None if kind == "recurrent" else session.capture()
     tokens = session.tokens
     out: list[Block] = []
     full_hash_at = {0: scope.root}
@@ -87,15 +89,33 @@ def prepare_blocks(
             out.append(_block(scope, block_hash, parent, start, block_tokens, offsets))
             continue
         probe = session.probes.get(end - 1)
-        if probe is None:
-            log.debug("no probe for token %d: not saved", end - 1)
+        partial = session.partials.get(end - 1)
+        # SWA: a segment-end block holds no partial state (``model.snapshots``): it
+        # completes the chain a snapshot names, and is never where a restore ends
+        needs_partial = kind in ("hybrid", "recurrent") or (kind == "swa" and full)
+        if probe is None or (needs_partial and partial is None):
+            log.debug("no probe or partial state for token %d: not saved", end - 1)
             continue
         if full:
             full_hash_at[end] = block_hash
-        tensors, meta = state_to_tensors(state.slice(start, end))
+        tensors, meta = _tensors(state, start, end, partial)
         content = (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start))
         out.append(_block(scope, block_hash, parent, start, block_tokens, offsets, content))
     return out
+
+
+def _tensors(
+    state: KVState | None, start: int, end: int, partial: np.ndarray | None
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A block's tensors: its K/V rows, and the partial state before its last token."""
+    if state is None:  # recurrent: no attention rows
+        tensors: dict[str, np.ndarray] = {}
+        meta = {"kv_layout": "[]", "v_trans": "0"}
+    else:
+        tensors, meta = state_to_tensors(state.slice(start, end))
+    if partial is not None:
+        add_partial(tensors, meta, partial, end - start)
+    return tensors, meta
 
 
 _Content = tuple[dict[str, np.ndarray], Probe, dict[str, str], float]

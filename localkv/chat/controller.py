@@ -22,7 +22,7 @@ from typing import cast
 
 from localkv.chat.history import ConversationInfo, ConversationStore, Skipped, title_of
 from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model_of
-from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport
+from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.request import Document, byte_limit, read_document
@@ -104,6 +104,26 @@ class Attached:
     tokens: int
     sync: SyncReport
     context: ContextInfo
+    # why the document's cached state serves only this conversation (attached after
+    # its turns), or None when it was attached first and is reusable everywhere
+    reuse: str | None = None
+
+
+def conversation_label(state: ChatState) -> str | None:
+    """A conversation's snapshot label, its title, once it has a turn (None before:
+    its documents alone are the snapshot ``Runtime.prefill`` named after them)."""
+    if not any(m.role == "assistant" for m in state.messages):
+        return None
+    return title_of(state)
+
+
+def mid_conversation_note(before: int) -> str:
+    """Why a document attached after a conversation's turns is reused by it alone."""
+    return (
+        f"attached mid-conversation, the document is cached after this conversation's "
+        f"{before:,} tokens, so only this conversation reuses it; attached first in a "
+        "fresh chat (/new) it is reusable everywhere"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +165,9 @@ class ChatController:
         self.history = history
         self.keeper = HistoryKeeper(history, model_of(runtime), history_error)
         self.model = ModelInfo.of(runtime)
-        self.chat = ChatSession(runtime, ChatState(system=system))
+        self.chat = ChatSession(
+            runtime, ChatState(system=system), snapshot_label=conversation_label
+        )
         self._documents: list[Document] = []  # this conversation's, while it has no turns
         self._lock = threading.Lock()
 
@@ -250,15 +272,20 @@ class ChatController:
                     progress=progress,
                     cancel=cancel,
                 )
-                sync = SyncReport(done.cache, done.prefilled, done.seconds, done.cancelled)
+                cache_on = self.runtime.cache is not None
+                trivial = cache_on and is_trivial(done.cache, self.chat.block_size)
+                sync = SyncReport(done.cache, done.prefilled, done.seconds, done.cancelled, trivial)
                 if not done.cancelled:
                     self.chat.attach(document)  # the sequence already holds it
+                reuse = None
             else:
                 sync = self.chat.attach(document, progress, cancel)
+                reuse = mid_conversation_note(before)
             if not sync.cancelled:
                 self._documents.append(document)
                 self.keeper.answered(self.chat.state)
-            return Attached(document.name, len(state.tokens) - before, sync, self.context())
+            tokens = len(state.tokens) - before
+            return Attached(document.name, tokens, sync, self.context(), reuse)
 
     def _documents_only(self) -> bool:
         state = self.chat.state
@@ -300,7 +327,7 @@ class ChatController:
             check_model(info, self.keeper.model)
             state = self.history.load(info.id)
             self.runtime.wait_for_saves()
-            chat = ChatSession(self.runtime, state)
+            chat = ChatSession(self.runtime, state, snapshot_label=conversation_label)
             if info.pending is not None:
                 chat.add_unanswered(info.pending)
                 self.keeper.note(
@@ -315,6 +342,8 @@ class ChatController:
 
     # ----------------------------------------------------------------- cache
     def snapshots(self) -> list[SnapshotInfo]:
+        """The namespace's snapshots, the conversations' among them, once saves are done."""
+        self.runtime.wait_for_saves()
         return [
             SnapshotInfo(
                 id=str(row["id"]),

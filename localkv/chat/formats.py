@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import time
 
+from localkv.cache.budgeting import human_size
 from localkv.chat.session import SyncReport, TurnReport
 
-__all__ = ["ago", "cache_parts", "human_bytes", "sync_line", "sync_summary", "turn_line"]
+__all__ = [
+    "ago",
+    "cache_parts",
+    "finish_line",
+    "human_bytes",
+    "sync_line",
+    "sync_summary",
+    "turn_line",
+]
 
 
 def human_bytes(n: int) -> str:
-    """``512 B``, ``4.0 KiB``, ``26.8 MiB``, ``1.2 GiB``."""
-    if n < 1024:
-        return f"{n} B"
-    size = n / 1024
-    for unit in ("KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
+    """``512 B``, ``4.0 KiB``, ``26.8 MiB``, ``1.2 GiB``: the one size format (``human_size``)."""
+    return human_size(n)
 
 
 def ago(timestamp: float, now: float | None = None) -> str:
@@ -42,13 +44,17 @@ def cache_parts(sync: SyncReport, *, in_turn: bool = False) -> list[str]:
     what was prefilled, the prefill time the restore replaced, and a cancelled
     prefill. ``in_turn`` leaves out what an answer's status line already says or
     need not: the prefill's time is part of its TTFT, and a sequence that was
-    already in memory is the usual case between turns.
+    already in memory is the usual case between turns. A trivial lookup (less
+    than a block: only the template's first tokens) is no hit and no miss: a
+    turn says nothing of it, an attach or a resume "not in the cache yet".
     """
-    cache = sync.cache
+    cache = None if sync.trivial else sync.cache
     parts = []
-    if cache is None:
+    if sync.trivial and not in_turn:
+        parts.append("not in the cache yet")
+    elif cache is None:
         if not in_turn:
-            parts.append("already in memory")
+            parts.append("already in memory" if not sync.prefilled else "earlier tokens in memory")
     elif cache.hit:
         verified = " (verified)" if cache.verified else ""
         parts.append(
@@ -73,12 +79,25 @@ def sync_line(sync: SyncReport) -> str:
 
 
 def turn_line(turn: TurnReport) -> str:
-    """An answer's status line: ``TTFT 0.05 s · 31 tok/s ·`` then ``cache_parts``."""
+    """An answer's status line: ``TTFT 0.05 s · 31 tok/s ·`` then ``cache_parts``,
+    then why the answer ended when the model did not end it (``finish_line``)."""
     parts = [f"TTFT {turn.ttft_s:.2f} s", f"{turn.tokens_per_s:.0f} tok/s"]
     parts += cache_parts(turn.sync, in_turn=True)
     if turn.stopped:
         parts.append("stopped")
+    finish = finish_line(turn.finish_reason, turn.n_ctx)
+    if finish:
+        parts.append(finish)
     return " · ".join(parts)
+
+
+def finish_line(reason: str, n_ctx: int) -> str | None:
+    """Why an answer ended early: a full context or the token limit (None otherwise)."""
+    if reason == "context":
+        return f"answer stopped: the context is full ({n_ctx:,} tokens); /new or raise --ctx"
+    if reason == "length":
+        return "answer stopped at the token limit (--max-tokens)"
+    return None
 
 
 def sync_summary(sync: SyncReport) -> str:

@@ -238,6 +238,8 @@ class _PlainChat:
             self.note(f"context full: {exc}")
             return
         self.note(f"attached {attached.name}: {sync_summary(attached.sync)}")
+        if attached.reuse:
+            self.note(attached.reuse)
         self.note_history_error()
 
     def new(self) -> None:

@@ -17,9 +17,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from localkv.chat.snapshots import ConversationSnapshot
 from localkv.model.sampling import SamplingParams
 from localkv.model.schedule import shared_end
-from localkv.model.session import CancelFn, ContextFullError, PrefillCancelled, ProgressFn
+from localkv.model.session import (
+    CancelFn,
+    ContextFullError,
+    FinishReason,
+    PrefillCancelled,
+    ProgressFn,
+)
 from localkv.prompt.conversation import Streamed, stream_answer
 from localkv.prompt.request import Document
 from localkv.prompt.template import Message
@@ -28,6 +35,7 @@ from localkv.runtime import CacheReport, Runtime
 __all__ = ["ChatSession", "ChatState", "SyncReport", "TurnReport"]
 
 TextFn = Callable[[str], None]
+LabelFn = Callable[["ChatState"], str | None]
 
 
 @dataclass
@@ -51,6 +59,14 @@ class SyncReport:
     prefilled: int
     prefill_s: float
     cancelled: bool = False
+    # the cache had nothing worth a word: less than a block (the template's first
+    # tokens) restored or in common; the faces say neither a hit nor a miss
+    trivial: bool = False
+
+
+def is_trivial(cache: CacheReport | None, block_size: int) -> bool:
+    """A lookup that restored, and shared, less than one block: only template tokens."""
+    return cache is not None and cache.reused < block_size and cache.common < block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +79,27 @@ class TurnReport:
     ttft_s: float
     tokens_per_s: float
     stopped: bool  # cancelled before the end of the answer
+    finish_reason: FinishReason = "stop"  # see ``Streamed.finish_reason``
+    n_ctx: int = 0  # the context's size, for "the context is full (4,096 tokens)"
 
 
 class ChatSession:
     """One conversation on a ``Runtime``. Not thread-safe: one call at a time."""
 
-    def __init__(self, runtime: Runtime, state: ChatState | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        state: ChatState | None = None,
+        *,
+        snapshot_label: LabelFn | None = None,
+    ) -> None:
+        """``snapshot_label``: name each saved prefix as a snapshot with the label it
+        gives (None: not named; ``localkv.chat.snapshots``; the chat controller
+        labels a conversation with its title once it has a turn)."""
         self.runtime = runtime
         self.state = state or ChatState()
+        self.snapshot_label = snapshot_label
+        self.snapshot = ConversationSnapshot(runtime)
         if not self.state.tokens:
             self.reset(self.state.system)
 
@@ -80,6 +109,10 @@ class ChatSession:
         return self.runtime.session.n_ctx
 
     @property
+    def block_size(self) -> int:
+        return self.runtime.session.config.block_size
+
+    @property
     def n_tokens(self) -> int:
         return len(self.state.tokens)
 
@@ -87,6 +120,7 @@ class ChatSession:
         """Start over (optionally with a new system prompt)."""
         template = self.runtime.template
         self.state = ChatState(system=system)
+        self.snapshot.forget()
         self.state.tokens = template.start_tokens()
         if system:
             self._add(Message("system", system))
@@ -125,9 +159,18 @@ class ChatSession:
         return shared_end(session.batch_ends, ends, n) == n
 
     def sync(
-        self, progress: ProgressFn | None = None, cancel: CancelFn | None = None
+        self,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+        *,
+        quiet: bool = False,
     ) -> SyncReport:
-        """Make the KV sequence hold the conversation's tokens (restore, then prefill)."""
+        """Make the KV sequence hold the conversation's tokens (restore, then prefill).
+
+        ``quiet`` (a turn, an attach): a lookup that found less than a block is
+        ``trivial`` (see ``is_trivial``) while the cache is on; a resume reports
+        what it restored, however short.
+        """
         session = self.runtime.session
         tokens = self.state.tokens
         if len(tokens) > session.n_ctx:
@@ -144,7 +187,26 @@ class ChatSession:
                 session.prefill(tokens[start:], ends=ends, progress=progress, cancel=cancel)
             except PrefillCancelled:
                 cancelled = True
-        return SyncReport(report, session.n_tokens - start, time.perf_counter() - t0, cancelled)
+        elapsed = time.perf_counter() - t0
+        self.runtime.note_prefill(elapsed, session.n_tokens - start)  # one rate for every writer
+        return SyncReport(
+            report,
+            session.n_tokens - start,
+            elapsed,
+            cancelled,
+            quiet and self.runtime.cache is not None and is_trivial(report, self.block_size),
+        )
+
+    def save(self) -> None:
+        """Save the conversation's prefix in the background (and name it, see ``__init__``)."""
+        title = self.snapshot_label(self.state) if self.snapshot_label else None
+        if title is None:
+            self.runtime.save_prefix(self.state.boundaries)
+            return
+        n_tokens = self.state.boundaries[-1]
+        self.runtime.save_prefix(
+            self.state.boundaries, lambda saved: self.snapshot.name(saved, title, n_tokens)
+        )
 
     # -------------------------------------------------------------- documents
     def attach(
@@ -159,12 +221,12 @@ class ChatSession:
         if len(self.state.tokens) >= self.n_ctx:
             self._drop_last(n_messages, n_tokens)
             raise ContextFullError(n_tokens + added, self.n_ctx)
-        report = self.sync(progress, cancel)
+        report = self.sync(progress, cancel, quiet=True)
         if report.cancelled:
             self._drop_last(n_messages, n_tokens)
             return report
         self.state.documents.append((document.name, added))
-        self.runtime.save_prefix(self.state.boundaries)
+        self.save()
         return report
 
     # ------------------------------------------------------------------ turns
@@ -191,12 +253,19 @@ class ChatSession:
             self._drop_last(n_messages, n_tokens)
             raise ContextFullError(needed, self.n_ctx)
         t0 = time.perf_counter()
-        sync = self.sync()
+        sync = self.sync(quiet=True)
         answer = stream_answer(self.runtime.session, params, t0, on_text, cancel)
         stopped = cancel is not None and cancel()
         self._close_turn(answer)
         return TurnReport(
-            answer.text, len(answer.ids), sync, answer.ttft_s, answer.tokens_per_s, stopped
+            answer.text,
+            len(answer.ids),
+            sync,
+            answer.ttft_s,
+            answer.tokens_per_s,
+            stopped,
+            answer.finish_reason,
+            self.n_ctx,
         )
 
     def add_unanswered(self, text: str) -> None:
@@ -230,4 +299,4 @@ class ChatSession:
         pending = self.state.tokens[session.n_tokens :]
         if pending:
             session.prefill(pending, ends=self.schedule())
-        self.runtime.save_prefix(self.state.boundaries)
+        self.save()

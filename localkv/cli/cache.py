@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,13 @@ from typing import Any
 import click
 import numpy as np
 
-from localkv.cache.budgeting import budget_warning, namespace_stats, stats_lines
+from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
+from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
+from localkv.cli.jsonerrors import JsonErrors
 from localkv.cli.options import model_options, session_config
 from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.model.session import ModelLoadError
-from localkv.prompt.request import Document, DocumentError, read_document
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import BlockCorrupt, SnapshotRow
 
@@ -64,7 +64,23 @@ def _snapshot_json(store: SnapshotStore, s: SnapshotRow) -> dict[str, Any]:
 
 @click.group()
 def cache() -> None:
-    """Inspect and manage the on-disk KV cache."""
+    """Inspect and manage the on-disk KV cache.
+
+    IDs are those `cache ls` shows, or any unique start of one. With --json,
+    every command answers in JSON, errors too ({"error": ...}, same exit status).
+    """
+
+
+cache.command_class = JsonErrors  # --json errors are JSON
+
+
+def _short_ids(store: SnapshotStore) -> int:
+    """The shortest ID length (at least 8) that names every snapshot uniquely."""
+    ids = [s.id for s in store.snapshots()]
+    n = 8
+    while n < max(map(len, ids), default=0) and len({i[:n] for i in ids}) < len(ids):
+        n += 1
+    return n
 
 
 @cache.command("ls")
@@ -75,6 +91,7 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     """List snapshots (and warn when pinned ones hold more than the budget)."""
     with _store(cache_dir) as store:
         rows = [_snapshot_json(store, s) for s in store.snapshots(namespace)]
+        width = _short_ids(store)
         _warn(budget_warning(store))
     if as_json:
         click.echo(json.dumps(rows))
@@ -85,18 +102,18 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("id", "label", "tokens", "MB", "hits", "last used", "pinned", "namespace")
+    spaces = len({r["namespace"] for r in rows}) > 1  # the column only when it tells apart
+    table = Table(box=None, pad_edge=False)
+    table.add_column("id", no_wrap=True, min_width=width)  # a unique start: paste it back
+    table.add_column("label", overflow="fold", min_width=12)
+    for name in ("tokens", "size", "hits", "used", "pin"):
+        table.add_column(name, no_wrap=True)
+    if spaces:
+        table.add_column("namespace", overflow="fold", min_width=9)
     for r in rows:
-        table.add_row(
-            r["id"],
-            r["label"],
-            f"{r['tokens']:,}",
-            f"{r['bytes_on_disk'] / 1e6:.1f}",
-            str(r["hits"]),
-            _when(r["last_used"]),
-            "yes" if r["pinned"] else "",
-            r["namespace"],
-        )
+        cells = [r["id"][:width], r["label"], f"{r['tokens']:,}", human_size(r["bytes_on_disk"])]
+        cells += [str(r["hits"]), _when(r["last_used"])[5:], "yes" if r["pinned"] else ""]
+        table.add_row(*cells, *([r["namespace"]] if spaces else []))
     Console().print(table)
 
 
@@ -111,49 +128,76 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
         info = _snapshot_json(store, s)
         text = store.get_identity(s.identity)
     identity = json.loads(text) if text else {}
+    if identity.get("memory_kind", "kv") != "kv":
+        with _store(cache_dir) as store:
+            info["partial_state"] = _partial_state(store, store.chain_of(s.tip))
     if as_json:
         click.echo(json.dumps({**info, "identity_fields": identity}))
         return
+    parts = info.pop("partial_state", None)
     for key, value in info.items():
         click.echo(f"{key:>14}: {value}")
+    if parts is not None:  # the window / recurrent state kept with each block
+        n = len(parts["blocks"])
+        click.echo(f" partial state: {human_size(parts['bytes'])} in {n} blocks")
+        for b in parts["blocks"]:
+            click.echo(f"{'':>16}tokens {b['start']}+{b['tokens']}: {human_size(b['bytes'])}")
     click.echo("      identity fields:")
     for key, value in identity.items():
         click.echo(f"  {key:>20}: {json.dumps(value)}")
 
 
+def _partial_state(store: SnapshotStore, chain: list[Any]) -> dict[str, Any]:
+    """The bytes of the SWA window / recurrent state each block holds (``kv.partial``)."""
+    blocks = []
+    for opened in store.open_blocks(chain):
+        try:
+            size = int(opened.metadata.get("partial_bytes", 0))
+        finally:
+            opened.close()
+        row = opened.row
+        blocks.append({"start": row.start, "tokens": row.n_tokens, "bytes": size})
+    return {"bytes": sum(b["bytes"] for b in blocks), "blocks": blocks}
+
+
 @cache.command("pin")
 @click.argument("snapshot_id")
 @_dir_option
-def pin_cmd(snapshot_id: str, cache_dir: str | None) -> None:
+@_json_option
+def pin_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     """Pin a snapshot: eviction never removes its blocks."""
-    _set_pinned(snapshot_id, cache_dir, True)
+    _set_pinned(snapshot_id, cache_dir, True, as_json)
 
 
 @cache.command("unpin")
 @click.argument("snapshot_id")
 @_dir_option
-def unpin_cmd(snapshot_id: str, cache_dir: str | None) -> None:
+@_json_option
+def unpin_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     """Unpin a snapshot."""
-    _set_pinned(snapshot_id, cache_dir, False)
+    _set_pinned(snapshot_id, cache_dir, False, as_json)
 
 
-def _set_pinned(snapshot_id: str, cache_dir: str | None, pinned: bool) -> None:
+def _set_pinned(snapshot_id: str, cache_dir: str | None, pinned: bool, as_json: bool) -> None:
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
         (store.pin if pinned else store.unpin)(s.id)
-    click.echo(f"{'pinned' if pinned else 'unpinned'} {s.id}")
+    word = "pinned" if pinned else "unpinned"
+    click.echo(json.dumps({"id": s.id, "pinned": pinned}) if as_json else f"{word} {s.id}")
 
 
 @cache.command("rm")
 @click.argument("snapshot_id")
 @_dir_option
-def rm_cmd(snapshot_id: str, cache_dir: str | None) -> None:
+@_json_option
+def rm_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     """Remove a snapshot and every block only it needs (and scrub the index)."""
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
         freed = store.remove_snapshot(s.id)
         busy = store.scrub()
-    click.echo(f"removed {s.id} ({freed / 1e6:.1f} MB freed)")
+    out = {"id": s.id, "bytes_freed": freed}
+    click.echo(json.dumps(out) if as_json else f"removed {s.id} ({human_size(freed)} freed)")
     if busy:
         click.echo("warning: another process holds the index open; run again later", err=True)
 
@@ -194,10 +238,10 @@ def forget_cmd(
     whose path names it and the blocks only they need.
     """
     path = Path(file).expanduser()
-    document = _forgotten_document(path)
+    document = forgotten_document(path)
     with _store(cache_dir, create=True) as store:
-        runs = _forget_runs(store, document, opts.get("model"))
-        chats, chats_truncated = _forget_conversations(
+        runs = forget_runs(store, document, opts.get("model"))
+        chats, chats_truncated = forget_conversations(
             store.root, document, runs, with_conversations
         )
         sha = document.sha256 if document is not None else None
@@ -210,75 +254,10 @@ def forget_cmd(
     else:
         click.echo(
             f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s), "
-            f"{report.bytes_freed / 1e6:.1f} MB, {len(chats)} conversation(s)"
+            f"{human_size(report.bytes_freed)}, {len(chats)} conversation(s)"
         )
     if not fields["wal_truncated"]:
         click.echo("warning: another process holds the index open; run again later", err=True)
-
-
-def _forgotten_document(path: Path) -> Document | None:
-    """FILE as ``prefill`` read it, or None when it is gone (match by path only)."""
-    if not path.exists():
-        return None
-    try:
-        return read_document(path)
-    except DocumentError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-def _forget_runs(
-    store: SnapshotStore, document: Document | None, model: str | None
-) -> list[np.ndarray]:
-    """The document's tokens under each cached model's vocabulary (warns if none loads)."""
-    from localkv.cache.forgetting import document_runs, tokenizer_models
-    from localkv.storage.removal.forget import RUN_LENGTH
-
-    if document is None:
-        return []
-    runs = document_runs(document.text, tokenizer_models(store, model))
-    if not runs:
-        click.echo(
-            "warning: no model vocabulary could be loaded (give --model): only the "
-            "document's snapshots are forgotten, not blocks that ask or chat wrote",
-            err=True,
-        )
-    elif all(r.shape[0] < RUN_LENGTH for r in runs):
-        click.echo(
-            f"warning: the document is shorter than {RUN_LENGTH} tokens: only its "
-            "snapshots are forgotten",
-            err=True,
-        )
-    return runs
-
-
-def _forget_conversations(
-    root: Path, document: Document | None, runs: list[np.ndarray], allowed: bool
-) -> tuple[list[str], bool]:
-    """Delete the saved conversations holding the document (refuse unless ``allowed``).
-
-    Returns the ids deleted and whether the history's WAL could be emptied.
-    """
-    from localkv.chat.history import HISTORY_FILE, ConversationStore
-
-    if document is None or not (root / HISTORY_FILE).is_file():
-        return [], True
-    try:
-        history = ConversationStore.open(root)
-    except (OSError, sqlite3.Error) as exc:
-        raise click.ClickException(f"cannot open the saved conversations: {exc}") from None
-    with history:
-        held = history.holding(document.text, runs)
-        if held and not allowed:
-            named = "\n".join(f"  {c.id}  {c.title}" for c in held)
-            raise click.ClickException(
-                f"{len(held)} saved conversation(s) hold {document.name}:\n{named}\n"
-                "Nothing was removed: run again with --with-conversations to delete them "
-                "too, or delete them in `localkv chat` (F3)."
-            )
-        if not held:
-            return [], True
-        deleted, truncated = history.forget([c.id for c in held])
-        return list(deleted), truncated
 
 
 @cache.command("gc")
@@ -341,7 +320,8 @@ def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) ->
 
 
 def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Replay each snapshot of this model's identity and compare every block's probe."""
+    """Replay each snapshot of this model's identity uncached (an emptied sequence, never a
+    trimmed one) and compare every block's probe and partial state."""
     from localkv.cache.identity import identity_of
     from localkv.model.session import ModelSession
     from localkv.storage.filehash import FileHasher
@@ -366,23 +346,42 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
             ends = [b.start + int(e) for b in blocks for e in b.ends]
             session.reset()
             probes = session.prefill(tokens, ends=ends).probes
-            worst = 0.0
+            worst, partial = 0.0, session.memory_kind not in (None, "kv")
             bad = []
-            for row in chain:
+            for row, block in zip(chain, blocks, strict=True):
                 logits = probes.get(row.end - 1)
-                if logits is None or not row.probe.matches(logits):
+                if _partial_differs(session.partials.get(row.end - 1), block.tensors, block.meta):
+                    bad.append(row.hash)
+                elif logits is None or not row.probe.matches(logits):
                     bad.append(row.hash)
                     if logits is not None:
                         worst = max(
                             worst, _top_diff(row.probe.top_ids, row.probe.top_logits, logits)
                         )
             detail = (
-                f"{len(chain)} blocks, probes equal"
+                f"{len(chain)} blocks, probes equal" + (" and partial states" if partial else "")
                 if not bad
-                else f"{len(bad)} of {len(chain)} probes differ (max top-64 logit diff {worst:.3g})"
+                else f"{len(bad)} of {len(chain)} blocks differ (max top-64 logit diff {worst:.3g})"
             )
             results.append({"snapshot": snap.id, "ok": not bad, "detail": detail})
     return results
+
+
+def _partial_differs(
+    computed: np.ndarray | None, tensors: dict[str, np.ndarray], meta: dict[str, str]
+) -> bool:
+    """Whether a block's stored partial state (SWA window, recurrent state) differs from
+    the recomputed one, bit for bit (False for a block that holds none)."""
+    from localkv.kv import codec
+    from localkv.kv.blocks import block_partial
+
+    if "partial_bytes" not in meta:
+        return False
+    try:
+        stored = block_partial(tensors, meta)
+    except codec.StateFormatError:
+        return True
+    return computed is None or computed.tobytes() != stored.tobytes()
 
 
 def _top_diff(ids: np.ndarray, stored: np.ndarray, logits: np.ndarray) -> float:

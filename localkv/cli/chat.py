@@ -14,9 +14,9 @@ import click
 from localkv.cli.options import (
     cache_options,
     model_options,
+    open_runtime,
     sampling_options,
     sampling_params,
-    session_config,
 )
 from localkv.model.session import ModelLoadError
 
@@ -108,17 +108,8 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
 
 def _chat_runtime(opts: dict[str, Any]) -> tuple[Runtime | None, str | None]:
     """The runtime, or why there is none."""
-    from localkv.runtime import Runtime
-
     try:
-        config = session_config(opts)
-        runtime = Runtime(
-            config,
-            cache_dir=opts.get("cache_dir"),
-            namespace=opts["namespace"],
-            use_cache=not opts["no_cache"],
-            compact_cache=opts["compact_cache"],
-        )
+        runtime = open_runtime(opts)
     except click.ClickException as exc:  # no model file (ModelNotFoundError)
         return None, exc.message
     except ModelLoadError as exc:

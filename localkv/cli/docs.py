@@ -11,12 +11,14 @@ from typing import Any
 
 import click
 
+from localkv.cache.budgeting import human_size
+from localkv.cli.jsonerrors import JsonErrors
 from localkv.cli.options import (
     cache_options,
     model_options,
+    open_runtime,
     sampling_options,
     sampling_params,
-    session_config,
 )
 from localkv.model.session import ContextFullError, ModelLoadError
 from localkv.prompt.request import (
@@ -55,15 +57,8 @@ def _documents(files: tuple[str, ...], n_ctx: int) -> list[Document]:
 
 
 def _open_runtime(opts: dict[str, Any]) -> Runtime:
-    config = session_config(opts)
     try:
-        return Runtime(
-            config,
-            cache_dir=opts.get("cache_dir"),
-            namespace=opts["namespace"],
-            use_cache=not opts["no_cache"],
-            compact_cache=opts["compact_cache"],
-        )
+        return open_runtime(opts)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -155,7 +150,7 @@ _EPILOG = (
 )
 
 
-@click.command(epilog=_EPILOG)
+@click.command(cls=JsonErrors, epilog=_EPILOG)
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
 @click.option("--system", default=None, help="System prompt: TEXT, or @FILE to read it.")
 @click.option("--label", default=None, help="Snapshot label (default: the file names).")
@@ -176,14 +171,18 @@ def prefill(
     Later `localkv ask` runs (any process, any day) restore it instead of
     recomputing it. Completed blocks are saved as the prefill goes, so even a
     killed run keeps them. Ctrl-C, SIGTERM and SIGHUP stop after the current
-    batch and keep what is complete (exit 0, 143 and 129).
+    batch, keep what is complete and say how many tokens that is: what the
+    next run restores (exit 130, 143 and 129). A model or cache that cannot
+    be saved to (a sliding-window or recurrent model, a read-only cache) is
+    an error, exit 1.
     """
     docs = _documents(files, opts["n_ctx"])
     system_text = _system_text(system, opts["n_ctx"])
     runtime = _open_runtime(opts)
     with runtime:
-        if runtime.cache is None and not opts["no_cache"]:
-            click.echo(f"warning: {runtime.cache_error}; nothing will be saved", err=True)
+        unsaved = _why_unsaved(runtime, opts["no_cache"])
+        if unsaved:
+            raise click.ClickException(f"nothing can be saved: {unsaved}")
         show = not as_json and sys.stderr.isatty()
         try:
             with _signals_stop() as flag, _Progress("prefill", show) as progress:
@@ -197,12 +196,24 @@ def prefill(
                 )
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
+        unsaved = _why_unsaved(runtime, opts["no_cache"])  # found on the way: a damaged index
+        if unsaved:
+            raise click.ClickException(f"nothing was saved: {unsaved}")
         note = _cache_note(runtime)
     _report_prefill(report, as_json)
     if note:
         click.echo(f"warning: {note}", err=True)
-    if flag[0] in (getattr(signal, "SIGTERM", -1), getattr(signal, "SIGHUP", -1)):
+    if flag[0]:
         sys.exit(128 + flag[0])  # what was complete is saved; say how the run ended
+
+
+def _why_unsaved(runtime: Runtime, no_cache: bool) -> str | None:
+    """Why a prefill could save nothing (no cache for this model, a read-only cache)."""
+    if runtime.cache is None:
+        return None if no_cache else runtime.cache_error
+    if not runtime.cache.saving:
+        return runtime.cache.warning() or "the cache cannot be written"
+    return None
 
 
 def _report_prefill(report: PrefillReport, as_json: bool) -> None:
@@ -210,12 +221,14 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
         click.echo(json.dumps(report.as_json()))
         return
     state = "cancelled: kept" if report.cancelled else "saved"
-    state = "prefilled" if report.not_kept else state
+    done = report.kept
+    if report.not_kept or not (done or report.cancelled):  # --no-cache: nothing kept
+        state, done = "prefilled", report.reused + report.prefilled
     click.echo(
-        f"{state} {report.reused + report.prefilled:,} of {report.tokens:,} tokens "
+        f"{state} {done:,} of {report.tokens:,} tokens "
         f"({report.reused:,} reused, {report.prefilled:,} prefilled) in {report.seconds:.2f} s; "
         f"{report.blocks} blocks ({report.new_blocks} new), "
-        f"{report.bytes_on_disk / 1e6:.1f} MB on disk"
+        f"{human_size(report.bytes_on_disk)} on disk"
     )
     if report.snapshot:
         click.echo(f"snapshot {report.snapshot}")
@@ -225,7 +238,7 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
         click.echo(f"warning: {report.over_budget}", err=True)
 
 
-@click.command(epilog=_EPILOG)
+@click.command(cls=JsonErrors, epilog=_EPILOG)
 @click.argument("files", nargs=-1, required=True, metavar="FILE... QUESTION")
 @click.option("--system", default=None, help="System prompt: TEXT, or @FILE to read it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
@@ -236,7 +249,10 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     """Ask a question about documents; the answer streams to stdout.
 
     What the cache holds is restored (and verified) first; the rest is
-    prefilled. A one-line cache report goes to stderr.
+    prefilled. A one-line cache report goes to stderr, and a line saying so
+    when the answer stopped because the context was full. With --json,
+    finish_reason says why the answer ended: stop (the model ended it),
+    length (--max-tokens) or context (the context is full).
     """
     if len(files) < 2:
         raise click.UsageError("give at least one FILE and then the QUESTION")
@@ -261,6 +277,10 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     else:
         click.echo()
         click.echo(answer.cache.line(answer.tokens.prompt), err=True)
+        if answer.finish_reason == "context":  # "finish_reason" in --json
+            n_ctx = runtime.session.n_ctx
+            full = f"answer stopped: the context is full ({n_ctx:,} tokens); raise --ctx"
+            click.echo(full, err=True)
     last = saves[-1] if saves else None
     if last is not None and last.not_kept:
         click.echo(f"warning: this prompt's cache blocks were {last.not_kept}", err=True)

@@ -15,12 +15,12 @@ _SOURCES = {"LOCALKV_MODELS": "dir", "huggingface": "hf"}
 _MEMORY = {"sliding-window": "sliding"}
 # (title, width); the row is at most 80 columns
 _COLUMNS = (
-    ("NAME", 24),
+    ("NAME", 22),
     ("SOURCE", 8),
     ("ARCH", 8),
     ("PARAMS", 6),
     ("QUANT", 7),
-    ("SIZE", 6),
+    ("SIZE", 8),
     ("MEMORY", 9),
     ("CACHE", 5),
 )
@@ -34,9 +34,11 @@ Ollama (OLLAMA_MODELS or ~/.ollama/models); the Hugging Face hub cache
 \b
 MEMORY is what the model keeps per sequence, from its GGUF metadata: attention
 (a plain KV cache), sliding (sliding-window layers), hybrid, recurrent. CACHE
-says whether localkv's prefix cache can hold it (today: plain attention only);
-the others run, uncached. --model NAME loads a model by the name listed here;
---json gives every field and the file paths."""
+says whether localkv's prefix cache can hold it: every kind (a sliding window or
+recurrent state is kept at 256-token snapshot points), except a hybrid with
+sliding-window layers, which runs uncached (--json: cache_refusal says why).
+--model NAME loads a model by the name listed here; --json gives every field
+and the file paths."""
 
 
 @click.command(epilog=_EPILOG)
@@ -105,7 +107,10 @@ def _count(n: int | None) -> str:
 
 
 def _bytes(n: int) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n}B"
+    """Binary units, as every other size localkv prints: ``93.8 MiB``, ``1.21 GiB``."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1000:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.3g} {unit}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -14,11 +14,15 @@ from localkv.model.sampling import SamplingParams
 from localkv.model.session import LoraSpec, SessionConfig
 from localkv.prompt.templatechoice import ChatTemplateError, parse_template_option
 
+if TYPE_CHECKING:
+    from localkv.runtime import Runtime
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "cache_options",
     "model_options",
+    "open_runtime",
     "sampling_options",
     "sampling_params",
     "session_config",
@@ -122,6 +126,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     return value
 
 
+_DEFAULT = SamplingParams()
+
+
 def sampling_options(func: F) -> F:
     opts = [
         click.option(
@@ -147,6 +154,23 @@ def sampling_options(func: F) -> F:
             type=click.IntRange(min=0),
             default=None,
             help="Seed for repeatable sampling (0 or more).",
+        ),
+        click.option(
+            "--min-p",
+            type=click.FloatRange(min=0, max=1, max_open=True),
+            callback=_finite,
+            default=_DEFAULT.min_p,
+            show_default=True,
+            help="Drop tokens less likely than this fraction of the likeliest one (0: off).",
+        ),
+        click.option(
+            "--repeat-penalty",
+            type=click.FloatRange(min=0, min_open=True),
+            callback=_finite,
+            default=_DEFAULT.repeat_penalty,
+            show_default=True,
+            help=f"Penalize tokens seen in the last {_DEFAULT.repeat_last_n} (prompt "
+            "included), at temperature 0 too (1: off); keeps small models from looping.",
         ),
         click.option(
             "--max-tokens",
@@ -179,6 +203,23 @@ def session_config(opts: dict[str, Any]) -> SessionConfig:
     )
 
 
+def open_runtime(opts: dict[str, Any]) -> Runtime:
+    """The runtime the model and cache options describe; ``ModelLoadError`` if it fails.
+
+    A model that cannot be found is a ``click.ClickException`` (from
+    ``session_config``), raised before anything loads.
+    """
+    from localkv.runtime import Runtime  # imported when a command runs, not on --help
+
+    return Runtime(
+        session_config(opts),
+        cache_dir=opts.get("cache_dir"),
+        namespace=opts["namespace"],
+        use_cache=not opts["no_cache"],
+        compact_cache=opts["compact_cache"],
+    )
+
+
 def sampling_params(opts: dict[str, Any]) -> SamplingParams:
     return SamplingParams(
         temperature=opts["temperature"],
@@ -186,6 +227,8 @@ def sampling_params(opts: dict[str, Any]) -> SamplingParams:
         top_k=opts["top_k"],
         seed=opts["seed"],
         max_tokens=opts["max_tokens"],
+        min_p=opts["min_p"],
+        repeat_penalty=opts["repeat_penalty"],
     )
 
 

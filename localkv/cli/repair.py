@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from localkv.cli.jsonerrors import JsonErrors
 from localkv.storage.index.health import IndexDamaged, check_index, is_damage
 from localkv.storage.paths import CacheDirError, default_root
 from localkv.storage.repair import RepairReport, repair
@@ -76,7 +77,7 @@ def index_problems(cache_dir: str | None) -> list[dict[str, str]]:
     return [{"index": str(path), "reason": str(IndexDamaged(path, problem))}]
 
 
-@click.command("repair")
+@click.command("repair", cls=JsonErrors)
 @click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),

@@ -14,8 +14,7 @@ from typing import Any
 import click
 import uvicorn
 
-from localkv.cli.options import cache_options, model_options, session_config
-from localkv.runtime import Runtime
+from localkv.cli.options import cache_options, model_options, open_runtime, session_config
 from localkv.server.app import ServerSettings, create_app
 from localkv.server.engine import Engine
 from localkv.server.worker import ModelWorker
@@ -114,14 +113,7 @@ def serve(
     config = session_config(opts)  # a missing model fails here, before binding
 
     def open_engine() -> Engine:
-        runtime = Runtime(
-            config,
-            cache_dir=opts.get("cache_dir"),
-            namespace=opts["namespace"],
-            use_cache=not opts["no_cache"],
-            compact_cache=opts["compact_cache"],
-        )
-        return Engine(runtime)
+        return Engine(open_runtime(opts))
 
     server: list[uvicorn.Server] = []
     failed: list[BaseException] = []

@@ -3,6 +3,12 @@
 F16 and F32 rows are stored as float16/float32 tensors, so a block file
 opens as real numbers with ``safetensors.numpy`` or
 ``safetensors.torch``; quantized types (q8_0, ...) are stored as uint8 rows.
+
+A block of a model whose memory has a partial part (``kv.partial``: an SWA
+window, a recurrent state) also holds that part as it stood before its last
+token was decoded: the tensor ``partial``, its bytes padded into one uint8 row
+per token (the store wants a row per token), ``partial_bytes`` long. A
+recurrent model's blocks hold no K/V layers at all.
 """
 
 from __future__ import annotations
@@ -13,7 +19,16 @@ import numpy as np
 
 from localkv.kv import codec
 
-__all__ = ["block_layout", "state_to_tensors", "tensors_to_state"]
+__all__ = [
+    "PARTIAL",
+    "add_partial",
+    "block_layout",
+    "block_partial",
+    "state_to_tensors",
+    "tensors_to_state",
+]
+
+PARTIAL = "partial"
 
 _FLOAT_VIEWS: dict[int, np.dtype[np.floating]] = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 
@@ -58,9 +73,33 @@ def block_layout(
             out.append((int(k_type), k_bytes, int(v_type), v_bytes))
     except (KeyError, ValueError, TypeError) as exc:
         raise codec.StateFormatError(f"block metadata lacks the KV layout: {exc}") from None
-    if not out or len(shapes) != 2 * len(out) + 2:
+    extra = 1 if PARTIAL in shapes else 0
+    if not (out or extra) or len(shapes) != 2 * len(out) + 2 + extra:
         raise codec.StateFormatError("block tensors do not match its KV layout")
     return v_trans, tuple(out)
+
+
+def add_partial(
+    tensors: dict[str, np.ndarray], meta: dict[str, str], blob: np.ndarray, n_tokens: int
+) -> None:
+    """Store a partial part in a block of ``n_tokens`` tokens (see the module docstring)."""
+    width = -(-blob.shape[0] // n_tokens)
+    rows = np.zeros(n_tokens * width, dtype=np.uint8)
+    rows[: blob.shape[0]] = blob
+    tensors[PARTIAL] = rows.reshape(n_tokens, width)
+    meta["partial_bytes"] = str(int(blob.shape[0]))
+
+
+def block_partial(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> np.ndarray:
+    """A block's partial part (``StateFormatError`` if it has none or it is damaged)."""
+    try:
+        rows, size = tensors[PARTIAL], int(meta["partial_bytes"])
+    except (KeyError, ValueError):
+        raise codec.StateFormatError("the block holds no partial state") from None
+    flat = np.ascontiguousarray(rows).view(np.uint8).reshape(-1)
+    if not 0 < size <= flat.shape[0] or np.any(flat[size:]):
+        raise codec.StateFormatError("the block's partial state has the wrong size")
+    return flat[:size]
 
 
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -91,6 +130,8 @@ def tensors_to_state(
         if k.shape[0] != n or v.shape[0] != n:
             raise codec.StateFormatError(f"layer {i} holds a different token count")
         layers.append(codec.KVLayer(int(k_type), int(v_type), k, v, int(v_elem)))
+    if n is None and PARTIAL in tensors:
+        n = int(tensors[PARTIAL].shape[0])
     if n is None:
         raise codec.StateFormatError("block holds no layers")
     positions = np.arange(start, start + n, dtype=np.int32)

@@ -44,7 +44,9 @@ FILE_TYPES = {
 TENSOR_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
 RECURRENT = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
 HYBRID = {"jamba", "falcon-h1", "granitehybrid", "nemotron_h", "lfm2", "plamo2", "qwen3next"}
-CACHEABLE = {"attention"}  # memory kinds the KV cache codec supports today
+# memory kinds the prefix cache holds: plain KV blocks, and blocks with the SWA
+# window or the recurrent state kept at snapshot boundaries (``localkv.kv.partial``)
+CACHEABLE = {"attention", "sliding-window", "hybrid", "recurrent"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +69,20 @@ class ModelInfo:
     quantization: str | None
     memory: str  # "attention", "sliding-window", "hybrid", "recurrent" or "unknown"
     error: str | None = None  # why the header could not be read
+    # why the prefix cache cannot hold a model of a cacheable memory kind
+    refusal: str | None = None
 
     @property
     def cacheable(self) -> bool:
-        return self.memory in CACHEABLE
+        return self.memory in CACHEABLE and self.refusal is None and self.error is None
+
+    def cache_refusal(self) -> str | None:
+        """Why the prefix cache cannot hold this model (None: it can)."""
+        if self.cacheable:
+            return None
+        if self.error is not None:
+            return f"unreadable: {self.error}"
+        return self.refusal or f"{self.architecture}: {self.memory} memory is not cached"
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -83,6 +95,7 @@ class ModelInfo:
             "quantization": self.quantization,
             "memory": self.memory,
             "cacheable": self.cacheable,
+            "cache_refusal": self.cache_refusal(),
             "error": self.error,
         }
 
@@ -214,6 +227,7 @@ def describe(model: FoundModel) -> ModelInfo:
         meta.parameters or None,
         quantization(meta),
         memory_kind(meta),
+        refusal=cache_refusal(meta),
     )
 
 
@@ -238,10 +252,32 @@ def quantization(meta: GGUFMetadata) -> str | None:
     return TENSOR_TYPES.get(common, f"ggml type {common}")
 
 
+def _sliding(meta: GGUFMetadata, arch: str) -> bool:
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if isinstance(window, GGUFArray) or (isinstance(window, int | float) and window > 0):
+        return True
+    return isinstance(window, tuple) and any(isinstance(w, int) and w > 0 for w in window)
+
+
+def cache_refusal(meta: GGUFMetadata) -> str | None:
+    """Why the prefix cache cannot hold a model its memory kind allows, from its header.
+
+    A hybrid with sliding-window layers keeps two partial parts (a window and a
+    recurrent state) that llama.cpp writes as one; a vision projector
+    (architecture ``clip``) is no language model.
+    """
+    arch = meta.architecture
+    if arch == "clip":
+        return "clip: a multimodal projector, not a language model (localkv runs text only)"
+    if arch is not None and memory_kind(meta) == "hybrid" and _sliding(meta, arch):
+        return f"{arch}: hybrid memory with sliding-window layers is not cached"
+    return None
+
+
 def memory_kind(meta: GGUFMetadata) -> str:
     """What the model keeps per sequence, from its metadata.
 
-    ``attention``: a plain KV cache (what localkv caches); ``sliding-window``: some
+    ``attention``: a plain KV cache; ``sliding-window``: some
     layers attend to a window only; ``recurrent``: a state per sequence (Mamba, RWKV);
     ``hybrid``: attention and recurrent layers.
     """
@@ -255,9 +291,4 @@ def memory_kind(meta: GGUFMetadata) -> str:
     if any(k.startswith((f"{arch}.ssm.", f"{arch}.wkv.")) for k in meta.values):
         heads = meta.get(f"{arch}.attention.head_count")
         return "hybrid" if isinstance(heads, int) and heads > 0 else "recurrent"
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if isinstance(window, GGUFArray) or (isinstance(window, int | float) and window > 0):
-        return "sliding-window"
-    if isinstance(window, tuple) and any(isinstance(w, int) and w > 0 for w in window):
-        return "sliding-window"
-    return "attention"
+    return "sliding-window" if _sliding(meta, arch) else "attention"

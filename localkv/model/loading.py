@@ -74,8 +74,6 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
         raise ModelLoadError(f"llama.cpp could not load {path}: {_load_reason()}")
     stack.callback(llama_cpp.llama_model_free, model)
     vocab = llama_cpp.llama_model_get_vocab(model)
-    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-        log.warning("recurrent/hybrid memory: the KV cache codec will refuse this model")
     _check_kv_types(cfg, model)
     _check_kv_memory(cfg, model)
     threads = cfg.n_threads or max(1, os.cpu_count() or 1)

@@ -63,7 +63,7 @@ def _existing(path: Path, source: str) -> Path:
     text = str(path)
     separated = os.sep in text or bool(os.altsep and os.altsep in text)
     if text.endswith(".gguf") or (separated and ":" not in text):  # ``user/model:tag`` is a name
-        raise ModelNotFoundError(f"model file not found ({source}): {expanded}. {_HOW_TO_GET}")
+        raise ModelNotFoundError(f"model file not found ({source}): {expanded}")
     return model_by_name(text, source)
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from localkv.model.loading import ModelLoadError, flash_attn_setting, large_buff
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
 from localkv.model.schedule import ends_after, request_ends
+from localkv.model.snapshots import attention_state, memory_of, partial_before
 from localkv.model.state import read_state, write_state
 from localkv.model.vocab import token_piece, tokenize
 
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 CancelFn = Callable[[], bool]
+FinishReason = Literal["stop", "length", "context", "cancelled"]
 
 
 class PrefillCancelled(Exception):
@@ -72,10 +75,14 @@ class ModelSession:
         self._last_logits: np.ndarray | None = None
         # logits of tokens decoded alone at block ends and boundaries: the probes
         self.probes: dict[int, np.ndarray] = {}
+        self.partials: dict[int, np.ndarray] = {}  # by position (``model.snapshots``)
         self._scratch: np.ndarray | None = None  # reused restore buffer
         # token counts after each llama_decode call: how the sequence was batched.
         # Numerics depend on batching, so a faithful recomputation replays it.
         self.batch_ends: list[int] = []
+        # tokens that end an answer besides the model's end-of-generation ones: the
+        # chat template's end of turn (``ChatTemplate`` adds it)
+        self.stop_tokens: set[int] = set()
         try:
             self._open()
         except BaseException:
@@ -94,6 +101,7 @@ class ModelSession:
         self.n_ctx = native.n_ctx
         self.n_batch = native.n_batch
         self._batch = native.batch
+        self.memory_kind, self.memory_refusal = memory_of(self.model)
 
     def flash_attn_setting(self) -> str:
         """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
@@ -190,6 +198,7 @@ class ModelSession:
         The logits are kept as a probe when ``probe`` is set or the token ends a block.
         """
         pos = len(self.tokens)
+        partial_before(self, pos, probe)
         logits = self._decode([token], want_last=True)
         if logits is None:  # pragma: no cover - want_last guarantees logits
             raise RuntimeError("no logits")
@@ -266,12 +275,14 @@ class ModelSession:
         params: SamplingParams,
         *,
         cancel: CancelFn | None = None,
-    ) -> Iterator[int]:
-        """Sample tokens after the current sequence until end of generation.
+    ) -> Generator[int, None, FinishReason]:
+        """Sample tokens after the current sequence until the answer ends.
 
         Yields each token id as sampled; the token is in the sequence when the
-        next one is requested. Stops at an end-of-generation token (not yielded),
-        ``params.max_tokens``, a full context or ``cancel()``.
+        next one is requested. Returns why it ended: "stop" at an
+        end-of-generation token or one of ``stop_tokens`` (neither is yielded),
+        "length" after ``params.max_tokens``, "context" when the context is
+        full, "cancelled" when ``cancel()`` turned true.
         """
         logits = self._last_logits
         if logits is None:
@@ -279,14 +290,15 @@ class ModelSession:
         sampler = Sampler(params)
         for _ in range(params.max_tokens):
             if cancel is not None and cancel():
-                return
-            token = sampler.sample(logits)
-            if self.is_end_of_generation(token):
-                return
+                return "cancelled"
+            token = sampler.sample(logits, self.tokens)
+            if token in self.stop_tokens or self.is_end_of_generation(token):
+                return "stop"
             yield token
             if len(self.tokens) >= self.n_ctx:
-                return
+                return "context"
             logits = self.decode_one(token)
+        return "length"
 
     # ------------------------------------------------------------------ state
     def capture_state(self) -> bytes:
@@ -300,9 +312,9 @@ class ModelSession:
     def capture(self) -> codec.KVState:
         """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown).
 
-        Its K/V rows are views of one capture buffer: no copy of the state is made.
+        Its K/V rows view one capture buffer, no copy (SWA, hybrid: the attention part).
         """
-        return codec.parse(self.capture_array().data, copy=False)
+        return attention_state(self.capture_array(), self.memory_kind)
 
     def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
@@ -354,6 +366,9 @@ class ModelSession:
             raise ValueError(f"cannot keep {n} of {len(self.tokens)} tokens")
         if n == len(self.tokens):
             return
+        if self.memory_kind != "kv":  # cannot be cut (model.snapshots): emptied instead
+            self.reset()
+            return
         if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1):
             raise RuntimeError("llama.cpp could not trim the sequence")
         del self.tokens[n:]
@@ -368,6 +383,7 @@ class ModelSession:
         llama_cpp.llama_memory_clear(self.memory, False)
         self.tokens = []
         self.probes = {}
+        self.partials = {}
         self.batch_ends = []
         self._last_logits = None
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from localkv.model.sampling import SamplingParams
-from localkv.model.session import CancelFn, ModelSession
+from localkv.model.session import CancelFn, FinishReason, ModelSession
 from localkv.prompt.template import ChatTemplate, Message
 
 __all__ = ["Conversation", "Streamed", "TokenStream", "stream_answer"]
@@ -57,12 +57,15 @@ class TokenStream:
 
 @dataclass(frozen=True, slots=True)
 class Streamed:
-    """An answer as generated: its text, the sampled ids and when tokens came."""
+    """An answer as generated: its text, the sampled ids, when tokens came, why it ended."""
 
     text: str
     ids: list[int]
     ttft_s: float  # from ``t0`` to the first token (to the end if there was none)
     tokens_per_s: float  # after the first token
+    # "stop" (end of generation or of the turn), "length" (max tokens), "context"
+    # (the context is full) or "cancelled"
+    finish_reason: FinishReason = "stop"
 
 
 def stream_answer(
@@ -72,10 +75,20 @@ def stream_answer(
     on_text: Callable[[str], None] | None = None,
     cancel: CancelFn | None = None,
 ) -> Streamed:
-    """Generate after the session's sequence, sending text pieces to ``on_text``."""
+    """Generate after the session's sequence, sending text pieces to ``on_text``.
+
+    It stops where ``ModelSession.generate`` does (the chat template's end of
+    turn among the stop tokens) and says why in ``finish_reason``.
+    """
     stream = TokenStream(session)
     t_first = 0.0
-    for token in session.generate(params, cancel=cancel):
+    tokens = session.generate(params, cancel=cancel)
+    while True:
+        try:
+            token = next(tokens)
+        except StopIteration as ended:
+            reason: FinishReason = ended.value
+            break
         if not stream.ids:
             t_first = time.perf_counter()
         piece = stream.push(token)
@@ -86,7 +99,7 @@ def stream_answer(
         on_text(tail)
     end = time.perf_counter()
     if not stream.ids:
-        return Streamed(stream.text, stream.ids, end - t0, 0.0)
+        return Streamed(stream.text, stream.ids, end - t0, 0.0, reason)
     elapsed = end - t_first
     rate = (len(stream.ids) - 1) / elapsed if len(stream.ids) > 1 and elapsed > 0 else 0.0
-    return Streamed(stream.text, stream.ids, t_first - t0, rate)
+    return Streamed(stream.text, stream.ids, t_first - t0, rate, reason)

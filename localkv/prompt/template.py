@@ -53,19 +53,35 @@ class ChatTemplate:
         return self.choice.name
 
     def _end_of_turn(self) -> int | None:
-        """The token that closes an assistant turn; warns if generation would not stop there."""
+        """The token that closes an assistant turn; generation stops there too.
+
+        A special (control) token that the model does not end generation on is
+        added to the session's stop tokens, with a warning; a closing that
+        starts with ordinary text (a space, a newline) is not: an answer would
+        end at its first such piece.
+        """
         closing = self.assistant_end_tokens([Message("user", "U")], "A")
         if not closing:
             return None
         token = closing[0]
-        if not self.session.is_end_of_generation(token):
-            text = self.session.detokenize(closing, special=True).strip()
-            log.warning(
-                "chat template %r closes a turn with %r, which this model does not end "
-                "generation on: answers may run past the end of their turn",
-                self.name,
-                text,
-            )
+        session = self.session
+        if not session.is_end_of_generation(token):
+            text = session.detokenize(closing, special=True).strip()
+            if llama_cpp.llama_vocab_is_control(session.vocab, token):
+                session.stop_tokens.add(token)
+                log.warning(
+                    "chat template %r closes a turn with %r, which this model does not end "
+                    "generation on: answers stop there anyway",
+                    self.name,
+                    text,
+                )
+            else:
+                log.warning(
+                    "chat template %r closes a turn with %r, which is no special token of "
+                    "this model: answers may run past the end of their turn",
+                    self.name,
+                    text,
+                )
         return token
 
     def render(self, messages: Sequence[Message], *, add_assistant: bool = False) -> str:

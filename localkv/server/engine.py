@@ -231,6 +231,8 @@ class Engine:
             top_k=sampling.top_k,
             seed=sampling.seed,
             max_tokens=max(1, min(wanted, room)),
+            min_p=0.0,  # the OpenAI API samples with neither: a request gets what it asks
+            repeat_penalty=1.0,
         )
 
     def _outcome(

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import sqlite_utils
 
 from .. import faults
-from ..values import BlockRow, SnapshotRow, StoreStats
+from ..values import BlockRow, SnapshotRow
 from .health import IndexDamaged, is_damage, read_only_uri
 from .migrations import MIGRATIONS, migrate
 from .rows import BLOCK_COLUMNS, SNAPSHOT_COLUMNS, block_row, readable_rows, snapshot_row
@@ -288,46 +288,10 @@ class BlockIndex:
                     f"UPDATE blocks SET last_used = ?, hits = hits + 1 WHERE hash IN ({marks})",
                     (now, *chunk),
                 )
+                # a snapshot's hits are the restores that name it (``events.record``)
                 db.execute(
-                    f"UPDATE snapshots SET last_used = ?, hits = hits + 1 WHERE tip IN ({marks})",
-                    (now, *chunk),
+                    f"UPDATE snapshots SET last_used = ? WHERE tip IN ({marks})", (now, *chunk)
                 )
-
-    def stats(self, namespace: str | None = None) -> StoreStats:
-        """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""
-        where, params = ("", ()) if namespace is None else ("WHERE namespace = ?", (namespace,))
-        also = where.replace("WHERE", "AND", 1)
-        q = self.query
-        blocks, stored, raw, seconds, tokens = q(
-            "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
-            "COALESCE(SUM(prefill_seconds), 0.0), "
-            f"COALESCE(SUM(length(tokens) / 4), 0) FROM blocks {where}",
-            params,
-        )[0]
-        hits, hit_tokens, hit_seconds = q(
-            "SELECT COUNT(*), COALESCE(SUM(tokens), 0), COALESCE(SUM(seconds), 0.0) "
-            f"FROM events WHERE kind = 'hit' {also}",
-            params,
-        )[0]
-        misses = {
-            str(r[0]): int(r[1])
-            for r in q(
-                "SELECT COALESCE(reason, 'unknown'), COUNT(*) FROM events WHERE kind = 'miss' "
-                f"{also} GROUP BY 1 ORDER BY 2 DESC",
-                params,
-            )
-        }
-        per_token = float(seconds) / tokens if tokens else 0.0
-        return StoreStats(
-            hits=int(hits),
-            misses=sum(misses.values()),
-            misses_by_reason=misses,
-            blocks=int(blocks),
-            snapshots=int(q(f"SELECT COUNT(*) FROM snapshots {where}", params)[0][0]),
-            stored_bytes=int(stored),
-            raw_bytes=int(raw),
-            saved_prefill_seconds=max(0.0, hit_tokens * per_token - float(hit_seconds)),
-        )
 
     # -------------------------------------------------------------- identities
     def put_identity(self, digest: str, json_text: str, now: float) -> None:

@@ -175,3 +175,23 @@ def m003_event_namespace(db: sqlite_utils.Database) -> None:
     statistics of the whole store.
     """
     db.table("events").add_column("namespace", str)
+
+
+@migration
+def m004_hits_name_a_snapshot(db: sqlite_utils.Database) -> None:
+    """A hit records the snapshot it is counted under; prefill rates are measured once.
+
+    A snapshot's ``hits`` now counts the restores that named it (the longest
+    snapshot the reused prefix covers), not every restore that passed its tip,
+    so the counts before this migration are reset; their hit events name no
+    snapshot. ``prefill_rates`` holds the measured prefill seconds and tokens
+    per identity and context length, the one rate every writer and every hit's
+    saved-time estimate uses.
+    """
+    db.table("events").add_column("snapshot", str)
+    db.execute("UPDATE snapshots SET hits = 0")
+    db.table("prefill_rates").create(
+        {"identity": str, "n_ctx": int, "seconds": float, "tokens": int, "updated": float},
+        pk=("identity", "n_ctx"),
+        not_null={"seconds", "tokens", "updated"},
+    )

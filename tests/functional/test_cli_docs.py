@@ -106,6 +106,7 @@ def test_prefill_then_ask_in_a_new_process(env: dict[str, str], docs: tuple[Path
         "miss_reason": "cache disabled",
         "common": 0,
         "recomputed": 0,
+        "saved_s": 0.0,
     }
     assert (cache["common"], cache["recomputed"]) == (tokens["reused"], 0)
     assert set(cached["timing"]) == {"restore_s", "prefill_s", "ttft_s", "total_s"}  # type: ignore[arg-type]

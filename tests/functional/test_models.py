@@ -80,6 +80,9 @@ def planted(tmp_path: Path, tiny_models: TinyModels) -> Planted:
         "windowed": _header_only(lms / "windowed.gguf", "gemma3", attention__sliding_window=512),
         "snake": _header_only(lms / "snake.gguf", "mamba", ssm__conv_kernel=4),
         "mixed": _header_only(lms / "mixed.gguf", "jamba", attention__head_count=4),
+        "mixed-swa": _header_only(
+            lms / "mixed-swa.gguf", "jamba", attention__head_count=4, attention__sliding_window=64
+        ),
     }
     _link(tiny_models.base, hub / "snapshots" / "old999" / "tiny-hf.gguf")  # not main's
     (lms / "mmproj-tiny.gguf").write_bytes(b"GGUF")  # a vision projector: not a model
@@ -120,9 +123,13 @@ def test_models_finds_lm_studio_ollama_and_the_hugging_face_cache(planted: Plant
     assert tiny["size"] == planted.paths["tiny-lms"].stat().st_size
     memory = {name: (rows[name]["memory"], rows[name]["cacheable"]) for name in rows}
     assert memory["tiny-lms"] == ("attention", True)
-    assert memory["windowed"] == ("sliding-window", False)
-    assert memory["snake"] == ("recurrent", False)
-    assert memory["mixed"] == ("hybrid", False)
+    assert memory["windowed"] == ("sliding-window", True)
+    assert memory["snake"] == ("recurrent", True)
+    assert memory["mixed"] == ("hybrid", True)
+    assert memory["mixed-swa"] == ("hybrid", False)
+    refusal = rows["mixed-swa"]["cache_refusal"]
+    assert "jamba" in refusal and "sliding-window" in refusal
+    assert rows["tiny-lms"]["cache_refusal"] is None
     assert rows["broken"]["error"] and memory["broken"] == ("unknown", False)
 
 

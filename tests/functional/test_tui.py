@@ -142,7 +142,9 @@ def test_send_streams_an_answer_and_reports_the_turn(
         assert "Hello there" in app.screen.query(".user").first().content.plain
         line = status(app)
         assert line == turn_line(report)
-        assert "TTFT" in line and "tok/s" in line and "cache miss" in line
+        assert "TTFT" in line and "tok/s" in line
+        # a fresh chat's first turn: the cache had only template tokens, no word of it
+        assert "cache miss" not in line and "restored" not in line
         panel = app.screen.query_one(ContextPanel)
         assert panel.context_info.used == finished.answered.context.used > 0
         assert prompt.has_focus
@@ -272,6 +274,30 @@ def test_path_completion_for_attach(tmp_path: Path) -> None:
         assert await suggester.get_suggestion("hello /attach") is None
 
     asyncio.run(main())
+
+
+def test_tab_keeps_the_focus_in_the_message_box(
+    open_runtime: Callable[..., Runtime], tmp_path: Path
+) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    app = build_app(open_runtime(), params=SHORT)
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        prompt = app.screen.query_one(PromptInput)
+        assert prompt.has_focus
+        prompt.load_text("a message")
+        for key in ("tab", "shift+tab", "tab"):
+            await pilot.press(key)
+            assert prompt.has_focus and prompt.text == "a message"
+        prompt.load_text(f"/attach {tmp_path}/no")
+        prompt.move_cursor(prompt.document.end)
+        prompt.update_suggestion()
+        await wait_for(pilot, lambda: prompt.suggestion)
+        await pilot.press("tab")  # completes, and stays
+        assert prompt.has_focus and prompt.text == f"/attach {tmp_path}/notes.txt"
+
+    run(app, seen, scenario)
 
 
 # ---------------------------------------------------------------------- conversations

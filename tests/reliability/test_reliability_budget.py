@@ -92,7 +92,7 @@ def test_pinned_snapshots_over_the_budget_are_warned_about(
     loud = _localkv(env, "prefill", "--threads", "1", "--pin", str(docs[1]), budget=SMALL)
     assert "pinned snapshots hold" in loud.stderr and "LOCALKV_BUDGET" in loud.stderr
     # pinned means kept, over the budget or not
-    assert set(_snapshots(env)) == {str(docs[0]), str(docs[1])}
+    assert set(_snapshots(env)) == {docs[0].name, docs[1].name}
     assert "over the cache budget" in _localkv(env, "cache", "ls", budget=SMALL).stderr
     assert "warning" not in _localkv(env, "cache", "ls").stderr
     stats = _localkv(env, "cache", "stats", budget=SMALL)
@@ -110,7 +110,7 @@ def test_a_snapshot_its_own_save_evicted_is_never_reported_as_saved(
     done = _localkv(env, "prefill", "--threads", "1", str(docs[0]), budget=SMALL)
     assert _SNAPSHOT_LINE.search(done.stdout) is None, done.stdout
     assert "snapshot not kept" in done.stdout and "too small" in done.stdout
-    assert "0.0 MB on disk" in done.stdout
+    assert "0 B on disk" in done.stdout
     report = _prefill(env, docs[0], budget=SMALL)
     assert report["snapshot"] is None and report["bytes_on_disk"] == 0
     assert "LOCALKV_BUDGET" in report["not_kept"]
@@ -119,7 +119,7 @@ def test_a_snapshot_its_own_save_evicted_is_never_reported_as_saved(
     kept = _localkv(env, "prefill", "--threads", "1", str(docs[0]))
     found = _SNAPSHOT_LINE.search(kept.stdout)
     assert found is not None and "not kept" not in kept.stdout
-    assert _snapshots(env)[str(docs[0])]["id"] == found.group(1)
+    assert _snapshots(env)[docs[0].name]["id"] == found.group(1)
 
 
 def test_an_ask_whose_blocks_were_evicted_at_once_says_so(
@@ -160,12 +160,12 @@ def test_gc_evicts_down_to_the_budget_least_recently_used_first_pinned_never(
     _age(env, c["snapshot"], days=60)  # c: pinned, older still
     room = str(sizes[b["snapshot"]] + sizes[c["snapshot"]] + 1024)
     gc = json.loads(_localkv(env, "cache", "gc", "--json", budget=room).stdout)
-    assert set(_snapshots(env)) == {str(docs[1]), str(docs[2])}
+    assert set(_snapshots(env)) == {docs[1].name, docs[2].name}
     assert gc["evicted_bytes"] == sizes[a["snapshot"]]
     # far too small: every unpinned block goes, the pinned snapshot stays (and is warned of)
     tight = _localkv(env, "cache", "gc", budget=SMALL)
     assert "over the cache budget" in tight.stderr
-    assert set(_snapshots(env)) == {str(docs[2])}
+    assert set(_snapshots(env)) == {docs[2].name}
     # unpinned, nothing protects it: gc brings the cache within the budget
     _localkv(env, "cache", "unpin", c["snapshot"])
     gc = json.loads(_localkv(env, "cache", "gc", "--json", budget=SMALL).stdout)

@@ -180,7 +180,8 @@ def test_ask_and_prefill_with_a_damaged_index_answer_uncached_and_say_so(
     told = [line for line in asked.stderr.splitlines() if "localkv cache repair" in line]
     assert len(told) == 1 and told[0].startswith("cache miss (") and "damaged" in told[0]
     prefilled = _run(env, "prefill", "--threads", "1", str(b))
-    assert prefilled.returncode == 0 and "snapshot " not in prefilled.stdout
+    # a prefill that can save nothing fails with the reason
+    assert prefilled.returncode == 1 and "snapshot " not in prefilled.stdout
     told = [line for line in prefilled.stderr.splitlines() if "localkv cache repair" in line]
     assert len(told) == 1, prefilled.stderr
     assert "Traceback" not in asked.stderr + prefilled.stderr

@@ -49,6 +49,14 @@ EXPECTED = {
         "seconds": float,
         "at": float,
         "namespace": str,
+        "snapshot": str,
+    },
+    "prefill_rates": {
+        "identity": str,
+        "n_ctx": int,
+        "seconds": float,
+        "tokens": int,
+        "updated": float,
     },
     "_migrations": {"name": str, "applied_at": float},
 }

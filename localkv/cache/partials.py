@@ -1,0 +1,42 @@
+"""Where a restore of memory with a partial part may end: at a snapshot boundary.
+
+An SWA window or a recurrent state is a point value (``localkv.kv.partial``):
+it is stored with a block as it stood before the block's last token, and a
+restore may end only at such a block's end, never trimmed to a shorter prefix.
+A request that diverges mid-block reuses up to the last snapshot boundary
+before the divergence.
+"""
+
+from __future__ import annotations
+
+from localkv.cache.lookup import Plan
+from localkv.kv.partial import MemoryKind
+
+__all__ = ["snapshot_cut", "what_is_kept"]
+
+
+def what_is_kept(kind: MemoryKind | None) -> str:
+    return "the sliding-window state" if kind == "swa" else "the recurrent state"
+
+
+def snapshot_cut(
+    plan: Plan, reuse: int, kind: MemoryKind | None, block_size: int
+) -> tuple[Plan, int, str | None]:
+    """``plan`` cut at its last snapshot boundary within ``reuse`` tokens, the tokens
+    reused, or why none can be (plain KV memory: unchanged)."""
+    if kind == "kv" or reuse == 0:
+        return plan, reuse, None
+    # SWA windows are kept at block-grid ends only (``model.snapshots``)
+    grid = block_size if kind == "swa" else 1
+    keep = [i for i, row in enumerate(plan.chain) if 2 <= row.end <= reuse and row.end % grid == 0]
+    if not keep:
+        return (
+            plan,
+            0,
+            (
+                f"no snapshot boundary in the {reuse:,} reusable tokens: "
+                f"{what_is_kept(kind)} is kept every {block_size}"
+            ),
+        )
+    chain = plan.chain[: keep[-1] + 1]
+    return Plan(chain, chain[-1].end, plan.common), chain[-1].end, None

@@ -1,0 +1,54 @@
+"""The snapshot a chat keeps for its conversation, so the cache screen lists what it saved.
+
+After every turn (and attach) the chat saves its prefix; the chain's tip is
+then named as a snapshot labelled with the conversation's title, like the
+snapshots ``localkv prefill`` names after its documents. One snapshot per
+conversation: the newer tip replaces the older one (its pin carries over),
+and removing it on the cache screen frees the blocks only it needs. Naming
+runs on the save's worker thread, after the blocks are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+
+from localkv.cache.catalogue import save_snapshot
+from localkv.cache.save import SaveResult
+from localkv.runtime import Runtime
+
+__all__ = ["ConversationSnapshot"]
+
+log = logging.getLogger(__name__)
+
+
+class ConversationSnapshot:
+    """The id of the snapshot naming one conversation's saved prefix (None: not yet)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.id: str | None = None
+
+    def forget(self) -> None:
+        """A new conversation: the last one keeps its snapshot, the next gets its own."""
+        self.id = None
+
+    def name(self, result: SaveResult, label: str, n_tokens: int) -> None:
+        """Name the chain ``result`` saved; drop the conversation's previous snapshot."""
+        cache = self.runtime.cache
+        if cache is None or result.tip is None or result.not_kept:
+            return
+        previous = self.id
+        try:
+            pinned = previous is not None and cache.store.get_snapshot(previous).pinned
+        except (KeyError, OSError, sqlite3.Error):  # removed on the cache screen
+            previous, pinned = None, False
+        snapshot = save_snapshot(cache, result.tip, (), n_tokens, label=label, pin=pinned)
+        if snapshot is None:
+            return
+        self.id = snapshot
+        if previous is not None and previous != snapshot:
+            try:
+                cache.store.remove_snapshot(previous)
+            except (KeyError, OSError, sqlite3.Error) as exc:
+                log.warning("could not drop the conversation's older snapshot: %s", exc)

@@ -1,0 +1,79 @@
+"""What ``localkv cache forget`` reads: the document, its tokens, the conversations holding it."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import click
+import numpy as np
+
+from localkv.prompt.request import Document, DocumentError, read_document
+from localkv.storage.store import SnapshotStore
+
+__all__ = ["forget_conversations", "forget_runs", "forgotten_document"]
+
+
+def forgotten_document(path: Path) -> Document | None:
+    """FILE as ``prefill`` read it, or None when it is gone (match by path only)."""
+    if not path.exists():
+        return None
+    try:
+        return read_document(path)
+    except DocumentError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def forget_runs(
+    store: SnapshotStore, document: Document | None, model: str | None
+) -> list[np.ndarray]:
+    """The document's tokens under each cached model's vocabulary (warns if none loads)."""
+    from localkv.cache.forgetting import document_runs, tokenizer_models
+    from localkv.storage.removal.forget import RUN_LENGTH
+
+    if document is None:
+        return []
+    runs = document_runs(document.text, tokenizer_models(store, model))
+    if not runs:
+        click.echo(
+            "warning: no model vocabulary could be loaded (give --model): only the "
+            "document's snapshots are forgotten, not blocks that ask or chat wrote",
+            err=True,
+        )
+    elif all(r.shape[0] < RUN_LENGTH for r in runs):
+        click.echo(
+            f"warning: the document is shorter than {RUN_LENGTH} tokens: only its "
+            "snapshots are forgotten",
+            err=True,
+        )
+    return runs
+
+
+def forget_conversations(
+    root: Path, document: Document | None, runs: list[np.ndarray], allowed: bool
+) -> tuple[list[str], bool]:
+    """Delete the saved conversations holding the document (refuse unless ``allowed``).
+
+    Returns the ids deleted and whether the history's WAL could be emptied.
+    """
+    from localkv.chat.history import HISTORY_FILE, ConversationStore
+
+    if document is None or not (root / HISTORY_FILE).is_file():
+        return [], True
+    try:
+        history = ConversationStore.open(root)
+    except (OSError, sqlite3.Error) as exc:
+        raise click.ClickException(f"cannot open the saved conversations: {exc}") from None
+    with history:
+        held = history.holding(document.text, runs)
+        if held and not allowed:
+            named = "\n".join(f"  {c.id}  {c.title}" for c in held)
+            raise click.ClickException(
+                f"{len(held)} saved conversation(s) hold {document.name}:\n{named}\n"
+                "Nothing was removed: run again with --with-conversations to delete them "
+                "too, or delete them in `localkv chat` (F3)."
+            )
+        if not held:
+            return [], True
+        deleted, truncated = history.forget([c.id for c in held])
+        return list(deleted), truncated

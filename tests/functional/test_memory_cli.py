@@ -1,0 +1,250 @@
+"""SWA, hybrid and recurrent memory through the CLI, each step a process of its own.
+
+Process A prefills a ~2,000-token document and exits; process B asks about it
+with ``--json``: it reuses the document (Gemma: up to the last 256-token grid
+point, where its sliding-window state is kept), verified, and answers as
+``--no-cache`` does, token for token. Tiny gemma3, lfm2 and mamba2 models, and
+the real Gemma 3 270M.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.tinyarch import TinyArchModels, build_tiny_arch_models
+from support.tinymodels import tiny_config
+
+from localkv.bench.run import BenchConfig, run_bench
+from localkv.prompt.request import read_document
+from localkv.runtime import Runtime
+
+WAIT_S = 600  # liveness only
+BLOCK = 256
+SYSTEM = "Answer from the document."
+QUESTION = "What was Alice doing?"
+TEXT = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of "
+    "having nothing to do: once or twice she had peeped into the book her sister was reading. "
+)
+# a long shared system prompt: a shifted document shares it, then the two diverge
+RULES = " ".join(f"Rule {i}: quote the document exactly and say where." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def arch_models(
+    tmp_path_factory: pytest.TempPathFactory, default_model_path: Path
+) -> TinyArchModels:
+    return build_tiny_arch_models(tmp_path_factory.mktemp("arch"), default_model_path)
+
+
+def _doc(tmp_path: Path, n_chapters: int = 52) -> Path:
+    path = tmp_path / "doc.txt"
+    path.write_text(" ".join(f"Chapter {i}. {TEXT}" for i in range(n_chapters)), encoding="utf-8")
+    return path
+
+
+def _localkv(home: Path, *args: str) -> dict[str, Any]:
+    env = {**os.environ, "LOCALKV_HOME": str(home)}
+    env.pop("LOCALKV_MODEL", None)
+    command = [sys.executable, "-m", "localkv", *args, "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _cli(home: Path, model: Path, *args: str) -> dict[str, Any]:
+    return _localkv(home, *args, "--model", str(model), "--threads", "1", "--ctx", "4096")
+
+
+def _ask(home: Path, model: Path, doc: Path, *extra: str) -> dict[str, Any]:
+    sampling = ["--temperature", "0", "--max-tokens", "64"]
+    return _cli(home, model, "ask", str(doc), QUESTION, *sampling, *extra)
+
+
+def _same_answer(cached: dict[str, Any], uncached: dict[str, Any]) -> None:
+    assert uncached["tokens"]["reused"] == 0
+    assert cached["tokens"]["generated"] == uncached["tokens"]["generated"] == 64
+    assert cached["answer"] == uncached["answer"]
+
+
+def _reused_across_processes(home: Path, model: Path, doc: Path, grid: int) -> None:
+    pre = _cli(home, model, "prefill", "--system", SYSTEM, str(doc))
+    n_doc = int(pre["tokens"])
+    assert 2000 <= n_doc <= 2400 and pre["kept"] == n_doc
+    cached = _ask(home, model, doc, "--system", SYSTEM)
+    assert cached["cache"]["verified"] is True
+    # a restore lands where a partial state is kept: every ``grid`` tokens and
+    # (hybrid, recurrent) at the document's end
+    assert cached["tokens"]["reused"] == n_doc // grid * grid
+    assert cached["tokens"]["reused"] >= 0.9 * n_doc
+    _same_answer(cached, _ask(home, model, doc, "--system", SYSTEM, "--no-cache"))
+    if grid > 1:  # greedy is dull on a random model: a seeded sample is a finer check
+        seeded = ("--system", SYSTEM, "--temperature", "1", "--seed", "3")
+        sampled = _ask(home, model, doc, *seeded)
+        assert sampled["cache"]["verified"] is True
+        _same_answer(sampled, _ask(home, model, doc, *seeded, "--no-cache"))
+
+
+@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("mamba2", 1)])
+def test_a_document_prefilled_by_one_process_is_reused_exactly_by_another(
+    arch: str, grid: int, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    model = arch_models.all()[arch]
+    _reused_across_processes(tmp_path / "home", model, _doc(tmp_path), grid)
+
+
+@pytest.mark.default_model
+def test_gemma3_270m_document_reused_across_processes(gemma3_path: Path, tmp_path: Path) -> None:
+    _reused_across_processes(tmp_path / "home", gemma3_path, _doc(tmp_path, 48), BLOCK)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2"])
+def test_a_shifted_document_reuses_only_the_common_prefix(
+    arch: str, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    model, doc, home = arch_models.all()[arch], _doc(tmp_path), tmp_path / "home"
+    first, second = f"{RULES} Answer briefly.", f"{RULES} Answer in detail, and politely."
+    with Runtime(tiny_config(model, n_ctx=4096), use_cache=False) as rt:
+        document = read_document(str(doc))
+        a = rt.build([document], system=first, question=QUESTION).tokens
+        b = rt.build([document], system=second, question=QUESTION).tokens
+    p = _first_difference(a, b)
+    assert p >= BLOCK
+    n_doc = int(_cli(home, model, "prefill", "--system", first, str(doc))["tokens"])
+    cached = _ask(home, model, doc, "--system", second)
+    reused = cached["tokens"]["reused"]
+    assert cached["cache"]["verified"] is True
+    assert BLOCK <= reused <= p < n_doc // 2  # the system prompt's blocks, not the document
+    _same_answer(cached, _ask(home, model, doc, "--system", second, "--no-cache"))
+
+
+def _block_file(home: Path, start: int) -> Path:
+    conn = sqlite3.connect(home / "index.db")
+    try:
+        rows = conn.execute("SELECT file FROM blocks WHERE start = ?", (start,)).fetchall()
+    finally:
+        conn.close()
+    assert len(rows) == 1
+    return home / rows[0][0]
+
+
+def test_a_flipped_byte_in_a_gemma_block_reuses_nothing_past_it(
+    arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    model, doc, home = arch_models.gemma3, _doc(tmp_path), tmp_path / "home"
+    _cli(home, model, "prefill", "--system", SYSTEM, str(doc))
+    damaged = 4 * BLOCK
+    target = _block_file(home, damaged)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    cached = _ask(home, model, doc, "--system", SYSTEM)
+    assert cached["tokens"]["reused"] <= damaged
+    assert cached["cache"]["miss_reason"], cached["cache"]
+    _same_answer(cached, _ask(home, model, doc, "--system", SYSTEM, "--no-cache"))
+
+
+@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("mamba2", 1)])
+def test_cache_show_gives_the_partial_state_and_verify_deep_recomputes_it(
+    arch: str, grid: int, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    model, home = arch_models.all()[arch], tmp_path / "home"
+    pre = _cli(home, model, "prefill", "--system", SYSTEM, str(_doc(tmp_path)))
+    shown = _localkv(home, "cache", "show", str(pre["snapshot"]))
+    parts = shown["partial_state"]
+    assert [b["start"] for b in parts["blocks"]] == list(range(0, pre["tokens"], BLOCK))
+    full = [b for b in parts["blocks"] if b["tokens"] == BLOCK]
+    assert full and all(b["bytes"] > 0 for b in full)
+    assert parts["bytes"] == sum(b["bytes"] for b in parts["blocks"]) < shown["bytes_on_disk"]
+    # the snapshot's tip: SWA keeps no window there (not a grid point), the others do
+    assert (parts["blocks"][-1]["bytes"] > 0) == (grid == 1)
+    verified = _cli(home, model, "cache", "verify", "--deep")
+    assert verified["ok"] is True
+    (deep,) = verified["deep"]
+    assert deep["snapshot"] == pre["snapshot"] and "partial states" in deep["detail"]
+
+
+# ------------------------------------------------------------------------ chat
+def _chat(home: Path, model: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LOCALKV_HOME": str(home)}
+    env.pop("LOCALKV_MODEL", None)
+    command = [sys.executable, "-m", "localkv", "chat", "--plain", "--model", str(model)]
+    command += ["--threads", "1", "--ctx", "4096", "--max-tokens", "24"]
+    done = subprocess.run(
+        [*command, *args], input=text, env=env, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def _conversation_tokens(home: Path) -> int:
+    conn = sqlite3.connect(home / "conversations.db")
+    try:
+        (row,) = conn.execute("SELECT n_tokens FROM conversations").fetchall()
+    finally:
+        conn.close()
+    return int(row[0])
+
+
+def _resumed_chat_answers_as_uncached(home: Path, model: Path, grid: int) -> None:
+    # greedy is dull on a random gemma3 (newlines): a seeded sample tells more
+    sampling = ("--temperature", "0") if grid == 1 else ("--temperature", "1", "--seed", "5")
+    turns = "Who is Alice?\nWhere does she sit?\nWhat is in the book?\n/quit\n"
+    _chat(home, model, turns, "--system", RULES, *sampling)
+    n_conversation = _conversation_tokens(home)
+    assert n_conversation > 2 * BLOCK
+    uncached_home = home.parent / "uncached"
+    shutil.copytree(home, uncached_home)
+    question = "And what did she do next?\n/quit\n"
+    resumed = _chat(home, model, question, "--resume", *sampling)
+    resumed_line = r"resumed “Who is Alice\?”: restored ([\d,]+) tokens \(verified\)"
+    match = re.search(resumed_line, resumed.stderr)
+    assert match is not None, resumed.stderr
+    assert int(match.group(1).replace(",", "")) == n_conversation // grid * grid
+    uncached = _chat(uncached_home, model, question, "--resume", "--no-cache", *sampling)
+    assert "cache disabled" in uncached.stderr
+    assert resumed.stdout.strip() and resumed.stdout == uncached.stdout
+
+
+@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1)])
+def test_a_resumed_chat_restores_verified_and_answers_as_uncached(
+    arch: str, grid: int, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    _resumed_chat_answers_as_uncached(tmp_path / "home", arch_models.all()[arch], grid)
+
+
+@pytest.mark.default_model
+def test_gemma3_270m_resumed_chat_answers_as_uncached(gemma3_path: Path, tmp_path: Path) -> None:
+    _resumed_chat_answers_as_uncached(tmp_path / "home", gemma3_path, BLOCK)
+
+
+# ----------------------------------------------------------------------- bench
+@pytest.mark.parametrize("arch", ["gemma3", "mamba2"])
+def test_bench_runs_on_memory_that_cannot_be_trimmed(
+    arch: str, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    cfg = BenchConfig(
+        model_path=arch_models.all()[arch],
+        sizes=(2 * BLOCK,),
+        cold_repeats=1,
+        repeats=1,
+        lookup_blocks=0,
+        n_threads=1,
+    )
+    (size,) = run_bench(cfg, lambda line: None, work_dir=tmp_path).sizes
+    assert size.warm_verified and size.first_token_agrees  # restores and load_file agree
+    assert size.blocks == 2 and 0 < size.partial_bytes < size.stored_bytes
+    assert bool(size.encodings) == (arch == "gemma3")  # mamba2 keeps no attention rows

@@ -1,0 +1,124 @@
+"""A newcomer follows the README: every command block runs as written.
+
+Each ```sh, ```console or ```python block of README.md is a command block
+(a synopsis with placeholders is ```text, and so is a log line). Either it
+runs here, in a fresh ``LOCALKV_HOME`` from the repository root, with the
+venv activated as the README says, and every command exits 0; or the line
+before it is ``<!-- not run: REASON -->``, saying why a test cannot run it
+(it opens the chat app, it builds everything again, it needs a GPU, it runs
+a server until stopped). A ```console block shows what a command prints: its
+``$ `` lines are run, and every line it shows after one must be printed by
+that command, numbers, sizes, times and ids aside (they differ from run to run).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+SKIP = re.compile(r"<!-- not run: (.+?) -->")
+COMMAND_LANGS = ("sh", "console", "python")
+WAIT_S = 600  # liveness only
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # where its fence opens, 1-based
+    lang: str
+    text: str
+    skip: str | None  # the reason a test does not run it
+
+
+def blocks(markdown: str) -> list[Block]:
+    """The fenced command blocks of ``markdown``, with any ``not run`` reason before them."""
+    found: list[Block] = []
+    lines = markdown.splitlines()
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        skip = SKIP.search(before)
+        if fence.group(1) in COMMAND_LANGS:
+            text = "\n".join(lines[i + 1 : end])
+            found.append(Block(i + 1, fence.group(1), text, skip.group(1) if skip else None))
+        i = end + 1
+    return found
+
+
+def _normal(line: str) -> str:
+    """A printed line without what varies between runs: ids, numbers, units of size."""
+    line = re.sub(r"\b[0-9a-f]{12,64}\b", "ID", line.strip())
+    line = re.sub(r"\d[\d,]*(\.\d+)?", "N", line)
+    return re.sub(r"N\s*(B|KiB|MiB|GiB|kB|MB|GB)\b", "N SIZE", line)
+
+
+def _console(text: str) -> list[tuple[str, list[str]]]:
+    """(command, the lines shown after it) of a console block; lines before any ``$`` go."""
+    runs: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith("$ "):
+            runs.append((line[2:], []))
+        elif runs and line.strip():
+            runs[-1][1].append(line)
+    return runs
+
+
+def _shell(script: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALKV_")}
+    env |= {"LOCALKV_HOME": str(home), "COLUMNS": "80"}
+    venv = Path(sys.executable).parent.parent  # the README's `source .venv/bin/activate`
+    prologue = f"set -e\nsource {venv}/bin/activate\n"
+    return subprocess.run(
+        ["bash", "-c", prologue + script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+ALL = blocks(README.read_text(encoding="utf-8"))
+
+
+def test_the_readme_has_command_blocks_and_every_skip_says_why() -> None:
+    assert len(ALL) >= 5
+    for block in ALL:
+        assert block.skip is None or len(block.skip.split()) >= 3, block
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("block", [b for b in ALL if b.skip is None], ids=lambda b: f"L{b.line}")
+def test_a_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    if block.lang in ("sh", "python"):
+        script = block.text if block.lang == "sh" else f"python - <<'PY'\n{block.text}\nPY"
+        done = _shell(script, home)
+        assert done.returncode == 0, f"README line {block.line}:\n{done.stdout}\n{done.stderr}"
+        return
+    runs = _console(block.text)
+    assert runs, f"README line {block.line}: a console block without a `$ ` command"
+    for command, shown in runs:
+        done = _shell(command, home)
+        where = f"README line {block.line}, `{command}`"
+        assert done.returncode == 0, f"{where}:\n{done.stdout}\n{done.stderr}"
+        printed = {_normal(line) for line in (done.stdout + done.stderr).splitlines()}
+        missing = [line for line in shown if _normal(line) not in printed]
+        assert not missing, (
+            f"{where} did not print:\n"
+            + "\n".join(missing)
+            + (f"\n--- it printed:\n{done.stdout}{done.stderr}")
+        )

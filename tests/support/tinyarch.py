@@ -1,0 +1,233 @@
+"""Tiny random GGUFs of the architectures whose memory is not a plain KV cache.
+
+- ``gemma3``: interleaved sliding-window attention (iSWA): five SWA layers then
+  one full-attention layer, window ``SWA_WINDOW``;
+- ``lfm2``: a hybrid of short-convolution (recurrent) layers and attention layers;
+- ``nemotron_h``: a hybrid of Mamba2 layers, attention layers and MLP layers;
+- ``mamba2``: pure recurrent (Mamba2 layers only).
+
+Like ``tinymodels``, they borrow the default model's tokenizer, carry small
+random F32 weights and build in well under a second. Tensor names and shapes
+follow llama.cpp's loader (``llama-model.cpp``); numpy shapes are the reverse
+of ggml's ``ne``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from support.tinymodels import TOKENIZER_KEY_PREFIX, _read_header, _write
+
+SWA_WINDOW = 64  # small, so a 2,000-token document slides it many times
+RMS_EPS = 1e-5
+N_EMBD = 64
+HEAD_DIM = 32
+D_STATE = 16
+D_CONV = 4
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class TinyArchModels:
+    """One tiny model per memory kind, and a second gemma3 with other weights."""
+
+    gemma3: Path
+    gemma3_other: Path
+    lfm2: Path
+    nemotron_h: Path
+    mamba2: Path
+
+    def all(self) -> dict[str, Path]:
+        return {
+            "gemma3": self.gemma3,
+            "lfm2": self.lfm2,
+            "nemotron_h": self.nemotron_h,
+            "mamba2": self.mamba2,
+        }
+
+
+def build_tiny_arch_models(directory: Path, tokenizer_source: Path) -> TinyArchModels:
+    directory.mkdir(parents=True, exist_ok=True)
+    return TinyArchModels(
+        gemma3=build(directory / "tiny-gemma3.gguf", "gemma3", tokenizer_source),
+        gemma3_other=build(directory / "tiny-gemma3-b.gguf", "gemma3", tokenizer_source, seed=1),
+        lfm2=build(directory / "tiny-lfm2.gguf", "lfm2", tokenizer_source),
+        nemotron_h=build(directory / "tiny-nemotron-h.gguf", "nemotron_h", tokenizer_source),
+        mamba2=build(directory / "tiny-mamba2.gguf", "mamba2", tokenizer_source),
+    )
+
+
+class _Weights:
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.tensors: dict[str, F32] = {}
+
+    def linear(self, name: str, n_out: int, n_in: int) -> None:
+        w = self.rng.standard_normal((n_out, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in))
+        self.tensors[name] = w
+
+    def ones(self, name: str, *shape: int) -> None:
+        self.tensors[name] = np.ones(shape, dtype=np.float32)
+
+    def small(self, name: str, *shape: int, scale: float = 0.1) -> None:
+        self.tensors[name] = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+
+    def attention(self, p: str, n_head: int, n_head_kv: int, norms: bool) -> None:
+        self.linear(p + "attn_q.weight", n_head * HEAD_DIM, N_EMBD)
+        self.linear(p + "attn_k.weight", n_head_kv * HEAD_DIM, N_EMBD)
+        self.linear(p + "attn_v.weight", n_head_kv * HEAD_DIM, N_EMBD)
+        self.linear(p + "attn_output.weight", N_EMBD, n_head * HEAD_DIM)
+        if norms:
+            self.ones(p + "attn_q_norm.weight", HEAD_DIM)
+            self.ones(p + "attn_k_norm.weight", HEAD_DIM)
+
+    def gated_ffn(self, p: str, n_ff: int) -> None:
+        self.linear(p + "ffn_gate.weight", n_ff, N_EMBD)
+        self.linear(p + "ffn_up.weight", n_ff, N_EMBD)
+        self.linear(p + "ffn_down.weight", N_EMBD, n_ff)
+
+    def mamba2(self, p: str, d_inner: int, n_head: int) -> None:
+        conv_dim = d_inner + 2 * D_STATE
+        self.linear(p + "ssm_in.weight", 2 * d_inner + 2 * D_STATE + n_head, N_EMBD)
+        self.small(p + "ssm_conv1d.weight", conv_dim, D_CONV, scale=0.5)
+        self.small(p + "ssm_conv1d.bias", conv_dim)
+        self.small(p + "ssm_dt.bias", n_head)
+        self.tensors[p + "ssm_a"] = -self.rng.uniform(0.5, 2.0, (n_head, 1)).astype(np.float32)
+        self.tensors[p + "ssm_d"] = np.ones((n_head, 1), dtype=np.float32)
+        self.ones(p + "ssm_norm.weight", 1, d_inner)
+        self.linear(p + "ssm_out.weight", N_EMBD, d_inner)
+
+
+def _gemma3(w: gguf.GGUFWriter, t: _Weights) -> None:
+    n_layer, n_ff = 6, 128
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_rope_freq_base(10000.0)
+    w.add_sliding_window(SWA_WINDOW)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            t.ones(p + norm + ".weight", N_EMBD)
+        t.attention(p, 2, 1, norms=True)
+        t.gated_ffn(p, n_ff)
+    t.ones("output_norm.weight", N_EMBD)
+
+
+def _lfm2(w: gguf.GGUFWriter, t: _Weights) -> None:
+    kinds = ["conv", "conv", "attn", "conv", "attn", "conv"]
+    n_ff = 128
+    w.add_block_count(len(kinds))
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(2)
+    w.add_head_count_kv([1 if k == "attn" else 0 for k in kinds])
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_rope_freq_base(10000.0)
+    w.add_uint32("lfm2.shortconv.l_cache", 3)
+    for i, kind in enumerate(kinds):
+        p = f"blk.{i}."
+        t.ones(p + "attn_norm.weight", N_EMBD)
+        t.ones(p + "ffn_norm.weight", N_EMBD)
+        t.gated_ffn(p, n_ff)
+        if kind == "attn":
+            t.attention(p, 2, 1, norms=True)
+        else:
+            t.small(p + "shortconv.conv.weight", N_EMBD, 3, scale=0.5)
+            t.linear(p + "shortconv.in_proj.weight", 3 * N_EMBD, N_EMBD)
+            t.linear(p + "shortconv.out_proj.weight", N_EMBD, N_EMBD)
+    t.ones("token_embd_norm.weight", N_EMBD)
+
+
+def _ssm_keys(w: gguf.GGUFWriter, d_inner: int, n_head: int) -> None:
+    w.add_ssm_conv_kernel(D_CONV)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(D_STATE)
+    w.add_ssm_time_step_rank(n_head)
+    w.add_ssm_group_count(1)
+
+
+def _mamba2(w: gguf.GGUFWriter, t: _Weights) -> None:
+    n_layer, d_inner = 3, 2 * N_EMBD
+    n_head = d_inner // 16
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    _ssm_keys(w, d_inner, n_head)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t.ones(p + "attn_norm.weight", N_EMBD)
+        t.mamba2(p, d_inner, n_head)
+    t.ones("output_norm.weight", N_EMBD)
+
+
+def _nemotron_h(w: gguf.GGUFWriter, t: _Weights) -> None:
+    kinds = ["ssm", "mlp", "attn", "ssm", "mlp", "ssm"]
+    d_inner, n_ff = 2 * N_EMBD, 128
+    n_head = d_inner // 16
+    w.add_block_count(len(kinds))
+    w.add_feed_forward_length([n_ff if k == "mlp" else 0 for k in kinds])
+    w.add_head_count([2 if k == "attn" else 0 for k in kinds])
+    w.add_head_count_kv([1 if k == "attn" else 0 for k in kinds])
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_layer_norm_eps(RMS_EPS)
+    _ssm_keys(w, d_inner, n_head)
+    for i, kind in enumerate(kinds):
+        p = f"blk.{i}."
+        t.ones(p + "attn_norm.weight", N_EMBD)
+        if kind == "ssm":
+            t.mamba2(p, d_inner, n_head)
+        elif kind == "attn":
+            t.attention(p, 2, 1, norms=False)
+        else:
+            t.linear(p + "ffn_up.weight", n_ff, N_EMBD)
+            t.linear(p + "ffn_down.weight", N_EMBD, n_ff)
+    t.ones("output_norm.weight", N_EMBD)
+
+
+_BUILDERS: dict[str, Callable[[gguf.GGUFWriter, _Weights], None]] = {
+    "gemma3": _gemma3,
+    "lfm2": _lfm2,
+    "mamba2": _mamba2,
+    "nemotron_h": _nemotron_h,
+}
+
+
+def build(dst: Path, arch: str, tokenizer_source: Path, *, seed: int = 0) -> Path:
+    """Write a tiny F32 ``arch`` GGUF with random weights and the source's tokenizer."""
+    tokenizer = {
+        key: value
+        for key, value in _read_header(tokenizer_source).metadata.items()
+        if key.startswith(TOKENIZER_KEY_PREFIX)
+    }
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"].value)
+    writer = gguf.GGUFWriter(dst, arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(f"localkv-tiny-{arch}")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(n_vocab)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(N_EMBD)
+    weights = _Weights(seed)
+    embd = weights.rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32)
+    weights.tensors["token_embd.weight"] = embd * np.float32(0.5)
+    _BUILDERS[arch](writer, weights)
+    for key, value in tokenizer.items():
+        writer.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
+    for name, array in weights.tensors.items():
+        writer.add_tensor(name, array)
+    _write(writer)
+    return dst
