@@ -367,4 +367,4 @@ def test_without_a_vocabulary_forget_warns_and_matches_snapshots_only(
     result = CliRunner().invoke(cli, args, env=env)
     assert result.exit_code == 0, result.output
     assert "no model vocabulary could be loaded" in result.stderr
-    assert "forgot 0 snapshot(s), 0 block(s), 0.0 MB, 0 conversation(s)" in result.stdout
+    assert "forgot 0 snapshot(s), 0 block(s), 0 B, 0 conversation(s)" in result.stdout
