@@ -13,7 +13,7 @@ import numpy as np
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
 from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
 from localkv.cli.jsonerrors import JsonErrors
-from localkv.cli.options import model_options, session_config
+from localkv.cli.options import cache_dir_option, model_options, session_config
 from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.model.session import ModelLoadError
@@ -22,12 +22,7 @@ from localkv.storage.values import BlockCorrupt, SnapshotRow
 
 __all__ = ["cache"]
 
-_dir_option = click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Cache directory (default: LOCALKV_HOME, then the user cache dir).",
-)
+_dir_option = cache_dir_option
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 

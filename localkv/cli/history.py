@@ -24,15 +24,11 @@ from localkv.chat.history import (
 )
 from localkv.chat.historyrows import parts_of
 from localkv.chat.session import ChatState
+from localkv.cli.options import cache_dir_option
 
 __all__ = ["history"]
 
-_dir_option = click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Cache directory (default: LOCALKV_HOME, then the user cache dir).",
-)
+_dir_option = cache_dir_option
 
 
 @contextmanager

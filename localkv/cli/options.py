@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
+    "cache_dir_option",
     "cache_options",
     "model_options",
     "open_runtime",
@@ -232,15 +233,18 @@ def sampling_params(opts: dict[str, Any]) -> SamplingParams:
     )
 
 
+cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Cache directory (default: LOCALKV_HOME, then the user cache dir).",
+)
+
+
 def cache_options(func: F) -> F:
     """Where the cache lives and whether to use it."""
     opts = [
-        click.option(
-            "--cache-dir",
-            type=click.Path(file_okay=False),
-            default=None,
-            help="Cache directory (default: LOCALKV_HOME, then the user cache dir).",
-        ),
+        cache_dir_option,
         click.option(
             "--namespace",
             default="default",
