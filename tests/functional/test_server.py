@@ -344,6 +344,21 @@ def test_a_non_loopback_host_needs_an_api_key() -> None:
     assert "--api-key" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--queue", "0"], "--queue"),
+        (["--max-body", "10"], "--max-body"),
+        (["--port", "70000"], "--port"),
+        (["--api-key", "  "], "the API key is empty"),
+    ],
+)
+def test_bad_serve_options_are_refused_before_anything_starts(args: list[str], says: str) -> None:
+    result = CliRunner().invoke(cli, ["serve", *args])
+    assert result.exit_code == 2
+    assert says in result.output
+
+
 # ------------------------------------------------------- tokens equal chat's
 def test_a_resent_history_is_the_tokens_the_chat_computed(tiny_models: TinyModels) -> None:
     from support.tinymodels import tiny_config

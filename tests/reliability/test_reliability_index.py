@@ -293,3 +293,13 @@ def test_gc_after_a_lost_index_keeps_the_block_files_for_repair(
     asked = _json(_run(env, "ask", "--json", *_ASK, str(a), QUESTION))
     assert asked["cache"]["hit"] and asked["cache"]["verified"]
     assert asked["answer"] == uncached
+
+
+def test_repair_of_a_cache_that_is_not_there_says_so_and_creates_nothing(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "no" / "cache"
+    done = _run(env, "cache", "repair", "--cache-dir", str(missing))
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and done.stderr.strip()
+    assert not missing.exists()
