@@ -10,14 +10,18 @@ the order given.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from .formats.readinto import HeaderCache, OpenedBlock, Targets, fill_block, open_block
 from .paths import CacheLayout
 from .values import Block, BlockCorrupt, BlockRow
 
-__all__ = ["BlockReader"]
+__all__ = ["BlockReader", "Drops", "Fills"]
+
+Fills = Sequence[Targets | None]  # per block, where its tensors go (``fill_block``'s ``targets``)
+# per block, the tensors a read checks or skips but does not keep (``fill_block``'s ``discard``)
+Drops = Sequence[Collection[str]] | None
 
 
 class BlockReader:
@@ -43,7 +47,7 @@ class BlockReader:
     def _read_one(self, row: BlockRow) -> Block:
         opened = self.open([row])[0]
         try:
-            return self._fill(opened, None)
+            return self._fill(opened, None, ())
         finally:
             opened.close()
 
@@ -73,26 +77,38 @@ class BlockReader:
         except (ValueError, OSError, MemoryError) as exc:
             raise BlockCorrupt(f"{type(exc).__name__}: {exc}", row.hash) from None
 
-    def fill(self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]) -> list[Block]:
+    def fill(
+        self,
+        opened: Sequence[OpenedBlock],
+        targets: Fills,
+        discard: Drops = None,
+    ) -> list[Block]:
         """Read opened blocks in parallel, each one's tensors into its targets.
 
-        See ``formats.readinto.fill_block``. Raises ``BlockCorrupt`` naming the first
+        See ``formats.readinto.fill_block`` (``discard``: per block, the tensors
+        read and checked but not kept). Raises ``BlockCorrupt`` naming the first
         bad block (in order): what the targets hold is then unusable.
         """
         if len(opened) != len(targets):
             raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
+        drops = list(discard) if discard is not None else [()] * len(opened)
+        if len(drops) != len(opened):
+            raise ValueError(f"{len(opened)} blocks but {len(drops)} discard sets")
+        jobs = list(zip(opened, targets, drops, strict=True))
         if len(opened) <= 1:
-            return [self._fill(o, t) for o, t in zip(opened, targets, strict=True)]
+            return [self._fill(*job) for job in jobs]
         pool = self._executor()
-        futures = [pool.submit(self._fill, o, t) for o, t in zip(opened, targets, strict=True)]
+        futures = [pool.submit(self._fill, *job) for job in jobs]
         # every read finishes before any error is raised: the caller may then close the
         # files and reuse the targets, and no read may still be writing into them
         wait(futures)
         return [f.result() for f in futures]
 
-    def _fill(self, opened: OpenedBlock, targets: Targets | None) -> Block:
+    def _fill(
+        self, opened: OpenedBlock, targets: Targets | None, discard: Collection[str]
+    ) -> Block:
         try:
-            return fill_block(opened, targets)
+            return fill_block(opened, targets, discard)
         except BlockCorrupt as exc:
             raise BlockCorrupt(exc.reason, opened.row.hash) from None
         except (OSError, MemoryError) as exc:

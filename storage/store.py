@@ -8,14 +8,13 @@ blocks. Reading never deletes; a block that fails a check raises
 
 Deleting is row first, then file: a crash leaves an orphan file for ``gc``.
 
-This module holds the store's lifecycle, identities, block writes and
-lookups and events; the rest it delegates, keeping each public method here:
-opening a root (created, read-only, absent) to ``opening.py``; the snapshot
-catalogue (``put_snapshot``, ``pin``...) to ``snapshots.py``; block files'
-bytes and reading one in ``formats/``, many in parallel in ``readpool.py``,
-placing them on disk in ``disk.py``; the SQLite index in ``index/``; every
-way blocks leave (``quarantine``, ``evict``, ``forget``, ``scrub``, ``gc``)
-and ``verify`` in ``removal/``. ``repair.py`` rebuilds a lost index.
+This module holds the store's lifecycle, identities, block writes, lookups
+and events; the rest it delegates, keeping each public method here: opening
+a root to ``opening.py``; the snapshot catalogue to ``snapshots.py``; block
+files' bytes and reading one in ``formats/``, many in parallel in
+``readpool.py``, placing them on disk in ``disk.py``; the SQLite index in
+``index/``; every way blocks leave, and ``verify``, in ``removal/``.
+``repair.py`` rebuilds a lost index.
 """
 
 from __future__ import annotations
@@ -39,12 +38,12 @@ from .disk import (
     stage_block_file,
 )
 from .formats.blockcodec import encode, index_row
-from .formats.readinto import OpenedBlock, Targets
+from .formats.readinto import OpenedBlock
 from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
-from .readpool import BlockReader
+from .readpool import BlockReader, Drops, Fills
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
@@ -267,10 +266,10 @@ class SnapshotStore:
         return self._reader.open(rows)
 
     def fill_blocks(
-        self, opened: Sequence[OpenedBlock], targets: Sequence[Targets | None]
+        self, opened: Sequence[OpenedBlock], targets: Fills, discard: Drops = None
     ) -> list[Block]:
         """Read opened blocks in parallel into their targets (see ``readinto.fill_block``)."""
-        return self._reader.fill(opened, targets)
+        return self._reader.fill(opened, targets, discard)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.
@@ -362,10 +361,9 @@ class SnapshotStore:
 
     # ---------------------------------------------------------------- budget
     def evict(self, budget_bytes: int) -> int:
-        """Evict unpinned leaf blocks, least valuable first, until within budget.
+        """Evict unpinned leaf blocks, least valuable first, to the budget; the bytes freed.
 
-        Never touches a pinned snapshot's chain or the middle of a chain;
-        snapshots whose tip goes are dropped. Returns the bytes freed.
+        Never a pinned snapshot's chain or a chain's middle; a snapshot whose tip goes is dropped.
         """
         freed = evict.evict(self._index, self.layout, budget_bytes)
         self._catalogue.prune()

@@ -15,6 +15,8 @@ import numpy as np
 from .chain import HASH_PREFIX, digest_bytes, ends_array, tokens_array
 
 __all__ = [
+    "DETACHED",
+    "DETACHED_XXH3",
     "PROBE_TOP",
     "RESERVED_META",
     "RESERVED_TENSORS",
@@ -30,9 +32,14 @@ __all__ = [
 
 PROBE_TOP = 64
 RESERVED_TENSORS = frozenset({"tokens", "pos"})
+# A block's tensor that a read may leave unread: its bytes are left out of the
+# index's checksum and carry their own (``DETACHED_XXH3``) in the file's metadata.
+DETACHED = "partial"
+DETACHED_XXH3 = "partial_xxh3"
 RESERVED_META = frozenset(
     {"format", "hash", "parent", "identity", "namespace", "start", "ends", "probe_digest", "planes"}
     | {"probe_top", "prefill_seconds", "data_xxh3"}  # what ``repair`` rebuilds an index row from
+    | {DETACHED_XXH3}
 )
 
 

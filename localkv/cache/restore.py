@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from localkv.kv import codec, partial
-from localkv.kv.blocks import block_layout, block_partial, tensors_to_state
+from localkv.kv.blocks import PARTIAL, block_layout, block_partial, tensors_to_state
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_next
 from localkv.storage.formats.readinto import OpenedBlock
@@ -78,13 +78,16 @@ def _load_with_partial(
     blob = block_partial(blocks[-1].tensors, blocks[-1].meta)
     partial.check_partial(blob, kind, n)
     if kind == "recurrent":
-        attention = np.frombuffer(struct.pack("<Ii", codec.STATE_MAGIC, 0), dtype=np.uint8)
-    elif buffer is not None:
-        attention = buffer
+        head = np.frombuffer(struct.pack("<Ii", codec.STATE_MAGIC, 0), dtype=np.uint8)
+        state = partial.join(head, blob)
+    elif buffer is not None:  # the attention part, with room for the partial part after it
+        state = partial.join_into(buffer, blob)
     else:
         pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
-        attention = codec.assemble(pieces, n_tokens=n)
-    session.load_state(partial.join(attention, blob), held)
+        state = partial.join(codec.assemble(pieces, n_tokens=n), blob)
+    session.load_state(state, held)
+    # the state before token n is now the one captured there: no capture, no settling again
+    session.partials[n] = blob
 
 
 def _read(
@@ -93,11 +96,14 @@ def _read(
     """The blocks, and (where it can) the state buffer their K/V rows were read into.
 
     With untransposed V every block file is read straight into its rows of
-    llama.cpp's state buffer, minus the chain's final token; otherwise the
-    blocks come back as arrays to assemble.
+    llama.cpp's state buffer, minus the chain's final token, the buffer
+    leaving room after them for the last block's partial part (if any);
+    otherwise the blocks come back as arrays to assemble.
     """
     layouts = set()
     at = 0
+    # a partial part is used from the chain's last block only: the others' are checked, not kept
+    drops = [{PARTIAL} if PARTIAL in o.specs else set() for o in opened[:-1]] + [set()]
     for block_file in opened:
         if block_file.row.start != at:
             raise codec.StateFormatError(f"block at {block_file.row.start}, expected {at}")
@@ -115,8 +121,9 @@ def _read(
     v_trans, layout = layouts.pop()
     n = at - 1
     if v_trans or n <= 0 or not layout:
-        return store.fill_blocks(opened, [None] * len(opened)), None
-    buffer, k_rows, v_rows = session.restore_buffer(layout, n)
+        return store.fill_blocks(opened, [None] * len(opened), drops), None
+    tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER
+    buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail))
     # the chain's final token is read (the checksum covers it) but not loaded:
     # its rows go to a spill area, one row per tensor
     spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
@@ -136,7 +143,7 @@ def _read(
                 places[f"v.{i}"].append(v_spill)
                 spilled += k_bytes + v_bytes
         targets.append(places)
-    return store.fill_blocks(opened, targets), buffer
+    return store.fill_blocks(opened, targets, drops), buffer
 
 
 def probe_matches(session: ModelSession, last: BlockRow, stored_tokens: np.ndarray) -> bool:

@@ -40,6 +40,7 @@ __all__ = [
     "attention_end",
     "check_partial",
     "join",
+    "join_into",
     "split",
 ]
 
@@ -128,6 +129,15 @@ def join(attention: np.ndarray, partial: bytes | bytearray | memoryview | np.nda
     out[: attention.shape[0]] = attention
     out[attention.shape[0] :] = np.frombuffer(tail, dtype=np.uint8)
     return out
+
+
+def join_into(buffer: np.ndarray, partial: bytes | bytearray | np.ndarray) -> np.ndarray:
+    """``join`` in place: ``buffer`` holds the attention part, then room for the partial part."""
+    tail = _view(partial)[HEADER:]
+    if len(tail) > buffer.shape[0]:
+        raise codec.StateFormatError("no room for the partial part after the attention part")
+    buffer[buffer.shape[0] - len(tail) :] = np.frombuffer(tail, dtype=np.uint8)
+    return buffer
 
 
 def check_partial(

@@ -80,8 +80,7 @@ class ModelSession:
         # token counts after each llama_decode call: how the sequence was batched.
         # Numerics depend on batching, so a faithful recomputation replays it.
         self.batch_ends: list[int] = []
-        # tokens that end an answer besides the model's end-of-generation ones: the
-        # chat template's end of turn (``ChatTemplate`` adds it)
+        # tokens ending an answer besides end-of-generation: the turn's end (``ChatTemplate``)
         self.stop_tokens: set[int] = set()
         try:
             self._open()
@@ -343,21 +342,22 @@ class ModelSession:
         self.load_state(codec.assemble(parts, n_tokens=n, scratch=scratch), tokens)
 
     def restore_buffer(
-        self, layout: Sequence[codec.LayerLayout], n: int
+        self, layout: Sequence[codec.LayerLayout], n: int, tail: int = 0
     ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-        """A state buffer for ``n`` tokens (untransposed V) whose K/V rows the caller fills.
+        """A state buffer for ``n`` tokens (untransposed V), then ``tail`` bytes (a partial part).
 
-        ``codec.assembly`` in the session's reused scratch memory; hand the
-        filled buffer to ``load_state``.
+        ``codec.assembly`` in reused scratch memory: fill rows and tail, then ``load_state``.
         """
-        scratch = self._scratch_for(codec.state_size(layout, False, n), n)
-        return codec.assembly(layout, n, scratch=scratch)
+        size = codec.state_size(layout, False, n)
+        scratch = self._scratch_for(size, n, tail)
+        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch)
+        return scratch[: size + tail], k_rows, v_rows
 
-    def _scratch_for(self, size: int, n: int) -> np.ndarray:
-        if self._scratch is None or self._scratch.shape[0] < size:
+    def _scratch_for(self, size: int, n: int, tail: int = 0) -> np.ndarray:
+        if self._scratch is None or self._scratch.shape[0] < size + tail:
             # room for the whole context, so later restores reuse the same pages
             per_token = max(1, size // max(1, n))
-            self._scratch = large_buffer(max(size, per_token * self.n_ctx + 4096))
+            self._scratch = large_buffer(max(size, per_token * self.n_ctx + 4096) + tail)
         return self._scratch
 
     def truncate(self, n: int) -> None:

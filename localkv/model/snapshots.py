@@ -124,6 +124,8 @@ def partial_before(session: Any, pos: int, probe: bool) -> None:
     kind = session.memory_kind
     if kind is None or not snapshot_here(kind, pos, session.config.block_size, probe):
         return
+    if pos in session.partials:  # just restored to this state (``cache.restore``)
+        return
     if kind == "swa":
         settle(session.ctx, session.memory)
     session.partials[pos] = read_state_ext(session.ctx, PARTIAL_ONLY)

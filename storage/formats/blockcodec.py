@@ -5,8 +5,11 @@ A block file is a safetensors file that ``safetensors.numpy`` (or
 ``tokens`` and ``pos`` (int32), and ``__metadata__`` with the format version,
 hash, parent, identity, namespace, start, batch ends, probe digest and the
 caller's metadata (all strings). The index row records its size and the
-xxh3-128 of all its bytes; a read checks both, and the metadata, tokens and
-positions against the row.
+xxh3-128 of its bytes; a read checks both, and the metadata, tokens and
+positions against the row. A block's ``partial`` tensor (a sliding-window or
+recurrent state, used only when a restore ends at that block) is left out of
+that checksum and carries its own, ``partial_xxh3`` in the metadata, so a
+restore reads it from a chain's last block only (``checksum``, ``readinto``).
 
 A file also carries the rest of its index row (the probe's top entries,
 ``probe_top`` in hex, and ``prefill_seconds``) and ``data_xxh3``, the
@@ -42,7 +45,7 @@ import xxhash
 from safetensors.numpy import save as _st_save
 
 from ..chain import tokens_sha
-from ..values import RESERVED_META, Block, BlockCorrupt, BlockRow
+from ..values import DETACHED, DETACHED_XXH3, RESERVED_META, Block, BlockCorrupt, BlockRow
 from . import planes
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "checksum",
     "data_checksum",
     "decode",
+    "detached_spec",
     "encode",
     "expand",
     "index_row",
@@ -103,8 +107,33 @@ class TensorSpec:
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
-    """The index's checksum of a stored block file: xxh3-128 of all its bytes."""
-    return "xxh3:" + xxhash.xxh3_128_hexdigest(data)
+    """The index's checksum of a stored block file: xxh3-128 of its bytes.
+
+    A detached tensor's bytes (``values.DETACHED``) are left out when the file
+    carries their own digest: the rest of the file, header included, is hashed
+    in order as if they were not there. A file that does not parse is hashed whole.
+    """
+    view = memoryview(data).cast("B")
+    try:
+        body = header_span(view[:8], len(view))
+        spec = detached_spec(*parse_header(view[8:body], len(view) - body))
+    except BlockCorrupt:  # not a block file: hashed whole (a read refuses it anyway)
+        spec = None
+    if spec is None:
+        return "xxh3:" + xxhash.xxh3_128_hexdigest(view)
+    digest = xxhash.xxh3_128(view[: body + spec.begin])
+    digest.update(view[body + spec.end :])
+    return "xxh3:" + digest.hexdigest()
+
+
+def detached_spec(metadata: dict[str, str], specs: dict[str, TensorSpec]) -> TensorSpec | None:
+    """Where the detached tensor lies, if the file keeps its digest apart (else None)."""
+    if DETACHED_XXH3 not in metadata:
+        return None
+    spec = specs.get(DETACHED)
+    if spec is None:
+        raise BlockCorrupt(f"metadata holds the digest of a tensor {DETACHED!r} the file lacks")
+    return spec
 
 
 def encode(block: Block, *, compact: bool = False) -> bytes:
@@ -130,6 +159,8 @@ def encode(block: Block, *, compact: bool = False) -> bytes:
         probe_top=block.probe.top_bytes().hex(),
         prefill_seconds=repr(float(block.prefill_seconds)),
     )
+    if DETACHED in tensors:
+        metadata[DETACHED_XXH3] = xxhash.xxh3_128_hexdigest(tensors[DETACHED].data)
     if compact:
         tensors, metadata["planes"], metadata["format"] = planes.split(tensors)
     return sealed(bytes(_st_save(tensors, metadata=metadata)))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +35,7 @@ import xxhash
 
 from ..disk import open_block_file, read_exactly
 from ..paths import CacheLayout
-from ..values import RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
+from ..values import DETACHED, DETACHED_XXH3, RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
 from . import planes, q6
 from .blockcodec import (
     TensorSpec,
@@ -43,6 +43,7 @@ from .blockcodec import (
     check_metadata,
     check_rows,
     check_tokens,
+    detached_spec,
     header_span,
     parse_header,
 )
@@ -126,6 +127,7 @@ class OpenedBlock:
     specs: dict[str, TensorSpec]  # the block's tensors (a compact file's split ones joined)
     physical: dict[str, TensorSpec] | None = None  # a compact file's own tensors
     planes: list[tuple[str, np.dtype[np.generic]]] | None = None  # a compact file's split ones
+    detached: str | None = None  # the detached tensor's own digest, if the file keeps it apart
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -151,6 +153,7 @@ def open_block(
             if cache is not None:
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
+        detached = metadata.get(DETACHED_XXH3) if detached_spec(metadata, specs) else None
         if metadata.get("format") == planes.Q6_FORMAT:
             meta = check_metadata(metadata, row, file_format=planes.Q6_FORMAT)
             known_compact = cache.compact(row, header) if cache is not None else None
@@ -160,12 +163,13 @@ def open_block(
                 if cache is not None:
                     cache.put_compact(row, header, known_compact)
             order, logical = known_compact
-            return OpenedBlock(row, fd, header, meta, logical, specs, order)
+            return OpenedBlock(row, fd, header, meta, logical, specs, order, detached)
         if row.stored_bytes != row.raw_bytes:
             raise BlockCorrupt(
                 f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
             )
-        return OpenedBlock(row, fd, header, check_metadata(metadata, row), specs)
+        meta = check_metadata(metadata, row)
+        return OpenedBlock(row, fd, header, meta, specs, detached=detached)
     except BaseException:
         os.close(fd)
         raise
@@ -203,53 +207,105 @@ def _byte_view(arr: np.ndarray) -> memoryview:
     return arr.reshape(-1).view(np.uint8).data
 
 
-def fill_block(opened: OpenedBlock, targets: Targets | None = None) -> Block:
+def fill_block(
+    opened: OpenedBlock, targets: Targets | None = None, discard: Collection[str] = ()
+) -> Block:
     """Read the block's tensors, those named in ``targets`` into their buffers.
 
     A target is a sequence of writable C-contiguous arrays whose sizes add up
-    to the tensor's bytes; they are filled in order. Returns the block with the
+    to the tensor's bytes; they are filled in order. The tensors named in
+    ``discard`` are read (the checksum covers them) into this thread's reused
+    scratch memory and left out of the block. Returns the block with the
     tensors that had no target (read-only). ``ValueError`` for a target that
     does not fit, ``BlockCorrupt`` for a file that fails a check.
     """
     targets = targets or {}
-    unknown = set(targets) - set(opened.specs)
+    unknown = (set(targets) | set(discard)) - set(opened.specs)
     if unknown:
         raise ValueError(f"targets for tensors the block does not hold: {sorted(unknown)}")
     row = opened.row
-    views: list[memoryview] = []
+    pieces: list[_Piece] = []  # the data section in order
     own: dict[str, np.ndarray] = {}
     placed: list[tuple[str, list[memoryview]]] = []
     for name, spec in sorted(opened.specs.items(), key=lambda item: item[1].begin):
         if name not in RESERVED_TENSORS:
             check_rows(name, spec.shape, row)
-        if name in targets:
-            parts = [_byte_view(a) for a in targets[name]]
-            if sum(len(p) for p in parts) != spec.nbytes:
+        apart = name == DETACHED and opened.detached is not None
+        if name in discard:
+            views = None
+        elif name in targets:
+            views = [_byte_view(a) for a in targets[name]]
+            if sum(len(p) for p in views) != spec.nbytes:
                 raise ValueError(
-                    f"targets of {name!r} hold {sum(len(p) for p in parts)} bytes, "
+                    f"targets of {name!r} hold {sum(len(p) for p in views)} bytes, "
                     f"the tensor {spec.nbytes}"
                 )
-            placed.append((name, parts))
-            views.extend(parts)
+            placed.append((name, views))
         else:
             arr = np.empty(spec.shape, dtype=spec.dtype)
             own[name] = arr
-            views.append(_byte_view(arr))
+            views = [_byte_view(arr)]
+        pieces.append(_Piece(spec.nbytes, views, apart))
     if opened.planes is not None:
-        _fill_planes(opened, own, placed)
+        _fill_planes(opened, own, placed, DETACHED not in discard)
     else:
-        read_exactly(opened.fd, views, len(opened.header))
-        digest = xxhash.xxh3_128(opened.header)
-        for view in views:
-            digest.update(view)
-        found = "xxh3:" + digest.hexdigest()
-        if found != row.checksum:
-            raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
+        _read_checked(opened, pieces)
     tokens = check_tokens(own.pop("tokens", None), own.pop("pos", None), row)
     for arr in own.values():
         arr.setflags(write=False)
     tokens.setflags(write=False)
     return block_of(row, tokens, own, dict(opened.metadata))
+
+
+_CHUNK = 256 << 10  # a discarded tensor is hashed through a buffer that stays in cache
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One tensor of a data section, as ``fill_block`` reads it."""
+
+    nbytes: int
+    views: list[memoryview] | None  # where its bytes go; None: discarded
+    apart: bool  # left out of the index's checksum, checked by its own digest
+
+
+def _read_checked(opened: OpenedBlock, pieces: list[_Piece]) -> None:
+    """Read the data section's ``pieces`` in order and check the file's digests.
+
+    Consecutive pieces are read with one ``preadv``. A discarded piece the
+    index's checksum covers is read in small chunks into this thread's scratch
+    buffer, hashed and dropped; a discarded piece apart from it is not read.
+    ``BlockCorrupt`` on a digest that differs (the index's first).
+    """
+    digest = xxhash.xxh3_128(opened.header)
+    apart = xxhash.xxh3_128()
+    at, run = len(opened.header), []
+    for piece in [*pieces, _Piece(0, None, False)]:  # the empty last piece reads the last run
+        if piece.views is not None:
+            run.append(piece)
+            continue
+        read_exactly(opened.fd, [v for p in run for v in p.views or ()], at)
+        for done in run:
+            for view in done.views or ():
+                (apart if done.apart else digest).update(view)
+            at += done.nbytes
+        run = []
+        if piece.apart:
+            at += piece.nbytes
+            continue
+        chunk = _scratch.get("discard", min(piece.nbytes, _CHUNK)).data
+        left = piece.nbytes
+        while left > 0:
+            part = chunk[: min(left, len(chunk))]
+            read_exactly(opened.fd, [part], at)
+            digest.update(part)
+            at, left = at + len(part), left - len(part)
+    found = "xxh3:" + digest.hexdigest()
+    if found != opened.row.checksum:
+        raise BlockCorrupt(f"checksum {found} differs from the index's {opened.row.checksum}")
+    kept = [p for p in pieces if p.apart and p.views is not None]
+    if kept and apart.hexdigest() != opened.detached:
+        raise BlockCorrupt(f"tensor {DETACHED!r} differs from its checksum")
 
 
 class _Scratch(threading.local):
@@ -271,21 +327,40 @@ _scratch = _Scratch()
 _KEEP_SCRATCH = 64 << 20  # a larger buffer is not kept between reads
 
 
+def _check_compact(opened: OpenedBlock, whole: memoryview, with_detached: bool) -> None:
+    """A compact file's digests, its data section read whole (``BlockCorrupt`` if one differs)."""
+    assert opened.physical is not None
+    digest = xxhash.xxh3_128(opened.header)
+    spec = opened.physical.get(DETACHED) if opened.detached is not None else None
+    if spec is None:
+        digest.update(whole)
+    else:
+        digest.update(whole[: spec.begin])
+        digest.update(whole[spec.end :])
+    found = "xxh3:" + digest.hexdigest()
+    if found != opened.row.checksum:
+        raise BlockCorrupt(f"checksum {found} differs from the index's {opened.row.checksum}")
+    if (
+        spec is not None
+        and with_detached
+        and xxhash.xxh3_128_hexdigest(whole[spec.begin : spec.end]) != opened.detached
+    ):
+        raise BlockCorrupt(f"tensor {DETACHED!r} differs from its checksum")
+
+
 def _fill_planes(
-    opened: OpenedBlock, own: dict[str, np.ndarray], placed: list[tuple[str, list[memoryview]]]
+    opened: OpenedBlock,
+    own: dict[str, np.ndarray],
+    placed: list[tuple[str, list[memoryview]]],
+    with_detached: bool,
 ) -> None:
     """A compact file: read and checksum it whole, then decode its planes into the targets."""
     assert opened.physical is not None and opened.planes is not None
     row, physical = opened.row, opened.physical
     data = _scratch.get("data", row.stored_bytes - len(opened.header))
     read_exactly(opened.fd, [data.data], len(opened.header))
-    digest = xxhash.xxh3_128(opened.header)
-    digest.update(data.data)
-    found = "xxh3:" + digest.hexdigest()
-    if found != row.checksum:  # before anything is decoded or written
-        raise BlockCorrupt(f"checksum {found} differs from the index's {row.checksum}")
-
     whole = data.data
+    _check_compact(opened, whole, with_detached)  # before anything is decoded or written
 
     def section(name: str) -> memoryview:
         spec = physical[name]

@@ -3,8 +3,8 @@
 Process A prefills a ~2,000-token document and exits; process B asks about it
 with ``--json``: it reuses the document (Gemma: up to the last 256-token grid
 point, where its sliding-window state is kept), verified, and answers as
-``--no-cache`` does, token for token. Tiny gemma3, lfm2 and mamba2 models, and
-the real Gemma 3 270M.
+``--no-cache`` does, token for token. Tiny gemma3, lfm2, nemotron_h and mamba2
+models, and the real Gemma 3 270M.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import sqlite3
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,9 @@ def _reused_across_processes(home: Path, model: Path, doc: Path, grid: int) -> N
         _same_answer(sampled, _ask(home, model, doc, *seeded, "--no-cache"))
 
 
-@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("mamba2", 1)])
+@pytest.mark.parametrize(
+    ("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("nemotron_h", 1), ("mamba2", 1)]
+)
 def test_a_document_prefilled_by_one_process_is_reused_exactly_by_another(
     arch: str, grid: int, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -111,7 +114,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h"])
 def test_a_shifted_document_reuses_only_the_common_prefix(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -141,6 +144,14 @@ def _block_file(home: Path, start: int) -> Path:
     return home / rows[0][0]
 
 
+def _tensor_span(path: Path, name: str) -> tuple[int, int]:
+    """Where a tensor of a block file lies, in bytes from the file's start."""
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    begin, end = json.loads(data[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
 def test_a_flipped_byte_in_a_gemma_block_reuses_nothing_past_it(
     arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -149,7 +160,8 @@ def test_a_flipped_byte_in_a_gemma_block_reuses_nothing_past_it(
     damaged = 4 * BLOCK
     target = _block_file(home, damaged)
     data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0x10
+    begin, end = _tensor_span(target, "k.0")  # the full-attention layer's K rows
+    data[(begin + end) // 2] ^= 0x10
     target.write_bytes(bytes(data))
     cached = _ask(home, model, doc, "--system", SYSTEM)
     assert cached["tokens"]["reused"] <= damaged
@@ -157,7 +169,9 @@ def test_a_flipped_byte_in_a_gemma_block_reuses_nothing_past_it(
     _same_answer(cached, _ask(home, model, doc, "--system", SYSTEM, "--no-cache"))
 
 
-@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("mamba2", 1)])
+@pytest.mark.parametrize(
+    ("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("nemotron_h", 1), ("mamba2", 1)]
+)
 def test_cache_show_gives_the_partial_state_and_verify_deep_recomputes_it(
     arch: str, grid: int, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -219,7 +233,7 @@ def _resumed_chat_answers_as_uncached(home: Path, model: Path, grid: int) -> Non
     assert resumed.stdout.strip() and resumed.stdout == uncached.stdout
 
 
-@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1)])
+@pytest.mark.parametrize(("arch", "grid"), [("gemma3", BLOCK), ("lfm2", 1), ("nemotron_h", 1)])
 def test_a_resumed_chat_restores_verified_and_answers_as_uncached(
     arch: str, grid: int, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:

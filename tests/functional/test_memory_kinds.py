@@ -1,4 +1,6 @@
-"""SWA, hybrid and recurrent memory cached end to end (tiny gemma3, lfm2, mamba2; Gemma 3 270M).
+"""SWA, hybrid and recurrent memory cached end to end (tiny models; Gemma 3 270M).
+
+The tiny models: gemma3 (SWA), lfm2 and nemotron_h (hybrid), mamba2 (recurrent).
 
 A stored partial state (SWA window, recurrent state) is used only at a snapshot
 boundary, verified by the probe, and a cached answer equals the uncached one:
@@ -7,13 +9,18 @@ the same tokens and the same final logits, bit for bit.
 
 from __future__ import annotations
 
+import json
+import sqlite3
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from localkv.storage import SnapshotStore
 from support.tinyarch import TinyArchModels, build_tiny_arch_models
 from support.tinymodels import tiny_config
 
+from localkv.kv.blocks import PARTIAL
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.request import Document
 from localkv.reports import Answer
@@ -62,7 +69,7 @@ def _same(a: tuple[Answer, np.ndarray], b: tuple[Answer, np.ndarray]) -> None:
     assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "mamba2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2"])
 def test_a_prefilled_document_is_reused_verified_and_exact(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -76,7 +83,7 @@ def test_a_prefilled_document_is_reused_verified_and_exact(
     _same(cached, _ask(path, None, doc))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h"])
 def test_a_changed_document_reuses_up_to_the_last_snapshot_before_the_change(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -114,35 +121,55 @@ def test_another_kv_type_reuses_nothing(arch_models: TinyArchModels, tmp_path: P
     assert "type_k" in (q8[0].cache.miss_reason or "")
 
 
-def _flip_partial(cache: Path, nth_last: int, truncate: bool = False) -> None:
-    """Damage the partial state of a stored block (the ``nth_last`` largest-start block)."""
-    files = sorted((cache / "blocks").rglob("*.lkv"))
-    assert files
-    # the biggest files hold the largest SWA windows; damage the last bytes of one
-    target = sorted(files, key=lambda f: f.stat().st_size)[-nth_last]
+def _damage_partial(cache: Path, start: int, truncate: bool) -> None:
+    """Flip a byte in the partial state of the stored block at ``start``, or cut its file."""
+    conn = sqlite3.connect(cache / "index.db")
+    try:
+        ((file,),) = conn.execute("SELECT file FROM blocks WHERE start = ?", (start,)).fetchall()
+    finally:
+        conn.close()
+    target = cache / file
     data = bytearray(target.read_bytes())
     if truncate:
         target.write_bytes(bytes(data[: len(data) - 100]))
         return
-    data[-200] ^= 0x01
+    (n,) = struct.unpack_from("<Q", data, 0)
+    begin, end = json.loads(data[8 : 8 + n])[PARTIAL]["data_offsets"]
+    data[8 + n + (begin + end) // 2] ^= 0x01
     target.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("truncate", [False, True])
-def test_a_damaged_snapshot_is_a_miss_and_the_answer_is_uncached(
+def test_a_damaged_snapshot_where_the_restore_ends_is_a_miss_and_the_answer_is_uncached(
     truncate: bool, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
-    doc = _doc()
-    path = arch_models.lfm2
+    doc, path = _doc(), arch_models.lfm2
     n_doc = _prefill(path, tmp_path, doc)
-    _flip_partial(tmp_path, 1, truncate)
+    tip = (n_doc - 1) // BLOCK * BLOCK  # the document's last block: where the restore ends
+    _damage_partial(tmp_path, tip, truncate)
     cached = _ask(path, tmp_path, doc)
-    assert cached[0].tokens.reused < n_doc  # nothing past the damage
-    assert cached[0].cache.verified in (True, None)
+    assert cached[0].tokens.reused <= tip  # nothing past the damage
+    assert "corrupt block" in (cached[0].cache.miss_reason or "")
     _same(cached, _ask(path, None, doc))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "mamba2"])
+def test_a_damaged_snapshot_a_restore_passes_is_never_read(
+    arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    """Only the last block's partial state is loaded, so only it is read; verify finds the rest."""
+    doc, path = _doc(), arch_models.lfm2
+    n_doc = _prefill(path, tmp_path, doc)
+    _damage_partial(tmp_path, 2 * BLOCK, truncate=False)
+    cached = _ask(path, tmp_path, doc)
+    assert cached[0].cache.verified is True
+    assert cached[0].tokens.reused >= 0.9 * n_doc
+    _same(cached, _ask(path, None, doc))
+    with SnapshotStore.open(tmp_path) as store:
+        bad = store.verify()
+    assert [reason for _, reason in bad] == ["tensor 'partial' differs from its checksum"]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2"])
 def test_memory_that_cannot_be_trimmed_is_emptied_not_cut(
     arch: str, arch_models: TinyArchModels
 ) -> None:

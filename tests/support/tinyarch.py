@@ -3,7 +3,8 @@
 - ``gemma3``: interleaved sliding-window attention (iSWA): five SWA layers then
   one full-attention layer, window ``SWA_WINDOW``;
 - ``lfm2``: a hybrid of short-convolution (recurrent) layers and attention layers;
-- ``nemotron_h``: a hybrid of Mamba2 layers, attention layers and MLP layers;
+- ``nemotron_h``: a hybrid of Mamba2 layers, attention layers and MLP layers
+  (a Mamba2-style hybrid, the second hybrid kind beside ``lfm2``);
 - ``mamba2``: pure recurrent (Mamba2 layers only).
 
 Like ``tinymodels``, they borrow the default model's tokenizer, carry small
@@ -177,8 +178,12 @@ def _nemotron_h(w: gguf.GGUFWriter, t: _Weights) -> None:
     d_inner, n_ff = 2 * N_EMBD, 128
     n_head = d_inner // 16
     w.add_block_count(len(kinds))
+    # llama.cpp takes a layer as recurrent iff its n_head_kv and n_ff are both 0.
+    # head_count stays one number for all layers: llama.cpp reads key_length
+    # only if layer 0's n_head is > 0, so a per-layer list starting with an SSM
+    # layer's 0 gives a head size of 0 and a 0-wide attn_q.
     w.add_feed_forward_length([n_ff if k == "mlp" else 0 for k in kinds])
-    w.add_head_count([2 if k == "attn" else 0 for k in kinds])
+    w.add_head_count(2)
     w.add_head_count_kv([1 if k == "attn" else 0 for k in kinds])
     w.add_key_length(HEAD_DIM)
     w.add_value_length(HEAD_DIM)
