@@ -102,7 +102,7 @@ def _read(
     """
     layouts = set()
     at = 0
-    # a partial part is used from the chain's last block only: the others' are checked, not kept
+    # a partial part is used from the chain's last block only: the others' are not read
     drops = [{PARTIAL} if PARTIAL in o.specs else set() for o in opened[:-1]] + [set()]
     for block_file in opened:
         if block_file.row.start != at:

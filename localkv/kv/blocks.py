@@ -18,6 +18,7 @@ import json
 import numpy as np
 
 from localkv.kv import codec
+from localkv.storage.values import DETACHED
 
 __all__ = [
     "PARTIAL",
@@ -28,7 +29,7 @@ __all__ = [
     "tensors_to_state",
 ]
 
-PARTIAL = "partial"
+PARTIAL = DETACHED  # a tensor the store reads only when asked, with its own digest
 
 _FLOAT_VIEWS: dict[int, np.dtype[np.floating]] = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 

@@ -11,8 +11,11 @@ read has two steps:
 2. ``fill_block``: one ``preadv`` scatters the data section into the
    caller's targets (a list of writable buffers per tensor, filled in order;
    tensors without a target get arrays of their own), while the xxh3-128 of
-   the whole file is computed over what was read and compared with the index.
-   Tokens and positions are then checked against the row.
+   the file is computed over what was read and compared with the index.
+   Tokens and positions are then checked against the row. A detached tensor
+   (``values.DETACHED``: a block's partial state) is outside that checksum
+   and has its own, checked when it is read; a caller that does not need it
+   (``discard``) leaves it unread.
 
 Nothing a target receives may be used unless ``fill_block`` returns: a
 checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
@@ -213,9 +216,9 @@ def fill_block(
     """Read the block's tensors, those named in ``targets`` into their buffers.
 
     A target is a sequence of writable C-contiguous arrays whose sizes add up
-    to the tensor's bytes; they are filled in order. The tensors named in
-    ``discard`` are read (the checksum covers them) into this thread's reused
-    scratch memory and left out of the block. Returns the block with the
+    to the tensor's bytes; they are filled in order. ``discard``: tensors left
+    out of the block, unread if detached, else read and hashed through a
+    scratch buffer. Returns the block with the
     tensors that had no target (read-only). ``ValueError`` for a target that
     does not fit, ``BlockCorrupt`` for a file that fails a check.
     """
