@@ -4,7 +4,9 @@ After every turn (and attach) the chat saves its prefix; the chain's tip is
 then named as a snapshot labelled with the conversation's title, like the
 snapshots ``localkv prefill`` names after its documents. One snapshot per
 conversation: the newer tip replaces the older one (its pin carries over),
-and removing it on the cache screen frees the blocks only it needs. Naming
+also the one an earlier process named before ``--resume`` (the same title,
+its tokens the start of the new chain's), and removing it on the cache screen frees the
+blocks only it needs. Naming
 runs on the save's worker thread, after the blocks are written.
 """
 
@@ -13,9 +15,13 @@ from __future__ import annotations
 import logging
 import sqlite3
 
+import numpy as np
+
 from localkv.cache.catalogue import save_snapshot
+from localkv.cache.prefix import PrefixCache
 from localkv.cache.save import SaveResult
 from localkv.runtime import Runtime
+from localkv.storage.values import BlockRow
 
 __all__ = ["ConversationSnapshot"]
 
@@ -38,8 +44,8 @@ class ConversationSnapshot:
         cache = self.runtime.cache
         if cache is None or result.tip is None or result.not_kept:
             return
-        previous = self.id
         try:
+            previous = self.id if self.id is not None else _earlier(cache, result.tip, label)
             pinned = previous is not None and cache.store.get_snapshot(previous).pinned
         except (KeyError, OSError, sqlite3.Error):  # removed on the cache screen
             previous, pinned = None, False
@@ -52,3 +58,24 @@ class ConversationSnapshot:
                 cache.store.remove_snapshot(previous)
             except (KeyError, OSError, sqlite3.Error) as exc:
                 log.warning("could not drop the conversation's older snapshot: %s", exc)
+
+
+def _earlier(cache: PrefixCache, tip: str, label: str) -> str | None:
+    """The newest snapshot with this label whose tokens begin the chain ending at ``tip``.
+
+    A resumed conversation's snapshot from an earlier process: the new chain
+    holds its tokens and more, so the new snapshot replaces it.
+    """
+    store = cache.store
+    tokens = _tokens(store.chain_of(tip))
+    for snap in reversed(store.snapshots(cache.namespace)):
+        if snap.label != label or snap.tip == tip:
+            continue
+        old = _tokens(store.chain_of(snap.tip))
+        if old.shape[0] <= tokens.shape[0] and np.array_equal(old, tokens[: old.shape[0]]):
+            return snap.id
+    return None
+
+
+def _tokens(chain: list[BlockRow]) -> np.ndarray:
+    return np.concatenate([row.tokens for row in chain]) if chain else np.zeros(0, np.int32)

@@ -250,7 +250,8 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
 
     What the cache holds is restored (and verified) first; the rest is
     prefilled. A one-line cache report goes to stderr, and a line saying so
-    when the answer stopped because the context was full. With --json,
+    when the answer stopped because the context was full or at --max-tokens.
+    With --json,
     finish_reason says why the answer ended: stop (the model ended it),
     length (--max-tokens) or context (the context is full).
     """
@@ -281,6 +282,9 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
             n_ctx = runtime.session.n_ctx
             full = f"answer stopped: the context is full ({n_ctx:,} tokens); raise --ctx"
             click.echo(full, err=True)
+        elif answer.finish_reason == "length":
+            limit = f"answer stopped at the token limit (--max-tokens {params.max_tokens:,})"
+            click.echo(limit, err=True)
     last = saves[-1] if saves else None
     if last is not None and last.not_kept:
         click.echo(f"warning: this prompt's cache blocks were {last.not_kept}", err=True)

@@ -132,6 +132,9 @@ def test_a_full_context_ends_the_answer_with_its_reason(
     answer = json.loads(short.stdout.strip().splitlines()[-1])
     assert answer["finish_reason"] == "length" and answer["tokens"]["generated"] == 3
     assert "context is full" not in short.stderr
+    cut = ask(tiny_models, tmp_path, text, "--ctx", "512", "--max-tokens", "3")
+    assert cut.stderr.splitlines()[-1] == "answer stopped at the token limit (--max-tokens 3)"
+    assert "token limit" not in shown.stderr  # the context ended that one
 
 
 def test_the_chat_says_when_the_context_filled_up(tiny_models: TinyModels) -> None:

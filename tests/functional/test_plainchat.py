@@ -76,6 +76,9 @@ def test_resume_restores_the_last_conversation_from_the_cache(
     assert len(rows) == 1  # the same conversation, continued
     roles = [m[0] for m in json.loads(str(rows[0]["messages"]))]
     assert roles == ["user", "assistant", "user", "assistant"]
+    listed = CliRunner().invoke(cli, ["cache", "ls", "--json"], catch_exceptions=False)
+    labels = [s["label"] for s in json.loads(listed.stdout)]
+    assert labels == ["First question"]  # the resumed conversation's, not one per process
 
 
 def test_attach_new_and_system_commands(
