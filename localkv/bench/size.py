@@ -27,6 +27,7 @@ from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity
 from localkv.cache.prefix import PrefixCache
 from localkv.kv import partial
+from localkv.kv.blocks import PARTIAL
 from localkv.kv.partial import MemoryKind
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ModelSession
@@ -223,9 +224,10 @@ class _SizeBench:
             self.session.reset()
             runs.append(cold_call(files, self._restore_timed))
             self._run_deferred()
-        cold = ColdStat.of(
-            [(r[0], read, ev) for r, read, ev in runs], sum(p.stat().st_size for p in files)
-        )
+        # a restore does not read the partial state of any block but the last (``cache.restore``)
+        unread = sum(b.tensors[PARTIAL].nbytes for b in self.blocks[:-1] if PARTIAL in b.tensors)
+        on_disk = sum(p.stat().st_size for p in files)
+        cold = ColdStat.of([(r[0], read, ev) for r, read, ev in runs], on_disk, on_disk - unread)
         return _Evicted(cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs])
 
     def restore_memory(self) -> PeakMemory:

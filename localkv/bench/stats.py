@@ -45,17 +45,24 @@ class ColdStat:
 
     The times count as reads from storage only when ``dropped``: the eviction was
     given for every file before every run and every run read at least half the
-    files' bytes from storage (``/proc/self/io`` ``read_bytes``). Otherwise some
-    or all of the bytes came from the page cache and the times are not cold.
+    bytes it needs of them from storage (``/proc/self/io`` ``read_bytes``).
+    Otherwise some or all of the bytes came from the page cache and the times
+    are not cold.
     """
 
     time: Stat
     read_bytes: Stat | None  # bytes read from storage per run; None: /proc/self/io unreadable
     file_bytes: int  # bytes in the files evicted before each run
     evicted: bool  # posix_fadvise(POSIX_FADV_DONTNEED) given for every file before every run
+    needed_bytes: int | None = None  # of ``file_bytes``, those a run reads (None: all)
 
     @classmethod
-    def of(cls, runs: Sequence[tuple[float, int | None, bool]], file_bytes: int) -> ColdStat:
+    def of(
+        cls,
+        runs: Sequence[tuple[float, int | None, bool]],
+        file_bytes: int,
+        needed_bytes: int | None = None,
+    ) -> ColdStat:
         """From ``(seconds, bytes read from storage, evicted)`` of each run."""
         reads = [r for _, r, _ in runs]
         known = [r for r in reads if r is not None]
@@ -64,16 +71,14 @@ class ColdStat:
             read_bytes=Stat.of(known) if known and len(known) == len(reads) else None,
             file_bytes=file_bytes,
             evicted=bool(runs) and all(e for _, _, e in runs),
+            needed_bytes=needed_bytes,
         )
 
     @property
     def dropped(self) -> bool:
-        """Every run read at least half the files' bytes from storage: the times are cold."""
-        return (
-            self.evicted
-            and self.read_bytes is not None
-            and self.read_bytes.min >= self.file_bytes / 2
-        )
+        """Every run read at least half the bytes it needs from storage: the times are cold."""
+        needed = self.file_bytes if self.needed_bytes is None else self.needed_bytes
+        return self.evicted and self.read_bytes is not None and self.read_bytes.min >= needed / 2
 
     @property
     def why_not_cold(self) -> str | None:
@@ -94,6 +99,7 @@ class ColdStat:
             "seconds": self.time.as_json(),
             "read_bytes": None if self.read_bytes is None else self.read_bytes.as_json(),
             "file_bytes": self.file_bytes,
+            "needed_bytes": self.needed_bytes,
             "evicted": self.evicted,
             "page_cache_dropped": self.dropped,
             "why_not_cold": self.why_not_cold,

@@ -11,12 +11,14 @@ Only then is the sequence trimmed to the exact prefix the lookup planned.
 from __future__ import annotations
 
 import struct
+import threading
 import time
 
 import numpy as np
 
 from localkv.kv import codec, partial
 from localkv.kv.blocks import PARTIAL, block_layout, block_partial, tensors_to_state
+from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_next
 from localkv.storage.formats.readinto import OpenedBlock
@@ -36,7 +38,7 @@ def load_chain(
     """Read, check and load the chain minus its final token; return the stored tokens."""
     opened = store.open_blocks(chain)
     try:
-        blocks, buffer = _read(store, session, opened)
+        blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
         for block_file in opened:
             block_file.close()
@@ -51,7 +53,7 @@ def load_chain(
     n = int(tokens.shape[0]) - 1
     held = [int(t) for t in tokens[:n]]
     if session.memory_kind != "kv":
-        _load_with_partial(session, blocks, buffer, held)
+        _load_with_partial(session, blocks, buffer, held, tip_rows)
     elif buffer is not None:
         session.load_state(buffer, held)
     elif n > 0:
@@ -63,7 +65,11 @@ def load_chain(
 
 
 def _load_with_partial(
-    session: ModelSession, blocks: list[Block], buffer: np.ndarray | None, held: list[int]
+    session: ModelSession,
+    blocks: list[Block],
+    buffer: np.ndarray | None,
+    held: list[int],
+    tip_rows: np.ndarray | None,
 ) -> None:
     """Attention rows ``[0, n)`` of the blocks + the last block's partial part, loaded.
 
@@ -75,7 +81,8 @@ def _load_with_partial(
     if kind is None or kind == "kv":
         raise codec.StateFormatError("this memory has no partial part")
     n = len(held)
-    blob = block_partial(blocks[-1].tensors, blocks[-1].meta)
+    tensors = blocks[-1].tensors if tip_rows is None else {PARTIAL: tip_rows}
+    blob = block_partial(tensors, blocks[-1].meta)
     partial.check_partial(blob, kind, n)
     if kind == "recurrent":
         head = np.frombuffer(struct.pack("<Ii", codec.STATE_MAGIC, 0), dtype=np.uint8)
@@ -92,8 +99,9 @@ def _load_with_partial(
 
 def _read(
     store: SnapshotStore, session: ModelSession, opened: list[OpenedBlock]
-) -> tuple[list[Block], np.ndarray | None]:
-    """The blocks, and (where it can) the state buffer their K/V rows were read into.
+) -> tuple[list[Block], np.ndarray | None, np.ndarray | None]:
+    """The blocks, and (where it can) the state buffer their K/V rows were read into
+    and the array the last block's partial rows were read into.
 
     With untransposed V every block file is read straight into its rows of
     llama.cpp's state buffer, minus the chain's final token, the buffer
@@ -121,9 +129,11 @@ def _read(
     v_trans, layout = layouts.pop()
     n = at - 1
     if v_trans or n <= 0 or not layout:
-        return store.fill_blocks(opened, [None] * len(opened), drops), None
+        return store.fill_blocks(opened, [None] * len(opened), drops), None, None
     tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER
     buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail))
+    tip = opened[-1].specs.get(PARTIAL)
+    tip_rows = _tip_rows(session, tip.shape, tip.nbytes) if tip is not None else None
     # the chain's final token is read (the checksum covers it) but not loaded:
     # its rows go to a spill area, one row per tensor
     spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
@@ -143,7 +153,32 @@ def _read(
                 places[f"v.{i}"].append(v_spill)
                 spilled += k_bytes + v_bytes
         targets.append(places)
-    return store.fill_blocks(opened, targets, drops), buffer
+    if tip_rows is not None:  # pages reused from the last restore: no page faults
+        targets[-1][PARTIAL] = [tip_rows]
+    return store.fill_blocks(opened, targets, drops), buffer, tip_rows
+
+
+class _Rows(threading.local):
+    buffer: np.ndarray | None = None
+
+
+_ROWS = _Rows()
+
+
+def _tip_rows(session: ModelSession, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+    """This thread's reused array for the last block's partial rows.
+
+    A restore's partial part stays in ``session.partials`` while the session
+    holds that state; it is dropped here before the next restore overwrites it.
+    """
+    buf = _ROWS.buffer
+    for pos in [
+        p for p, a in session.partials.items() if buf is not None and np.may_share_memory(a, buf)
+    ]:
+        del session.partials[pos]
+    if buf is None or buf.shape[0] < nbytes:
+        buf = _ROWS.buffer = large_buffer(nbytes)
+    return buf[:nbytes].reshape(shape)
 
 
 def probe_matches(session: ModelSession, last: BlockRow, stored_tokens: np.ndarray) -> bool:

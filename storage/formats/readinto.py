@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from .blockcodec import (
     header_span,
     parse_header,
 )
+from .headers import HeaderCache
 
 __all__ = ["HeaderCache", "OpenedBlock", "Targets", "fill_block", "open_block"]
 
@@ -57,66 +57,7 @@ __all__ = ["HeaderCache", "OpenedBlock", "Targets", "fill_block", "open_block"]
 _FIRST_READ = 64 << 10
 
 
-class HeaderCache:
-    """Parsed headers of recently read block files, so a repeated restore skips the JSON.
-
-    An entry is used only if the file's header bytes, read again every time,
-    are identical to the ones it was parsed from (and the checksum covers them).
-    It holds the parse only: the metadata is checked against the row every time.
-    """
-
-    def __init__(self, max_entries: int = 1024) -> None:
-        self._max = max_entries
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, tuple[bytes, dict[str, str], dict[str, TensorSpec]]] = (
-            OrderedDict()
-        )
-        self._compact: dict[str, _Compact] = {}  # a compact file's parsed ``planes``, by checksum
-
-    def get(
-        self, row: BlockRow, header: bytes
-    ) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
-        with self._lock:
-            entry = self._entries.get(row.checksum)
-            if entry is None or entry[0] != header:
-                return None
-            self._entries.move_to_end(row.checksum)
-            return entry[1], entry[2]
-
-    def compact(self, row: BlockRow, header: bytes) -> _Compact | None:
-        """What ``put_compact`` recorded for this file's header (None if unknown)."""
-        with self._lock:
-            entry = self._entries.get(row.checksum)
-            if entry is None or entry[0] != header:
-                return None
-            return self._compact.get(row.checksum)
-
-    def put_compact(self, row: BlockRow, header: bytes, parsed: _Compact) -> None:
-        with self._lock:
-            entry = self._entries.get(row.checksum)
-            if entry is not None and entry[0] == header:
-                self._compact[row.checksum] = parsed
-
-    def size_of(self, row: BlockRow) -> int | None:
-        """The header length of this row's file when last read (None if unknown)."""
-        with self._lock:
-            entry = self._entries.get(row.checksum)
-        return None if entry is None else len(entry[0])
-
-    def put(
-        self, row: BlockRow, header: bytes, meta: dict[str, str], specs: dict[str, TensorSpec]
-    ) -> None:
-        with self._lock:
-            self._entries[row.checksum] = (header, meta, specs)
-            self._entries.move_to_end(row.checksum)
-            self._compact.pop(row.checksum, None)
-            while len(self._entries) > self._max:
-                self._compact.pop(self._entries.popitem(last=False)[0], None)
-
-
 Targets = Mapping[str, Sequence[np.ndarray]]
-# a compact file's split tensors (in order, with dtypes) and its tensors as the block holds them
-_Compact = tuple[list[tuple[str, np.dtype[np.generic]]], dict[str, TensorSpec]]
 
 
 @dataclass(slots=True, eq=False)
@@ -361,8 +302,13 @@ def _fill_planes(
     assert opened.physical is not None and opened.planes is not None
     row, physical = opened.row, opened.physical
     data = _scratch.get("data", row.stored_bytes - len(opened.header))
-    read_exactly(opened.fd, [data.data], len(opened.header))
-    whole = data.data
+    whole, body = data.data, len(opened.header)
+    skip = physical.get(DETACHED) if opened.detached is not None and not with_detached else None
+    if skip is None:
+        read_exactly(opened.fd, [whole], body)
+    else:  # the detached tensor is not needed: its bytes are left unread (a hole in ``whole``)
+        read_exactly(opened.fd, [whole[: skip.begin]], body)
+        read_exactly(opened.fd, [whole[skip.end :]], body + skip.end)
     _check_compact(opened, whole, with_detached)  # before anything is decoded or written
 
     def section(name: str) -> memoryview:

@@ -7,6 +7,7 @@ restore gives the cold run's first token), and on the files written.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -210,6 +211,9 @@ def test_without_posix_fadvise_nothing_is_called_cold(
     assert benchreport.fmt_cold(cases[2]) == "page cache drop not verified"
     fine = ColdStat(stat, Stat.of([4096, 8192]), 8192, evicted=True)
     assert fine.dropped and benchreport.fmt_cold(fine) == benchreport.fmt_stat(stat)
+    # a restore that leaves the partial states of all but the last block unread
+    partly = ColdStat(stat, Stat.of([4096, 4096]), 32768, evicted=True, needed_bytes=8192)
+    assert partly.dropped and not dataclasses.replace(partly, needed_bytes=None).dropped
 
 
 def test_lookup_with_many_blocks_finds_the_stored_chain(result: BenchResult) -> None:

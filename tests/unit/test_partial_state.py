@@ -9,6 +9,7 @@ import pytest
 from support.tinyarch import SWA_WINDOW, TinyArchModels, build_tiny_arch_models
 from support.tinymodels import tiny_config
 
+from localkv.cache.restore import _tip_rows
 from localkv.kv import codec, partial
 from localkv.model.native import llama_cpp
 from localkv.model.session import ModelSession
@@ -71,3 +72,17 @@ def test_memory_that_cannot_be_cached_is_refused_by_architecture_and_reason() ->
     assert classify("gemma3", recurrent=False, hybrid=False, n_swa=512) == "swa"
     assert classify("mamba2", recurrent=True, hybrid=False, n_swa=0) == "recurrent"
     assert classify("llama", recurrent=False, hybrid=False, n_swa=0) == "kv"
+
+
+def test_a_restore_drops_the_partial_state_it_is_about_to_overwrite(
+    arch_models: TinyArchModels,
+) -> None:
+    """The last block's partial rows are read into one reused array per thread: an older
+    restore's partial part in ``session.partials`` (a view of it) goes before the reuse."""
+    s, _ = _session(arch_models.gemma3, 300)
+    with s:
+        first = _tip_rows(s, (4, 8), 32)
+        s.partials = {10: first.reshape(-1)[:20], 20: np.zeros(20, np.uint8)}
+        again = _tip_rows(s, (2, 8), 16)
+        assert np.may_share_memory(first, again)
+        assert list(s.partials) == [20]
