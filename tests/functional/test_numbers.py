@@ -16,10 +16,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.processes import run_until_a_block_is_saved
 from support.tinymodels import TinyModels
 
 LIVENESS_S = 120  # far beyond what these commands take; only a hang reaches it
@@ -93,20 +93,8 @@ def test_ctrl_c_in_prefill_says_what_the_next_run_restores_and_exits_130(
 ) -> None:
     doc = tmp_path / "long.txt"
     doc.write_text((long_text * 8)[:120_000], encoding="utf-8")
-    cache = Path(env["LOCALKV_HOME"])
     args = ["prefill", "--threads", "1", "--ctx", "32768", str(doc)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "localkv", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + LIVENESS_S
-    while not list(cache.glob("blocks/*/*.lkv")) and proc.poll() is None:
-        assert time.monotonic() < deadline, "no block was saved"
-        time.sleep(0.005)
+    proc = run_until_a_block_is_saved(env, args, LIVENESS_S)
     assert proc.poll() is None, "the prefill ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=LIVENESS_S)

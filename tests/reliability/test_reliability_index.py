@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from localkv.storage.store import SnapshotStore
+from support.processes import run_until_a_block_is_saved
 from support.reliability import record
 from support.tinymodels import TinyModels
 
@@ -245,18 +246,8 @@ def test_a_prefill_that_loses_its_index_says_so_and_repair_recovers_it(
     doc = tmp_path / "long.txt"
     doc.write_text(long_text[:14000], encoding="utf-8")
     cache = Path(env["LOCALKV_HOME"])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "localkv", "prefill", "--json", "--threads", "1", str(doc)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + LIVENESS_S
-    while not list(cache.glob("blocks/*/*.lkv")) and proc.poll() is None:
-        assert time.monotonic() < deadline, "no block was saved"
-        time.sleep(0.005)
+    args = ["prefill", "--json", "--threads", "1", str(doc)]
+    proc = run_until_a_block_is_saved(env, args, LIVENESS_S)
     os.kill(proc.pid, signal.SIGSTOP)  # the first block is saved: the index goes now
     running = proc.poll() is None
     for path in cache.glob("index.db*"):
