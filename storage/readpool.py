@@ -47,7 +47,7 @@ class BlockReader:
     def _read_one(self, row: BlockRow) -> Block:
         opened = self.open([row])[0]
         try:
-            return self._fill(opened, None, ())
+            return self._fill(opened, None, (), None)
         finally:
             opened.close()
 
@@ -82,19 +82,22 @@ class BlockReader:
         opened: Sequence[OpenedBlock],
         targets: Fills,
         discard: Drops = None,
+        tails: Sequence[int | None] | None = None,
     ) -> list[Block]:
         """Read opened blocks in parallel, each one's tensors into its targets.
 
         See ``formats.readinto.fill_block`` (``discard``: per block, the tensors
-        read and checked but not kept). Raises ``BlockCorrupt`` naming the first
-        bad block (in order): what the targets hold is then unusable.
+        read and checked but not kept; ``tails``: per block, the first tail row
+        wanted). Raises ``BlockCorrupt`` naming the first bad block (in order):
+        what the targets hold is then unusable.
         """
         if len(opened) != len(targets):
             raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
         drops = list(discard) if discard is not None else [()] * len(opened)
-        if len(drops) != len(opened):
+        froms = list(tails) if tails is not None else [None] * len(opened)
+        if len(drops) != len(opened) or len(froms) != len(opened):
             raise ValueError(f"{len(opened)} blocks but {len(drops)} discard sets")
-        jobs = list(zip(opened, targets, drops, strict=True))
+        jobs = list(zip(opened, targets, drops, froms, strict=True))
         if len(opened) <= 1:
             return [self._fill(*job) for job in jobs]
         pool = self._executor()
@@ -105,10 +108,14 @@ class BlockReader:
         return [f.result() for f in futures]
 
     def _fill(
-        self, opened: OpenedBlock, targets: Targets | None, discard: Collection[str]
+        self,
+        opened: OpenedBlock,
+        targets: Targets | None,
+        discard: Collection[str],
+        tail_from: int | None,
     ) -> Block:
         try:
-            return fill_block(opened, targets, discard)
+            return fill_block(opened, targets, discard, tail_from)
         except BlockCorrupt as exc:
             raise BlockCorrupt(exc.reason, opened.row.hash) from None
         except (OSError, MemoryError) as exc:

@@ -45,6 +45,7 @@ from .formats.blockcodec import (
     check_tokens,
     checksum,
     data_checksum,
+    end_state_of,
     expand,
     header_span,
     parse_safetensors,
@@ -159,6 +160,7 @@ def _row(
         created=mtime,
         last_used=mtime,
         hits=0,
+        end_state=end_state_of(meta),
     )
 
 

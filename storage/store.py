@@ -266,10 +266,14 @@ class SnapshotStore:
         return self._reader.open(rows)
 
     def fill_blocks(
-        self, opened: Sequence[OpenedBlock], targets: Fills, discard: Drops = None
+        self,
+        opened: Sequence[OpenedBlock],
+        targets: Fills,
+        discard: Drops = None,
+        tails: Sequence[int | None] | None = None,
     ) -> list[Block]:
         """Read opened blocks in parallel into their targets (see ``readinto.fill_block``)."""
-        return self._reader.fill(opened, targets, discard)
+        return self._reader.fill(opened, targets, discard, tails)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.

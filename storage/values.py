@@ -20,6 +20,9 @@ __all__ = [
     "PROBE_TOP",
     "RESERVED_META",
     "RESERVED_TENSORS",
+    "TAIL_GROUP",
+    "TAIL_PREFIX",
+    "TAIL_XXH3",
     "Block",
     "BlockCorrupt",
     "BlockRow",
@@ -28,6 +31,7 @@ __all__ = [
     "Probe",
     "SnapshotRow",
     "StoreStats",
+    "is_tail",
 ]
 
 PROBE_TOP = 64
@@ -36,11 +40,23 @@ RESERVED_TENSORS = frozenset({"tokens", "pos"})
 # index's checksum and carry their own (``DETACHED_XXH3``) in the file's metadata.
 DETACHED = "partial"
 DETACHED_XXH3 = "partial_xxh3"
+# Tail tensors (names starting with ``TAIL_PREFIX``) hold a block's *last* rows only,
+# the same number for each; they are left out of the index's checksum too and carry
+# one digest per group of ``TAIL_GROUP`` rows (``TAIL_XXH3``), so a read may take a
+# suffix of them and check just what it read (``formats.tails``).
+TAIL_PREFIX = "w."
+TAIL_XXH3 = "tail_xxh3"
+TAIL_GROUP = 16
 RESERVED_META = frozenset(
     {"format", "hash", "parent", "identity", "namespace", "start", "ends", "probe_digest", "planes"}
     | {"probe_top", "prefill_seconds", "data_xxh3"}  # what ``repair`` rebuilds an index row from
-    | {DETACHED_XXH3}
+    | {DETACHED_XXH3, TAIL_XXH3, "end_state"}
 )
+
+
+def is_tail(name: str) -> bool:
+    """Whether a block tensor is a tail tensor (see ``TAIL_PREFIX``)."""
+    return name.startswith(TAIL_PREFIX)
 
 
 class BlockCorrupt(Exception):
@@ -139,6 +155,8 @@ class Block:
     probe: Probe
     meta: dict[str, str]
     prefill_seconds: float
+    # a restore may end at this block (False: it holds no state for that; restore through)
+    end_state: bool = True
 
     def __post_init__(self) -> None:
         digest_bytes(self.hash)
@@ -155,10 +173,14 @@ class Block:
         object.__setattr__(self, "tokens", tokens)
         n = tokens.shape[0]
         object.__setattr__(self, "ends", _readonly(ends_array(self.ends, n)))
+        tail_rows = {a.shape[0] for k, a in self.tensors.items() if is_tail(k) and a.ndim}
+        if len(tail_rows) > 1 or not tail_rows <= set(range(n + 1)):
+            raise ValueError(f"tail tensors of {sorted(tail_rows)} rows in a block of {n}")
         for name, arr in self.tensors.items():
-            if name in RESERVED_TENSORS or not name:
+            if name in RESERVED_TENSORS or not name or name == TAIL_PREFIX:
                 raise ValueError(f"tensor name {name!r} is reserved")
-            if not isinstance(arr, np.ndarray) or arr.ndim < 1 or arr.shape[0] != n:
+            rows = arr.shape[0] if is_tail(name) and arr.ndim else n
+            if not isinstance(arr, np.ndarray) or arr.ndim < 1 or arr.shape[0] != rows:
                 shape = getattr(arr, "shape", None)
                 raise ValueError(f"tensor {name!r} must have {n} rows (one per token): {shape}")
         for key, value in self.meta.items():
@@ -197,6 +219,7 @@ class BlockRow:
     created: float
     last_used: float
     hits: int
+    end_state: bool = True  # a restore may end here (``Block.end_state``)
 
     @property
     def n_tokens(self) -> int:

@@ -45,13 +45,24 @@ import xxhash
 from safetensors.numpy import save as _st_save
 
 from ..chain import tokens_sha
-from ..values import DETACHED, DETACHED_XXH3, RESERVED_META, Block, BlockCorrupt, BlockRow
+from ..values import (
+    DETACHED,
+    DETACHED_XXH3,
+    RESERVED_META,
+    TAIL_XXH3,
+    Block,
+    BlockCorrupt,
+    BlockRow,
+    is_tail,
+)
 from . import planes
+from .tails import group_digests
 
 __all__ = [
     "FORMAT_VERSION",
     "DecodedBlock",
     "TensorSpec",
+    "apart_specs",
     "block_of",
     "check_metadata",
     "checksum",
@@ -59,6 +70,7 @@ __all__ = [
     "decode",
     "detached_spec",
     "encode",
+    "end_state_of",
     "expand",
     "index_row",
     "parse_header",
@@ -110,20 +122,33 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     """The index's checksum of a stored block file: xxh3-128 of its bytes.
 
     A detached tensor's bytes (``values.DETACHED``) are left out when the file
-    carries their own digest: the rest of the file, header included, is hashed
-    in order as if they were not there. A file that does not parse is hashed whole.
+    carries their own digest, and so are the tail tensors' (``tails``): the rest
+    of the file, header included, is hashed in order as if they were not there.
+    A file that does not parse is hashed whole.
     """
     view = memoryview(data).cast("B")
     try:
         body = header_span(view[:8], len(view))
-        spec = detached_spec(*parse_header(view[8:body], len(view) - body))
+        apart = apart_specs(*parse_header(view[8:body], len(view) - body))
     except BlockCorrupt:  # not a block file: hashed whole (a read refuses it anyway)
-        spec = None
-    if spec is None:
-        return "xxh3:" + xxhash.xxh3_128_hexdigest(view)
-    digest = xxhash.xxh3_128(view[: body + spec.begin])
-    digest.update(view[body + spec.end :])
+        apart = []
+    digest = xxhash.xxh3_128()
+    at = 0
+    for spec in apart:
+        digest.update(view[at : body + spec.begin])
+        at = body + spec.end
+    digest.update(view[at:])
     return "xxh3:" + digest.hexdigest()
+
+
+def apart_specs(metadata: dict[str, str], specs: dict[str, TensorSpec]) -> list[TensorSpec]:
+    """The tensors left out of the index's checksum (the detached one, the tails), in order."""
+    detached = detached_spec(metadata, specs)
+    tails = [s for n, s in specs.items() if is_tail(n)]
+    if tails and TAIL_XXH3 not in metadata:
+        raise BlockCorrupt("tail tensors without their digests")
+    found = tails + ([detached] if detached is not None else [])
+    return sorted(found, key=lambda s: s.begin)
 
 
 def detached_spec(metadata: dict[str, str], specs: dict[str, TensorSpec]) -> TensorSpec | None:
@@ -161,6 +186,10 @@ def encode(block: Block, *, compact: bool = False) -> bytes:
     )
     if DETACHED in tensors:
         metadata[DETACHED_XXH3] = xxhash.xxh3_128_hexdigest(tensors[DETACHED].data)
+    tails = {name: arr for name, arr in tensors.items() if is_tail(name)}
+    if tails:
+        metadata[TAIL_XXH3] = ",".join(group_digests(tails))
+    metadata["end_state"] = "1" if block.end_state else "0"
     if compact:
         tensors, metadata["planes"], metadata["format"] = planes.split(tensors)
     return sealed(bytes(_st_save(tensors, metadata=metadata)))
@@ -327,6 +356,7 @@ def index_row(
         created=now,
         last_used=now,
         hits=0,
+        end_state=block.end_state,
     )
 
 
@@ -367,10 +397,16 @@ def check_tokens(tokens: np.ndarray | None, pos: np.ndarray | None, row: BlockRo
     return tokens
 
 
-def check_rows(name: str, shape: tuple[int, ...], row: BlockRow) -> None:
-    """A block tensor must have one row per token."""
-    if len(shape) < 1 or shape[0] != row.n_tokens:
+def check_rows(name: str, shape: tuple[int, ...], row: BlockRow, tail_rows: int) -> None:
+    """A block tensor must have one row per token; a tail tensor ``tail_rows`` rows."""
+    want = tail_rows if is_tail(name) else row.n_tokens
+    if len(shape) < 1 or shape[0] != want or want > row.n_tokens:
         raise BlockCorrupt(f"tensor {name!r} does not have one row per token")
+
+
+def end_state_of(meta: dict[str, str]) -> bool:
+    """A block file's ``end_state`` (files written before it was recorded: True)."""
+    return meta.get("end_state", "1") != "0"
 
 
 def block_of(
@@ -389,4 +425,5 @@ def block_of(
         probe=row.probe,
         meta=meta,
         prefill_seconds=row.prefill_seconds,
+        end_state=row.end_state,
     )

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..values import BlockCorrupt
+from ..values import BlockCorrupt, is_tail
 from . import q6
 
 __all__ = [
@@ -72,14 +72,14 @@ def parts(name: str) -> tuple[str, str, str]:
 def split(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str, str]:
     """The compact file's tensors for ``tensors``, its ``planes`` metadata (JSON) and format.
 
-    Every little-endian F16 tensor of at least one dimension is split; the
-    others are returned as they are.
+    Every little-endian F16 tensor of at least one dimension is split but the
+    tail tensors (read by row groups, ``tails``); the others are returned as they are.
     """
     out: dict[str, np.ndarray] = {}
     order: list[list[str]] = []
     for name in sorted(tensors):
         arr = tensors[name]
-        if arr.dtype != _SPLIT["F16"] or arr.ndim < 1:
+        if arr.dtype != _SPLIT["F16"] or arr.ndim < 1 or is_tail(name):
             out[name] = arr
             continue
         taken = [p for p in parts(name) if p in tensors]

@@ -15,20 +15,20 @@ read has two steps:
    Tokens and positions are then checked against the row. A detached tensor
    (``values.DETACHED``: a block's partial state) is outside that checksum
    and has its own, checked when it is read; a caller that does not need it
-   (``discard``) leaves it unread.
+   (``discard``) leaves it unread. Tail tensors (``tails``: a sliding-window
+   block's last rows) are outside it too: a caller may read them from any row
+   (``tail_from``), and the row groups it reads are checked by their digests.
 
 Nothing a target receives may be used unless ``fill_block`` returns: a
 checksum mismatch raises ``BlockCorrupt`` after the bytes were written.
 
 A compact file (``planes``) is read whole into a per-thread buffer in step 2
-and its checksum compared before anything is decoded; each split tensor is
-then decoded straight into its targets (``q6``: one compiled call per file).
+and its digests compared before anything is decoded (``compactread``).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +37,17 @@ import xxhash
 
 from ..disk import open_block_file, read_exactly
 from ..paths import CacheLayout
-from ..values import DETACHED, DETACHED_XXH3, RESERVED_TENSORS, Block, BlockCorrupt, BlockRow
-from . import planes, q6
+from ..values import (
+    DETACHED,
+    DETACHED_XXH3,
+    RESERVED_TENSORS,
+    TAIL_GROUP,
+    Block,
+    BlockCorrupt,
+    BlockRow,
+    is_tail,
+)
+from . import planes
 from .blockcodec import (
     TensorSpec,
     block_of,
@@ -49,7 +58,9 @@ from .blockcodec import (
     header_span,
     parse_header,
 )
+from .compactread import byte_view, fill_planes, scratch
 from .headers import HeaderCache
+from .tails import TailHashes, tail_digests, tail_names
 
 __all__ = ["HeaderCache", "OpenedBlock", "Targets", "fill_block", "open_block"]
 
@@ -68,10 +79,13 @@ class OpenedBlock:
     fd: int
     header: bytes  # the file's bytes up to its data section
     metadata: dict[str, str]  # the caller's metadata (format fields removed)
+    metadata_all: dict[str, str]  # the file's metadata as it is
     specs: dict[str, TensorSpec]  # the block's tensors (a compact file's split ones joined)
     physical: dict[str, TensorSpec] | None = None  # a compact file's own tensors
     planes: list[tuple[str, np.dtype[np.generic]]] | None = None  # a compact file's split ones
     detached: str | None = None  # the detached tensor's own digest, if the file keeps it apart
+    tail_rows: int = 0  # rows of each tail tensor (``tails``), and their groups' digests
+    tail_sums: tuple[str, ...] = ()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -98,6 +112,7 @@ def open_block(
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
         detached = metadata.get(DETACHED_XXH3) if detached_spec(metadata, specs) else None
+        tails = _tails_of(metadata, specs)
         if metadata.get("format") == planes.Q6_FORMAT:
             meta = check_metadata(metadata, row, file_format=planes.Q6_FORMAT)
             known_compact = cache.compact(row, header) if cache is not None else None
@@ -107,16 +122,32 @@ def open_block(
                 if cache is not None:
                     cache.put_compact(row, header, known_compact)
             order, logical = known_compact
-            return OpenedBlock(row, fd, header, meta, logical, specs, order, detached)
+            return OpenedBlock(
+                row, fd, header, meta, metadata, logical, specs, order, detached, *tails
+            )
         if row.stored_bytes != row.raw_bytes:
             raise BlockCorrupt(
                 f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
             )
         meta = check_metadata(metadata, row)
-        return OpenedBlock(row, fd, header, meta, specs, detached=detached)
+        return OpenedBlock(row, fd, header, meta, metadata, specs, None, None, detached, *tails)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _tails_of(
+    metadata: dict[str, str], specs: dict[str, TensorSpec]
+) -> tuple[int, tuple[str, ...]]:
+    """The tail tensors' row count and group digests (``BlockCorrupt`` if inconsistent)."""
+    names = tail_names(specs)
+    rows = {specs[n].shape[0] if specs[n].shape else -1 for n in names}
+    if len(rows) > 1 or -1 in rows:
+        raise BlockCorrupt("tail tensors of different row counts")
+    if not names:
+        return 0, ()
+    n = rows.pop()
+    return n, tuple(tail_digests(metadata, n))
 
 
 def _logical(
@@ -145,55 +176,63 @@ def _pread_all(fd: int, start: int, end: int) -> bytes:
     return bytes(buf)
 
 
-def _byte_view(arr: np.ndarray) -> memoryview:
-    if not arr.flags.c_contiguous or not arr.flags.writeable:
-        raise ValueError("a read target must be a writable C-contiguous array")
-    return arr.reshape(-1).view(np.uint8).data
-
-
 def fill_block(
-    opened: OpenedBlock, targets: Targets | None = None, discard: Collection[str] = ()
+    opened: OpenedBlock,
+    targets: Targets | None = None,
+    discard: Collection[str] = (),
+    tail_from: int | None = None,
 ) -> Block:
     """Read the block's tensors, those named in ``targets`` into their buffers.
 
     A target is a sequence of writable C-contiguous arrays whose sizes add up
     to the tensor's bytes; they are filled in order. ``discard``: tensors left
     out of the block, unread if detached, else read and hashed through a
-    scratch buffer. Returns the block with the
-    tensors that had no target (read-only). ``ValueError`` for a target that
-    does not fit, ``BlockCorrupt`` for a file that fails a check.
+    scratch buffer. ``tail_from``: the first row of the tail tensors wanted
+    (``tails``): each then needs a target for its rows from there on, the rows
+    before it in its group are read and hashed but not kept, earlier groups are
+    not read; None reads the tails whole. Returns the block with the tensors
+    that had no target (read-only). ``ValueError`` for a target that does not
+    fit, ``BlockCorrupt`` for a file that fails a check.
     """
     targets = targets or {}
     unknown = (set(targets) | set(discard)) - set(opened.specs)
     if unknown:
         raise ValueError(f"targets for tensors the block does not hold: {sorted(unknown)}")
+    if any(is_tail(n) for n in discard):
+        raise ValueError("tail tensors are left unread by ``tail_from``, not discarded")
     row = opened.row
+    tail_rows = opened.tail_rows
+    start = 0 if tail_from is None else tail_from
+    if not 0 <= start <= tail_rows:
+        raise ValueError(f"tail rows from {start} of {tail_rows}")
+    hashes = _tail_hashes(opened, start)
     pieces: list[_Piece] = []  # the data section in order
     own: dict[str, np.ndarray] = {}
     placed: list[tuple[str, list[memoryview]]] = []
     for name, spec in sorted(opened.specs.items(), key=lambda item: item[1].begin):
         if name not in RESERVED_TENSORS:
-            check_rows(name, spec.shape, row)
+            check_rows(name, spec.shape, row, tail_rows)
+        if is_tail(name):
+            into = _tail_views(name, spec, targets, tail_from, own, tail_rows)
+            if name in targets:
+                placed.append((name, into))
+            pieces.extend(_tail_pieces(name, spec, into, start, tail_rows))
+            continue
         apart = name == DETACHED and opened.detached is not None
         if name in discard:
             views = None
         elif name in targets:
-            views = [_byte_view(a) for a in targets[name]]
-            if sum(len(p) for p in views) != spec.nbytes:
-                raise ValueError(
-                    f"targets of {name!r} hold {sum(len(p) for p in views)} bytes, "
-                    f"the tensor {spec.nbytes}"
-                )
+            views = _views(name, targets[name], spec.nbytes)
             placed.append((name, views))
         else:
             arr = np.empty(spec.shape, dtype=spec.dtype)
             own[name] = arr
-            views = [_byte_view(arr)]
-        pieces.append(_Piece(spec.nbytes, views, apart))
+            views = [byte_view(arr)]
+        pieces.append(_Piece(spec.nbytes, views, "apart" if apart else "main"))
     if opened.planes is not None:
-        _fill_planes(opened, own, placed, DETACHED not in discard)
+        fill_planes(opened, own, placed, DETACHED not in discard, (start, hashes))
     else:
-        _read_checked(opened, pieces)
+        _read_checked(opened, pieces, hashes)
     tokens = check_tokens(own.pop("tokens", None), own.pop("pos", None), row)
     for arr in own.values():
         arr.setflags(write=False)
@@ -201,19 +240,72 @@ def fill_block(
     return block_of(row, tokens, own, dict(opened.metadata))
 
 
+def _views(name: str, arrays: Sequence[np.ndarray], nbytes: int) -> list[memoryview]:
+    views = [byte_view(a) for a in arrays]
+    if sum(len(p) for p in views) != nbytes:
+        raise ValueError(
+            f"targets of {name!r} hold {sum(len(p) for p in views)} bytes, the tensor {nbytes}"
+        )
+    return views
+
+
+def _tail_hashes(opened: OpenedBlock, start: int) -> TailHashes | None:
+    names = tail_names(opened.specs)
+    if not names:
+        return None
+    return TailHashes(names, list(opened.tail_sums), start // TAIL_GROUP)
+
+
+def _tail_views(
+    name: str,
+    spec: TensorSpec,
+    targets: Targets,
+    tail_from: int | None,
+    own: dict[str, np.ndarray],
+    rows: int,
+) -> list[memoryview]:
+    """Where a tail tensor's rows from ``tail_from`` go (all rows when None)."""
+    row_bytes = spec.nbytes // rows if rows else 0
+    if name in targets:
+        return _views(name, targets[name], (rows - (tail_from or 0)) * row_bytes)
+    if tail_from is not None:
+        raise ValueError(f"tail tensor {name!r} read from row {tail_from} needs a target")
+    arr = np.empty(spec.shape, dtype=spec.dtype)
+    own[name] = arr
+    return [byte_view(arr)]
+
+
+def _tail_pieces(
+    name: str, spec: TensorSpec, views: list[memoryview], start: int, rows: int
+) -> list[_Piece]:
+    """A tail tensor as pieces: its groups before ``start``'s unread, the rest of
+    ``start``'s group read into scratch and hashed, then its rows from ``start``."""
+    row_bytes = spec.nbytes // rows if rows else 0
+    first = start // TAIL_GROUP * TAIL_GROUP
+    out = [_Piece(first * row_bytes, None, "tail")] if first else []
+    if start > first:
+        lead = scratch.get("lead:" + name, (start - first) * row_bytes)
+        out.append(_Piece(lead.shape[0], [lead.data], "tail", name, first, row_bytes))
+    out.append(_Piece((rows - start) * row_bytes, views, "tail", name, start, row_bytes))
+    return out
+
+
 _CHUNK = 256 << 10  # a discarded tensor is hashed through a buffer that stays in cache
 
 
 @dataclass(slots=True)
 class _Piece:
-    """One tensor of a data section, as ``fill_block`` reads it."""
+    """One tensor (or a tail tensor's row range) of a data section, as ``fill_block`` reads it."""
 
     nbytes: int
-    views: list[memoryview] | None  # where its bytes go; None: discarded
-    apart: bool  # left out of the index's checksum, checked by its own digest
+    views: list[memoryview] | None  # where its bytes go; None: discarded (a tail's: unread)
+    kind: str  # "main": under the index's checksum; "apart": the detached tensor; "tail"
+    name: str = ""  # a tail's tensor, its first row and row size
+    first_row: int = 0
+    row_bytes: int = 0
 
 
-def _read_checked(opened: OpenedBlock, pieces: list[_Piece]) -> None:
+def _read_checked(opened: OpenedBlock, pieces: list[_Piece], tails: TailHashes | None) -> None:
     """Read the data section's ``pieces`` in order and check the file's digests.
 
     Consecutive pieces are read with one ``preadv``. A discarded piece the
@@ -224,20 +316,19 @@ def _read_checked(opened: OpenedBlock, pieces: list[_Piece]) -> None:
     digest = xxhash.xxh3_128(opened.header)
     apart = xxhash.xxh3_128()
     at, run = len(opened.header), []
-    for piece in [*pieces, _Piece(0, None, False)]:  # the empty last piece reads the last run
+    for piece in [*pieces, _Piece(0, None, "apart")]:  # the empty last piece reads the last run
         if piece.views is not None:
             run.append(piece)
             continue
         read_exactly(opened.fd, [v for p in run for v in p.views or ()], at)
         for done in run:
-            for view in done.views or ():
-                (apart if done.apart else digest).update(view)
+            _hash_piece(done, digest, apart, tails)
             at += done.nbytes
         run = []
-        if piece.apart:
+        if piece.kind != "main":
             at += piece.nbytes
             continue
-        chunk = _scratch.get("discard", min(piece.nbytes, _CHUNK)).data
+        chunk = scratch.get("discard", min(piece.nbytes, _CHUNK)).data
         left = piece.nbytes
         while left > 0:
             part = chunk[: min(left, len(chunk))]
@@ -247,100 +338,22 @@ def _read_checked(opened: OpenedBlock, pieces: list[_Piece]) -> None:
     found = "xxh3:" + digest.hexdigest()
     if found != opened.row.checksum:
         raise BlockCorrupt(f"checksum {found} differs from the index's {opened.row.checksum}")
-    kept = [p for p in pieces if p.apart and p.views is not None]
+    kept = [p for p in pieces if p.kind == "apart" and p.views is not None]
     if kept and apart.hexdigest() != opened.detached:
         raise BlockCorrupt(f"tensor {DETACHED!r} differs from its checksum")
+    if tails is not None:
+        tails.check()
 
 
-class _Scratch(threading.local):
-    """Each reading thread's buffer for compact files' data sections (reused)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, np.ndarray] = {}
-
-    def get(self, name: str, size: int) -> np.ndarray:
-        if size > _KEEP_SCRATCH:
-            return np.empty(size, dtype=np.uint8)
-        buf = self.buffers.get(name)
-        if buf is None or buf.shape[0] < size:
-            buf = self.buffers[name] = np.empty(size, dtype=np.uint8)
-        return buf[:size]
-
-
-_scratch = _Scratch()
-_KEEP_SCRATCH = 64 << 20  # a larger buffer is not kept between reads
-
-
-def _check_compact(opened: OpenedBlock, whole: memoryview, with_detached: bool) -> None:
-    """A compact file's digests, its data section read whole (``BlockCorrupt`` if one differs)."""
-    assert opened.physical is not None
-    digest = xxhash.xxh3_128(opened.header)
-    spec = opened.physical.get(DETACHED) if opened.detached is not None else None
-    if spec is None:
-        digest.update(whole)
-    else:
-        digest.update(whole[: spec.begin])
-        digest.update(whole[spec.end :])
-    found = "xxh3:" + digest.hexdigest()
-    if found != opened.row.checksum:
-        raise BlockCorrupt(f"checksum {found} differs from the index's {opened.row.checksum}")
-    if (
-        spec is not None
-        and with_detached
-        and xxhash.xxh3_128_hexdigest(whole[spec.begin : spec.end]) != opened.detached
-    ):
-        raise BlockCorrupt(f"tensor {DETACHED!r} differs from its checksum")
-
-
-def _fill_planes(
-    opened: OpenedBlock,
-    own: dict[str, np.ndarray],
-    placed: list[tuple[str, list[memoryview]]],
-    with_detached: bool,
+def _hash_piece(
+    piece: _Piece, digest: xxhash.xxh3_128, apart: xxhash.xxh3_128, tails: TailHashes | None
 ) -> None:
-    """A compact file: read and checksum it whole, then decode its planes into the targets."""
-    assert opened.physical is not None and opened.planes is not None
-    row, physical = opened.row, opened.physical
-    data = _scratch.get("data", row.stored_bytes - len(opened.header))
-    whole, body = data.data, len(opened.header)
-    skip = physical.get(DETACHED) if opened.detached is not None and not with_detached else None
-    if skip is None:
-        read_exactly(opened.fd, [whole], body)
-    else:  # the detached tensor is not needed: its bytes are left unread (a hole in ``whole``)
-        read_exactly(opened.fd, [whole[: skip.begin]], body)
-        read_exactly(opened.fd, [whole[skip.end :]], body + skip.end)
-    _check_compact(opened, whole, with_detached)  # before anything is decoded or written
-
-    def section(name: str) -> memoryview:
-        spec = physical[name]
-        return whole[spec.begin : spec.end]
-
-    outputs = {name: [_byte_view(arr)] for name, arr in own.items()}
-    outputs.update(placed)
-    for name, parts in outputs.items():
-        if name in physical:  # stored whole: copied
-            src, at = section(name), 0
-            for part in parts:
-                part[:] = src[at : at + len(part)]
-                at += len(part)
-    split = [name for name, _ in opened.planes]
-    if q6.compiled():
-        # straight to the compiled decoder: one call, no arrays made (_logical checked the parts)
-        q6.decode_views(
-            [
-                (
-                    section(name + planes.LO),
-                    section(name + planes.Q6_INDEX),
-                    section(name + planes.Q6_TABLE),
-                    outputs[name],
-                )
-                for name in split
-            ]
-        )
-        return
-    stored = {name: np.frombuffer(section(name), dtype=np.uint8) for name in physical}
-    planes.decode_planes(
-        stored,
-        opened.planes,
-        {name: [np.frombuffer(v, dtype=np.uint8) for v in outputs[name]] for name in split},
-    )
+    row = piece.first_row
+    for view in piece.views or ():
+        if piece.kind == "main":
+            digest.update(view)
+        elif piece.kind == "apart":
+            apart.update(view)
+        elif tails is not None and piece.row_bytes:
+            tails.update(piece.name, view, row, piece.row_bytes)
+            row += len(view) // piece.row_bytes

@@ -190,6 +190,7 @@ class BlockIndex:
                 row.last_used,
                 row.hits,
                 row.ends.astype("<u4").tobytes(),
+                int(row.end_state),
                 row.n_tokens,
             ),
         )

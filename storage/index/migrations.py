@@ -195,3 +195,17 @@ def m004_hits_name_a_snapshot(db: sqlite_utils.Database) -> None:
         pk=("identity", "n_ctx"),
         not_null={"seconds", "tokens", "updated"},
     )
+
+
+@migration
+def m005_end_states(db: sqlite_utils.Database) -> None:
+    """A block records whether a restore may end at it (``end_state``).
+
+    A block of a sliding-window or recurrent model holds the state a restore
+    needs to end there only where one was kept; the others are restored
+    through. Blocks written before this migration are kept (plain attention
+    blocks can always end a restore); those of other memory kinds were written
+    in a format this version no longer reads, under an identity it no longer
+    computes, so they are never matched and the budget evicts them.
+    """
+    db.table("blocks").add_column("end_state", int)

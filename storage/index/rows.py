@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 BLOCK_COLUMNS = (
     "hash, parent, identity, namespace, start, tokens, tokens_sha, file, raw_bytes, "
     "stored_bytes, checksum, probe_digest, probe_top, prefill_seconds, created, last_used, hits, "
-    "ends"
+    "ends, end_state"
 )
 SNAPSHOT_COLUMNS = (
     "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
@@ -49,6 +49,7 @@ def block_row(r: Sequence[Any]) -> BlockRow:
         created=float(r[14]),
         last_used=float(r[15]),
         hits=int(r[16]),
+        end_state=r[18] is None or bool(r[18]),
     )
 
 
