@@ -27,6 +27,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
+from localkv.kv.blocks import PARTIAL, WINDOW
+from localkv.storage import Block
+from localkv.storage.values import TAIL_GROUP
+
 __all__ = [
     "EVICTION_AVAILABLE",
     "IN_MEMORY_FILE_SYSTEMS",
@@ -34,6 +38,7 @@ __all__ = [
     "evict",
     "file_system",
     "storage_reads",
+    "unread_bytes",
 ]
 
 T = TypeVar("T")
@@ -122,3 +127,20 @@ def file_system(path: Path | str) -> str | None:
         if inside and len(point) >= len(best):
             best, kind = point, fields[2]
     return kind
+
+
+def unread_bytes(blocks: list[Block]) -> int:
+    """What a restore ending at the last of ``blocks`` leaves unread: every block's recurrent
+    state but the last one's (``cache.restore``), and the sliding rows before the window's
+    row group (``cache.windowread``)."""
+    unread = sum(b.tensors[PARTIAL].nbytes for b in blocks[:-1] if PARTIAL in b.tensors)
+    first = int(blocks[-1].meta.get("window_first", -1)) if blocks else -1
+    for b in blocks:
+        tails = [a for name, a in b.tensors.items() if name.startswith(WINDOW)]
+        if first < 0 or not tails:
+            continue
+        rows = tails[0].shape[0]
+        stored = b.end - rows
+        skip = rows if b.end <= first else max(0, first - stored) // TAIL_GROUP * TAIL_GROUP
+        unread += sum(a.nbytes // rows * skip for a in tails)
+    return unread

@@ -20,14 +20,14 @@ import numpy as np
 
 from localkv.bench import baselines as base
 from localkv.bench import codecs as benchcodecs
-from localkv.bench.disk import cold_call
+from localkv.bench.disk import cold_call, unread_bytes
 from localkv.bench.results import RESTORE, STEPS, AskResult, BenchConfig, SizeResult
 from localkv.bench.stats import ColdStat, PeakMemory, Stat, peak_memory, timed
 from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity
 from localkv.cache.prefix import PrefixCache
 from localkv.kv import partial
-from localkv.kv.blocks import PARTIAL
+from localkv.kv.blocks import end_state_bytes
 from localkv.kv.partial import MemoryKind
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ModelSession
@@ -149,7 +149,9 @@ class _SizeBench:
             raise RuntimeError("nothing was saved")
         self.tip, self.blocks = saved.tip, blocks
         chain = self.store.chain_of(saved.tip)
-        partial = sum(int(b.meta.get("partial_bytes", 0)) for b in blocks)
+        partial = sum(
+            end_state_bytes(b.meta, {k: a.nbytes for k, a in b.tensors.items()}) for b in blocks
+        )
         return _Saved(t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain), partial)
 
     def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
@@ -224,8 +226,7 @@ class _SizeBench:
             self.session.reset()
             runs.append(cold_call(files, self._restore_timed))
             self._run_deferred()
-        # a restore does not read the partial state of any block but the last (``cache.restore``)
-        unread = sum(b.tensors[PARTIAL].nbytes for b in self.blocks[:-1] if PARTIAL in b.tensors)
+        unread = unread_bytes(self.blocks)
         on_disk = sum(p.stat().st_size for p in files)
         cold = ColdStat.of([(r[0], read, ev) for r, read, ev in runs], on_disk, on_disk - unread)
         return _Evicted(cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs])

@@ -167,8 +167,9 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
         if kind == "kv":
             return kv, ""
         info = partial.check_partial(read_state_ext(session.ctx, partial.PARTIAL_ONLY), kind, 1)
-        size = f":{info.nbytes}" if kind != "swa" else ""
-        return kv, info.layout + size
+        if kind == "swa":  # blocks keep their own sliding rows (``model.windows``)
+            return kv, "rows1:" + info.layout
+        return kv, f"{info.layout}:{info.nbytes}"
     finally:
         session.reset()
 

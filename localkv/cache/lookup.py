@@ -51,9 +51,14 @@ def plan_chain(
     block_size: int,
     tokens: Sequence[int],
     ends: Sequence[int],
+    whole_blocks: bool = False,
 ) -> Plan:
     """The stored chain (under ``scope``: identity digest, namespace) that holds the
-    longest exact prefix of ``tokens``, whose canonical schedule is ``ends``."""
+    longest exact prefix of ``tokens``, whose canonical schedule is ``ends``.
+
+    ``whole_blocks``: memory that cannot be trimmed (``cache.partials``) can use a
+    following block only whole and only where a restore may end at it.
+    """
     chain = list(store.match_chain(chain_hashes(root, tokens, block_size, ends)))
     start = len(chain) * block_size
     best: BlockRow | None = None
@@ -67,6 +72,8 @@ def plan_chain(
             stored = [start + int(e) for e in child.ends]
             reuse = shared_end(stored, wanted, n, start)
             common = max(common, n)
+            if whole_blocks and (reuse < child.end or not child.end_state):
+                continue
             if reuse > best_reuse:
                 best, best_reuse = child, reuse
     if best is not None:

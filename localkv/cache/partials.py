@@ -1,10 +1,10 @@
-"""Where a restore of memory with a partial part may end: at a snapshot boundary.
+"""Where a restore of memory with a partial part may end: at a block that keeps one.
 
 An SWA window or a recurrent state is a point value (``localkv.kv.partial``):
-it is stored with a block as it stood before the block's last token, and a
-restore may end only at such a block's end, never trimmed to a shorter prefix.
-A request that diverges mid-block reuses up to the last snapshot boundary
-before the divergence.
+a restore may end only at a block that can rebuild it as it stood before the
+block's last token (its ``end_state``: an SWA block's window start and rows, a
+recurrent block's state), never trimmed to a shorter prefix. A request that
+diverges mid-block reuses up to the last such block before the divergence.
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ def snapshot_cut(
     reused, or why none can be (plain KV memory: unchanged)."""
     if kind == "kv" or reuse == 0:
         return plan, reuse, None
-    # SWA windows are kept at block-grid ends only (``model.snapshots``)
-    grid = block_size if kind == "swa" else 1
-    keep = [i for i, row in enumerate(plan.chain) if 2 <= row.end <= reuse and row.end % grid == 0]
+    keep = [i for i, row in enumerate(plan.chain) if 2 <= row.end <= reuse and row.end_state]
     if not keep:
         return (
             plan,
             0,
             (
                 f"no snapshot boundary in the {reuse:,} reusable tokens: "
-                f"{what_is_kept(kind)} is kept every {block_size}"
+                f"{what_is_kept(kind)} is kept at segment ends and every {block_size}"
             ),
         )
     chain = plan.chain[: keep[-1] + 1]

@@ -151,7 +151,8 @@ class PrefixCache:
     def plan(self, tokens: Sequence[int], ends: Sequence[int]) -> Plan:
         """The stored chain that holds the longest exact prefix of ``tokens`` (see ``lookup``)."""
         scope = (self.identity.digest, self.namespace)
-        return plan_chain(self.store, self.root, scope, self.block_size, tokens, ends)
+        whole = self.identity.memory_kind != "kv"
+        return plan_chain(self.store, self.root, scope, self.block_size, tokens, ends, whole)
 
     def miss_reason(self, tokens: Sequence[int]) -> str:
         """Why nothing was found: the identity field that differs, or no stored prefix."""

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from localkv.cache.windowread import read_window_chain
 from localkv.kv import codec, partial
 from localkv.kv.blocks import PARTIAL, block_layout, block_partial, tensors_to_state
 from localkv.model.loading import large_buffer
@@ -37,8 +38,12 @@ def load_chain(
 ) -> np.ndarray:
     """Read, check and load the chain minus its final token; return the stored tokens."""
     opened = store.open_blocks(chain)
+    tip_rows = None
     try:
-        blocks, buffer, tip_rows = _read(store, session, opened)
+        if session.memory_kind == "swa":
+            blocks, window_state = read_window_chain(store, session, opened)
+        else:
+            blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
         for block_file in opened:
             block_file.close()
@@ -52,7 +57,10 @@ def load_chain(
     tokens = np.concatenate([b.tokens for b in blocks])
     n = int(tokens.shape[0]) - 1
     held = [int(t) for t in tokens[:n]]
-    if session.memory_kind != "kv":
+    if session.memory_kind == "swa":
+        session.load_state(window_state, held)
+        session.settled_at = n  # the state the writer settled to before token n
+    elif session.memory_kind != "kv":
         _load_with_partial(session, blocks, buffer, held, tip_rows)
     elif buffer is not None:
         session.load_state(buffer, held)
@@ -78,7 +86,7 @@ def _load_with_partial(
     held before decoding the chain's final token.
     """
     kind = session.memory_kind
-    if kind is None or kind == "kv":
+    if kind is None or kind in ("kv", "swa"):
         raise codec.StateFormatError("this memory has no partial part")
     n = len(held)
     tensors = blocks[-1].tensors if tip_rows is None else {PARTIAL: tip_rows}
@@ -126,7 +134,8 @@ def _read(
         )
     if len(layouts) != 1:
         raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
-    v_trans, layout = layouts.pop()
+    found = layouts.pop()
+    v_trans, layout = found.v_trans, found.layers
     n = at - 1
     if v_trans or n <= 0 or not layout:
         return store.fill_blocks(opened, [None] * len(opened), drops), None, None

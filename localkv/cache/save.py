@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localkv.kv.blocks import add_partial, state_to_tensors
+from localkv.kv.blocks import add_partial, add_window, state_to_tensors
 from localkv.kv.codec import KVState
 from localkv.model.session import ModelSession
 from localkv.storage.chain import block_ends, chain_next
@@ -74,6 +74,7 @@ def prepare_blocks(
         start = (end - 1) // scope.block_size * scope.block_size
         full = end - start == scope.block_size
         parent = full_hash_at.get(start)
+        window = session.windows.take(end) if kind == "swa" else None
         if parent is None:
             break  # the block before this one could not be saved
         block_tokens = np.asarray(tokens[start:end], dtype=np.int32)
@@ -90,17 +91,21 @@ def prepare_blocks(
             continue
         probe = session.probes.get(end - 1)
         partial = session.partials.get(end - 1)
-        # SWA: a segment-end block holds no partial state (``model.snapshots``): it
-        # completes the chain a snapshot names, and is never where a restore ends
-        needs_partial = kind in ("hybrid", "recurrent") or (kind == "swa" and full)
-        if probe is None or (needs_partial and partial is None):
-            log.debug("no probe or partial state for token %d: not saved", end - 1)
+        # where a restore can end: SWA, with the window's rows; recurrent, with its state.
+        # A block without one is restored through; a tip without one is of no use
+        end_state = {"swa": window is not None, "kv": True}.get(kind or "", partial is not None)
+        if probe is None or not (end_state or full):
+            log.debug("no probe or end state for token %d: not saved", end - 1)
             continue
         if full:
             full_hash_at[end] = block_hash
         tensors, meta = _tensors(state, start, end, partial)
+        if window is not None:
+            add_window(tensors, meta, window.state(), window.window_first)
         content = (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start))
-        out.append(_block(scope, block_hash, parent, start, block_tokens, offsets, content))
+        out.append(
+            _block(scope, block_hash, parent, start, block_tokens, offsets, content, end_state)
+        )
     return out
 
 
@@ -129,6 +134,7 @@ def _block(
     tokens: np.ndarray,
     ends: np.ndarray,
     content: _Content | None = None,
+    end_state: bool = True,
 ) -> Block:
     """A block to write; without ``content`` (tensors, probe, metadata, prefill seconds),
     a stand-in for one already stored (nothing to write)."""
@@ -150,6 +156,7 @@ def _block(
         probe=probe,
         meta=meta,
         prefill_seconds=seconds,
+        end_state=end_state,
     )
 
 

@@ -143,11 +143,15 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
 
 
 def _partial_state(store: SnapshotStore, chain: list[Any]) -> dict[str, Any]:
-    """The bytes of the SWA window / recurrent state each block holds (``kv.partial``)."""
+    """The bytes each block keeps for a restore to end at it: its sliding rows (SWA) or
+    its recurrent state (``kv.blocks.end_state_bytes``)."""
+    from localkv.kv.blocks import end_state_bytes
+
     blocks = []
     for opened in store.open_blocks(chain):
         try:
-            size = int(opened.metadata.get("partial_bytes", 0))
+            sizes = {name: spec.nbytes for name, spec in opened.specs.items()}
+            size = end_state_bytes(opened.metadata, sizes)
         finally:
             opened.close()
         row = opened.row
@@ -341,11 +345,13 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
             ends = [b.start + int(e) for b in blocks for e in b.ends]
             session.reset()
             probes = session.prefill(tokens, ends=ends).probes
+            if session.memory_kind == "swa":  # the last window's rows go to their blocks
+                session.capture()
             worst, partial = 0.0, session.memory_kind not in (None, "kv")
             bad = []
             for row, block in zip(chain, blocks, strict=True):
                 logits = probes.get(row.end - 1)
-                if _partial_differs(session.partials.get(row.end - 1), block.tensors, block.meta):
+                if _partial_differs(session, row.end, block.tensors, block.meta):
                     bad.append(row.hash)
                 elif logits is None or not row.probe.matches(logits):
                     bad.append(row.hash)
@@ -363,13 +369,17 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
 
 
 def _partial_differs(
-    computed: np.ndarray | None, tensors: dict[str, np.ndarray], meta: dict[str, str]
+    session: Any, end: int, tensors: dict[str, np.ndarray], meta: dict[str, str]
 ) -> bool:
-    """Whether a block's stored partial state (SWA window, recurrent state) differs from
-    the recomputed one, bit for bit (False for a block that holds none)."""
+    """Whether a block's stored sliding rows or recurrent state differ from the ones the
+    replay in ``session`` computed, bit for bit (False for a block that holds none)."""
     from localkv.kv import codec
-    from localkv.kv.blocks import block_partial
+    from localkv.kv.blocks import block_partial, window_differs
 
+    if session.memory_kind == "swa":
+        rows = session.windows.pending.get(end)
+        return window_differs(rows.state() if rows is not None else None, tensors)
+    computed = session.partials.get(end - 1)
     if "partial_bytes" not in meta:
         return False
     try:

@@ -121,16 +121,21 @@ class _Reader:
         return arr.reshape(n, row_bytes)
 
 
-def parse(buf: bytes | bytearray | memoryview, *, copy: bool = True) -> KVState:
+def parse(
+    buf: bytes | bytearray | memoryview, *, copy: bool = True, header: bool = True
+) -> KVState:
     """Parse a ``llama_state_seq_get_data`` buffer of one sequence.
 
     With ``copy=False`` the arrays are views into ``buf`` (keep it alive).
+    ``header=False``: ``buf`` is a KV section without the magic and sequence id
+    (the sliding part of an SWA state, after its full-attention part).
     """
     r = _Reader(buf)
-    magic = r.take("<I")
-    if magic != STATE_MAGIC:
-        raise StateFormatError(f"not a llama.cpp sequence state (magic {magic:#010x})")
-    r.take("<i")  # the sequence it was taken from; set_data takes the target id
+    if header:
+        magic = r.take("<I")
+        if magic != STATE_MAGIC:
+            raise StateFormatError(f"not a llama.cpp sequence state (magic {magic:#010x})")
+        r.take("<i")  # the sequence it was taken from; set_data takes the target id
     n_stream = r.take("<I")
     if n_stream != 1:
         raise StateFormatError(f"{n_stream} KV streams (localkv handles exactly 1)")
@@ -250,23 +255,36 @@ def assembled_size(parts: Sequence[KVState], n: int) -> int:
 
 
 def assembly(
-    layout: Sequence[LayerLayout], n: int, seq_id: int = 0, scratch: np.ndarray | None = None
+    layout: Sequence[LayerLayout],
+    n: int,
+    seq_id: int = 0,
+    scratch: np.ndarray | None = None,
+    *,
+    first: int = 0,
+    header: bool = True,
 ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-    """A ``set_data`` buffer for ``n`` tokens at positions 0..n-1, rows left to fill.
+    """A ``set_data`` buffer for ``n`` tokens at positions ``first..first+n-1``, rows left to fill.
 
     For untransposed V only. Every field but the K and V rows is written;
     returns the buffer (a view into ``scratch`` when it is large enough) and,
     per layer, the K and V row arrays (uint8 ``[n, row_bytes]`` views into it)
-    that the caller fills, e.g. straight from block files.
+    that the caller fills, e.g. straight from block files. ``header=False``
+    leaves out the leading magic and sequence id: a KV section to follow another
+    (an SWA state's sliding part after its full-attention part).
     """
     if n <= 0 or not layout:
         raise ValueError(f"cannot lay out {n} tokens of {len(layout)} layers")
-    size = state_size(layout, False, n)
+    skip = 0 if header else 8
+    size = state_size(layout, False, n) - skip
     out = _buffer(size, scratch)
-    struct.pack_into("<IiII", out, 0, STATE_MAGIC, seq_id, 1, n)  # type: ignore[arg-type]
-    off = 16
+    off = 0
+    if header:
+        struct.pack_into("<Ii", out, 0, STATE_MAGIC, seq_id)  # type: ignore[arg-type]
+        off = 8
+    struct.pack_into("<II", out, off, 1, n)  # type: ignore[arg-type]
+    off += 8
     cells = out[off : off + 12 * n].view("<i4").reshape(n, 3)
-    cells[:, 0] = np.arange(n, dtype=np.int32)
+    cells[:, 0] = np.arange(first, first + n, dtype=np.int32)
     cells[:, 1] = 1
     cells[:, 2] = seq_id
     off += 12 * n

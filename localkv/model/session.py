@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import logging
 from collections.abc import Callable, Generator, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -28,11 +27,25 @@ from localkv.model.loading import ModelLoadError, flash_attn_setting, large_buff
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
 from localkv.model.schedule import ends_after, request_ends
-from localkv.model.snapshots import attention_state, memory_of, partial_before
-from localkv.model.state import read_state, write_state
+from localkv.model.snapshots import (
+    attention_state,
+    memory_of,
+    partial_after,
+    partial_before,
+    window_of,
+)
+from localkv.model.state import (
+    ContextFullError,
+    PrefillCancelled,
+    PrefillResult,
+    read_state,
+    write_state,
+)
 from localkv.model.vocab import token_piece, tokenize
+from localkv.model.windows import WindowLog
 
 __all__ = [
+    "ContextFullError",
     "LoraSpec",
     "ModelLoadError",
     "ModelSession",
@@ -47,23 +60,6 @@ CancelFn = Callable[[], bool]
 FinishReason = Literal["stop", "length", "context", "cancelled"]
 
 
-class PrefillCancelled(Exception):
-    """Prefill stopped on request; ``done`` tokens are in the KV sequence."""
-
-    def __init__(self, done: int) -> None:
-        super().__init__(f"prefill cancelled after {done} tokens")
-        self.done = done
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    """What a prefill did: probe logits by absolute position of tokens decoded alone."""
-
-    start: int
-    end: int
-    probes: dict[int, np.ndarray] = field(default_factory=dict)
-
-
 class ModelSession:
     """One model, one context, one KV sequence (id 0)."""
 
@@ -76,6 +72,10 @@ class ModelSession:
         # logits of tokens decoded alone at block ends and boundaries: the probes
         self.probes: dict[int, np.ndarray] = {}
         self.partials: dict[int, np.ndarray] = {}  # by position (``model.snapshots``)
+        # SWA: the sliding rows blocks will store (``model.windows``), and the position
+        # of the last settle (the state a restore loaded counts as settled there)
+        self.windows = WindowLog()
+        self.settled_at: int | None = None
         self._scratch: np.ndarray | None = None  # reused restore buffer
         # token counts after each llama_decode call: how the sequence was batched.
         # Numerics depend on batching, so a faithful recomputation replays it.
@@ -101,6 +101,7 @@ class ModelSession:
         self.n_batch = native.n_batch
         self._batch = native.batch
         self.memory_kind, self.memory_refusal = memory_of(self.model)
+        self.swa_window = int(llama_cpp.llama_model_n_swa(self.model))
 
     def flash_attn_setting(self) -> str:
         """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
@@ -201,6 +202,7 @@ class ModelSession:
         logits = self._decode([token], want_last=True)
         if logits is None:  # pragma: no cover - want_last guarantees logits
             raise RuntimeError("no logits")
+        partial_after(self, pos)
         if probe or (pos + 1) % self.config.block_size == 0:
             self.probes[pos] = logits
         return logits
@@ -311,9 +313,13 @@ class ModelSession:
     def capture(self) -> codec.KVState:
         """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown).
 
-        Its K/V rows view one capture buffer, no copy (SWA, hybrid: the attention part).
+        Its K/V rows view one capture buffer, no copy (SWA, hybrid: the attention part;
+        an SWA window's rows go to the blocks still collecting them, ``windows``).
         """
-        return attention_state(self.capture_array(), self.memory_kind)
+        state = self.capture_array()
+        if self.memory_kind == "swa":
+            self.windows.harvest(window_of(state))
+        return attention_state(state, self.memory_kind)
 
     def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
@@ -384,17 +390,7 @@ class ModelSession:
         self.tokens = []
         self.probes = {}
         self.partials = {}
+        self.windows.clear()
+        self.settled_at = None
         self.batch_ends = []
         self._last_logits = None
-
-
-class ContextFullError(ValueError):
-    """The request does not fit in the context window."""
-
-    def __init__(self, needed: int, n_ctx: int) -> None:
-        super().__init__(
-            f"{needed} tokens do not fit in the context of {n_ctx} tokens "
-            "(raise it with --ctx, or shorten the input)"
-        )
-        self.needed = needed
-        self.n_ctx = n_ctx

@@ -2,19 +2,27 @@
 
 A model whose per-sequence memory holds a sliding window (iSWA) or a recurrent
 state keeps a *partial* part that is a point value (``localkv.kv.partial``).
-The session captures it where a block can end (see ``snapshot_here``), with
-the tokens before the block's last token in the sequence, so a restore can
-rebuild exactly that state and decode the last token alone as the probe.
+A restore can end only where that part can be rebuilt exactly, with the
+tokens before the block's last token in the sequence, so that the last token
+is decoded alone as the probe.
+
+**Recurrent and hybrid** memories keep the recurrent state itself: the session
+captures it before a block's last token where a block can end (see
+``snapshot_here``). They need no settling (measured: bit-identical continuations).
 
 **Settling (SWA).** A live context with ``swa_full`` keeps every SWA cell, but
 a state write (and so a restore) holds only the window: measured on the tiny
 gemma3 model, a batch decoded after a restore differs from the live run by up
-to 3e-3 in a logit. So at every block-grid end the SWA session *settles*:
+to 3e-3 in a logit. So where a restore may end the SWA session *settles*:
 it writes its state, clears the memory and loads that state back, exactly
-what a restore does. Every writer settles at the same positions (block-grid
-ends depend on the position alone, in prefill and generation alike), so a
-restore at a block-grid end is the state the uncached run holds there. Recurrent
-and hybrid memories need no settling (measured: bit-identical continuations).
+what a restore does. It settles before a token decoded alone at a block-grid
+end, and before one decoded alone right after a batch of several tokens (a
+segment's end: ``settles_before``). Both depend on the position and the batch
+ends alone, which the chain hash covers, so every writer (prefill, generation,
+a replay) settles at the same positions, and a restore there is the state the
+uncached run holds. The window written at a settle gives the block its
+sliding rows (``windows``): a block stores each token's rows once, and a
+restore assembles the window from the blocks that cover it.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from localkv.kv import codec
-from localkv.kv.partial import PARTIAL_ONLY, MemoryKind, split
+from localkv.kv.partial import PARTIAL_ONLY, MemoryKind, attention_end, split
 from localkv.model.native import llama_cpp
 
 __all__ = [
@@ -34,10 +42,13 @@ __all__ = [
     "classify",
     "memory_kind",
     "memory_of",
+    "partial_after",
     "partial_before",
     "read_state_ext",
     "settle",
+    "settles_before",
     "snapshot_here",
+    "window_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,25 +101,46 @@ def read_state_ext(ctx: Any, flags: int) -> np.ndarray:
 
 
 def snapshot_here(kind: MemoryKind, pos: int, block_size: int, probe: bool) -> bool:
-    """Whether the partial part is captured before decoding token ``pos`` alone.
-
-    SWA: at block-grid ends only (where every writer settles). Recurrent and
-    hybrid: also wherever a probe is kept (segment ends), for finer reuse.
-    """
-    if kind == "kv":
+    """Whether a recurrent or hybrid partial part is captured before decoding token
+    ``pos`` alone: at block-grid ends, and wherever a probe is kept (segment ends)."""
+    if kind in ("kv", "swa"):
         return False
-    grid = (pos + 1) % block_size == 0
-    return grid if kind == "swa" else grid or probe
+    return (pos + 1) % block_size == 0 or probe
 
 
-def settle(ctx: Any, memory: Any) -> None:
-    """Write the whole state, clear the memory, load it back (see the module docstring)."""
+def settles_before(pos: int, batch_ends: list[int], block_size: int) -> bool:
+    """Whether an SWA session settles before decoding token ``pos`` alone.
+
+    At a block-grid end, and right after a batch of two or more tokens: where a
+    segment ends (the batch before its last token). ``batch_ends`` is how the
+    sequence was batched so far (its last entry is ``pos``).
+    """
+    if (pos + 1) % block_size == 0:
+        return True
+    if not batch_ends or batch_ends[-1] != pos:
+        return False
+    before = batch_ends[-2] if len(batch_ends) > 1 else 0
+    return pos - before >= 2
+
+
+def settle(ctx: Any, memory: Any) -> np.ndarray:
+    """Write the whole state, clear the memory, load it back (see the module docstring).
+
+    Returns the state written.
+    """
     state = read_state_ext(ctx, 0)
     llama_cpp.llama_memory_clear(memory, False)
     ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     read = int(llama_cpp.llama_state_seq_set_data(ctx, ptr, state.shape[0], 0))
     if read != state.shape[0]:
         raise RuntimeError(f"settling the SWA state: llama.cpp took {read} of {state.shape[0]}")
+    return state
+
+
+def window_of(state: np.ndarray) -> codec.KVState:
+    """The sliding layers' rows of a whole SWA state (the window), parsed (views)."""
+    view = state.data.cast("B")
+    return codec.parse(view[attention_end(view, "swa") :], copy=False, header=False)
 
 
 def memory_of(model: Any) -> tuple[MemoryKind | None, str | None]:
@@ -120,15 +152,31 @@ def memory_of(model: Any) -> tuple[MemoryKind | None, str | None]:
 
 
 def partial_before(session: Any, pos: int, probe: bool) -> None:
-    """Before token ``pos`` is decoded alone: settle (SWA) and capture the partial part."""
+    """Before token ``pos`` is decoded alone: settle (SWA) or capture the partial part."""
     kind = session.memory_kind
-    if kind is None or not snapshot_here(kind, pos, session.config.block_size, probe):
+    block = session.config.block_size
+    if kind == "swa" and settles_before(pos, session.batch_ends, block):
+        if session.settled_at == pos:  # just restored to this state (``cache.restore``)
+            return
+        window = window_of(settle(session.ctx, session.memory))
+        session.windows.open(pos + 1, pos // block * block, window)
+        session.settled_at = pos
+        return
+    if kind is None or not snapshot_here(kind, pos, block, probe):
         return
     if pos in session.partials:  # just restored to this state (``cache.restore``)
         return
-    if kind == "swa":
-        settle(session.ctx, session.memory)
     session.partials[pos] = read_state_ext(session.ctx, PARTIAL_ONLY)
+
+
+def partial_after(session: Any, pos: int) -> None:
+    """After token ``pos`` was decoded alone: an SWA window narrower than a block has
+    already dropped a settled block's last row by the next settle, so take it now."""
+    if session.memory_kind != "swa" or session.settled_at != pos:
+        return
+    if session.windows.missing_last() and session.swa_window < session.config.block_size:
+        blob = read_state_ext(session.ctx, PARTIAL_ONLY)
+        session.windows.harvest(codec.parse(blob.data, copy=False))
 
 
 def attention_state(state: np.ndarray, kind: MemoryKind | None) -> codec.KVState:

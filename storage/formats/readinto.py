@@ -253,7 +253,14 @@ def _tail_hashes(opened: OpenedBlock, start: int) -> TailHashes | None:
     names = tail_names(opened.specs)
     if not names:
         return None
-    return TailHashes(names, list(opened.tail_sums), start // TAIL_GROUP)
+    return TailHashes(
+        names, list(opened.tail_sums), -(-_group_start(start, opened.tail_rows) // TAIL_GROUP)
+    )
+
+
+def _group_start(start: int, rows: int) -> int:
+    """The first tail row read for rows from ``start`` on: its group's first (none: ``rows``)."""
+    return rows if start >= rows else start // TAIL_GROUP * TAIL_GROUP
 
 
 def _tail_views(
@@ -281,7 +288,7 @@ def _tail_pieces(
     """A tail tensor as pieces: its groups before ``start``'s unread, the rest of
     ``start``'s group read into scratch and hashed, then its rows from ``start``."""
     row_bytes = spec.nbytes // rows if rows else 0
-    first = start // TAIL_GROUP * TAIL_GROUP
+    first = _group_start(start, rows)
     out = [_Piece(first * row_bytes, None, "tail")] if first else []
     if start > first:
         lead = scratch.get("lead:" + name, (start - first) * row_bytes)

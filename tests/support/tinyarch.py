@@ -116,7 +116,6 @@ def _gemma3(w: gguf.GGUFWriter, t: _Weights) -> None:
     w.add_value_length(HEAD_DIM)
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_rope_freq_base(10000.0)
-    w.add_sliding_window(SWA_WINDOW)
     for i in range(n_layer):
         p = f"blk.{i}."
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
@@ -211,8 +210,11 @@ _BUILDERS: dict[str, Callable[[gguf.GGUFWriter, _Weights], None]] = {
 }
 
 
-def build(dst: Path, arch: str, tokenizer_source: Path, *, seed: int = 0) -> Path:
-    """Write a tiny F32 ``arch`` GGUF with random weights and the source's tokenizer."""
+def build(
+    dst: Path, arch: str, tokenizer_source: Path, *, seed: int = 0, window: int = SWA_WINDOW
+) -> Path:
+    """Write a tiny F32 ``arch`` GGUF with random weights and the source's tokenizer
+    (``window``: the sliding window of an SWA architecture)."""
     tokenizer = {
         key: value
         for key, value in _read_header(tokenizer_source).metadata.items()
@@ -230,6 +232,8 @@ def build(dst: Path, arch: str, tokenizer_source: Path, *, seed: int = 0) -> Pat
     embd = weights.rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32)
     weights.tensors["token_embd.weight"] = embd * np.float32(0.5)
     _BUILDERS[arch](writer, weights)
+    if arch == "gemma3":
+        writer.add_sliding_window(window)
     for key, value in tokenizer.items():
         writer.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
     for name, array in weights.tensors.items():

@@ -151,3 +151,11 @@ def test_repair_rebuilds_the_end_state_from_the_files(tmp_path: Path) -> None:
         back = store.match_chain([r.hash for r in rows])
     assert [r.end_state for r in back] == [True, False, True]
     assert [r.checksum for r in back] == [r.checksum for r in rows]
+
+
+def test_a_read_that_wants_no_tail_row_reads_none(store: SnapshotStore) -> None:
+    _, rows = _stored(store)
+    _flip_tail_row(store, rows[0], "w.k.0", TAIL - 1)  # in the last, short group
+    _read_from(store, rows[0], TAIL)
+    with pytest.raises(BlockCorrupt, match="tail rows 32"):
+        _read_from(store, rows[0], TAIL - 1)
