@@ -29,7 +29,7 @@ from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
 from localkv.model.schedule import ends_after, request_ends
 from localkv.model.snapshots import attention_state, memory_of, partial_before
-from localkv.model.state import read_state, write_state
+from localkv.model.state import cell_ext_of, check_cells, read_state, write_state
 from localkv.model.vocab import token_piece, tokenize
 
 __all__ = [
@@ -101,6 +101,7 @@ class ModelSession:
         self.n_batch = native.n_batch
         self._batch = native.batch
         self.memory_kind, self.memory_refusal = memory_of(self.model)
+        self.cell_ext = cell_ext_of(self.model, self.memory_kind)  # cells name their tokens
 
     def flash_attn_setting(self) -> str:
         """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
@@ -309,11 +310,9 @@ class ModelSession:
         return read_state(self.ctx)
 
     def capture(self) -> codec.KVState:
-        """The parsed state of sequence 0 (raises ``StateFormatError`` if unknown).
-
-        Its K/V rows view one capture buffer, no copy (SWA, hybrid: the attention part).
-        """
-        return attention_state(self.capture_array(), self.memory_kind)
+        """Sequence 0 parsed, rows viewing one capture (SWA, hybrid: the attention part)."""
+        state = attention_state(self.capture_array(), self.memory_kind)
+        return check_cells(state, self.tokens, self.cell_ext)
 
     def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
@@ -321,7 +320,7 @@ class ModelSession:
         if len(tokens) > self.n_ctx:
             raise ContextFullError(len(tokens), self.n_ctx)
         try:
-            write_state(self.ctx, data)
+            write_state(self.ctx, data, tokens if self.cell_ext else None)
         except codec.StateFormatError:
             self.reset()
             raise
@@ -329,17 +328,15 @@ class ModelSession:
         self.batch_ends = [len(tokens)]  # as far as this process knows
 
     def restore(self, state: codec.KVState | Sequence[codec.KVState], tokens: list[int]) -> None:
-        """Load a parsed state, or consecutive pieces of one, holding exactly ``tokens``.
-
-        Positions must be 0..n-1: a prefix cache never moves state elsewhere.
-        """
+        """Load a parsed state, or consecutive pieces of one, holding ``tokens`` at 0..n-1."""
         parts = [state] if isinstance(state, codec.KVState) else list(state)
         n = len(tokens)
         positions = np.concatenate([p.positions for p in parts])[:n]
         if positions.shape[0] != n or not np.array_equal(positions, np.arange(n)):
             raise codec.StateFormatError("state positions are not 0..n-1")
-        scratch = self._scratch_for(codec.assembled_size(parts, n), n)
-        self.load_state(codec.assemble(parts, n_tokens=n, scratch=scratch), tokens)
+        scratch = self._scratch_for(codec.assembled_size(parts, n, self.cell_ext), n)
+        buf = codec.assemble(parts, n_tokens=n, scratch=scratch, cell_ext=self.cell_ext)
+        self.load_state(buf, tokens)
 
     def restore_buffer(
         self, layout: Sequence[codec.LayerLayout], n: int, tail: int = 0
@@ -348,9 +345,9 @@ class ModelSession:
 
         ``codec.assembly`` in reused scratch memory: fill rows and tail, then ``load_state``.
         """
-        size = codec.state_size(layout, False, n)
+        size = codec.state_size(layout, False, n, self.cell_ext)
         scratch = self._scratch_for(size, n, tail)
-        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch)
+        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch, cell_ext=self.cell_ext)
         return scratch[: size + tail], k_rows, v_rows
 
     def _scratch_for(self, size: int, n: int, tail: int = 0) -> np.ndarray:
