@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from localkv.kv import codec, partial
+from localkv.model.memories import memory_refusal
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
 from localkv.model.snapshots import read_state_ext
 
@@ -165,8 +166,9 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
         raise ValueError("probe_kv_layout needs an empty sequence")
     token = session.bos_token()
     kind = session.memory_kind
-    if kind is None:
-        raise codec.StateFormatError(session.memory_refusal or "unknown memory")
+    refusal = memory_refusal(session.meta("general.architecture"))
+    if kind is None or refusal is not None:
+        raise codec.StateFormatError(refusal or session.memory_refusal or "unknown memory")
     try:
         session.decode_one(0 if token is None else token)
         kv = None if kind == "recurrent" else session.capture()

@@ -8,7 +8,9 @@
 - ``mamba2``: pure recurrent (Mamba2 layers only);
 - ``qwen35``: Qwen3.5's hybrid of gated delta-net (linear attention) layers
   and gated full-attention layers with interleaved M-RoPE, whose KV cells
-  carry llama.cpp's cell extension (2D position and token).
+  carry llama.cpp's cell extension (2D position and token);
+- ``lfm2`` with sliding-window attention layers (``lfm2-swa.gguf``): a hybrid
+  whose memory localkv refuses to cache (``TinyArchModels.refused``).
 
 Like ``tinymodels``, they borrow the default model's tokenizer, carry small
 random F32 weights and build in well under a second. Tensor names and shapes
@@ -40,7 +42,8 @@ F32 = npt.NDArray[np.float32]
 
 @dataclass(frozen=True)
 class TinyArchModels:
-    """One tiny model per memory kind, and a second gemma3 with other weights."""
+    """One tiny model per memory kind, a second gemma3 with other weights, and a hybrid
+    with sliding-window layers that the cache refuses."""
 
     gemma3: Path
     gemma3_other: Path
@@ -48,6 +51,7 @@ class TinyArchModels:
     nemotron_h: Path
     mamba2: Path
     qwen35: Path
+    lfm2_swa: Path
 
     def all(self) -> dict[str, Path]:
         return {
@@ -57,6 +61,10 @@ class TinyArchModels:
             "mamba2": self.mamba2,
             "qwen35": self.qwen35,
         }
+
+    def refused(self) -> dict[str, Path]:
+        """The models whose memory the prefix cache does not hold."""
+        return {"lfm2_swa": self.lfm2_swa}
 
 
 def build_tiny_arch_models(directory: Path, tokenizer_source: Path) -> TinyArchModels:
@@ -68,6 +76,7 @@ def build_tiny_arch_models(directory: Path, tokenizer_source: Path) -> TinyArchM
         nemotron_h=build(directory / "tiny-nemotron-h.gguf", "nemotron_h", tokenizer_source),
         mamba2=build(directory / "tiny-mamba2.gguf", "mamba2", tokenizer_source),
         qwen35=build(directory / "tiny-qwen35.gguf", "qwen35", tokenizer_source),
+        lfm2_swa=build(directory / "tiny-lfm2-swa.gguf", "lfm2_swa", tokenizer_source),
     )
 
 
@@ -256,13 +265,20 @@ def _qwen35(w: gguf.GGUFWriter, t: _Weights) -> None:
     t.ones("output_norm.weight", N_EMBD)
 
 
+def _lfm2_swa(w: gguf.GGUFWriter, t: _Weights) -> None:
+    _lfm2(w, t)
+    w.add_sliding_window(SWA_WINDOW)  # its attention layers slide: llama.cpp's hybrid iSWA
+
+
 _BUILDERS: dict[str, Callable[[gguf.GGUFWriter, _Weights], None]] = {
     "gemma3": _gemma3,
     "lfm2": _lfm2,
     "mamba2": _mamba2,
     "nemotron_h": _nemotron_h,
     "qwen35": _qwen35,
+    "lfm2_swa": _lfm2_swa,
 }
+_ARCHITECTURES = {"lfm2_swa": "lfm2"}  # builders of a variant: the GGUF's architecture
 
 
 def build(dst: Path, arch: str, tokenizer_source: Path, *, seed: int = 0) -> Path:
@@ -273,7 +289,7 @@ def build(dst: Path, arch: str, tokenizer_source: Path, *, seed: int = 0) -> Pat
         if key.startswith(TOKENIZER_KEY_PREFIX)
     }
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"].value)
-    writer = gguf.GGUFWriter(dst, arch)
+    writer = gguf.GGUFWriter(dst, _ARCHITECTURES.get(arch, arch))
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(f"localkv-tiny-{arch}")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
