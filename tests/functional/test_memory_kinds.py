@@ -59,8 +59,8 @@ def _ask(path: Path, cache: Path | None, doc: Document, **kw: object) -> tuple[A
         return answer, logits.copy()
 
 
-def _prefill(path: Path, cache: Path, doc: Document) -> int:
-    with Runtime(tiny_config(path, n_ctx=4096), cache_dir=cache) as rt:
+def _prefill(path: Path, cache: Path, doc: Document, **kw: object) -> int:
+    with Runtime(tiny_config(path, n_ctx=4096, **kw), cache_dir=cache) as rt:
         assert rt.cache is not None, rt.cache_error
         return rt.prefill([doc]).tokens
 
@@ -82,6 +82,19 @@ def test_a_prefilled_document_is_reused_verified_and_exact(
     assert cached[0].cache.verified is True
     assert cached[0].tokens.reused >= 0.9 * n_doc
     _same(cached, _ask(path, None, doc))
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35"])
+def test_with_v_transposed_a_document_is_reused_verified_and_exact(
+    arch: str, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    """Flash attention off: the restore assembles the blocks' rows (M-RoPE cells included)."""
+    path, doc = arch_models.all()[arch], _doc()
+    n_doc = _prefill(path, tmp_path, doc, flash_attn="off")
+    cached = _ask(path, tmp_path, doc, flash_attn="off")
+    assert cached[0].cache.verified is True
+    assert cached[0].tokens.reused >= 0.9 * n_doc
+    _same(cached, _ask(path, None, doc, flash_attn="off"))
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "qwen35"])
