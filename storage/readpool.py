@@ -17,11 +17,12 @@ from .formats.readinto import HeaderCache, OpenedBlock, Targets, fill_block, ope
 from .paths import CacheLayout
 from .values import Block, BlockCorrupt, BlockRow
 
-__all__ = ["BlockReader", "Drops", "Fills"]
+__all__ = ["BlockReader", "Drops", "Fills", "Tails"]
 
 Fills = Sequence[Targets | None]  # per block, where its tensors go (``fill_block``'s ``targets``)
 # per block, the tensors a read checks or skips but does not keep (``fill_block``'s ``discard``)
 Drops = Sequence[Collection[str]] | None
+Tails = Sequence[int | None] | None  # per block, the first tail row wanted (``tail_from``)
 
 
 class BlockReader:
@@ -82,7 +83,7 @@ class BlockReader:
         opened: Sequence[OpenedBlock],
         targets: Fills,
         discard: Drops = None,
-        tails: Sequence[int | None] | None = None,
+        tails: Tails = None,
     ) -> list[Block]:
         """Read opened blocks in parallel, each one's tensors into its targets.
 

@@ -47,9 +47,8 @@ from .formats.blockcodec import (
     data_checksum,
     end_state_of,
     expand,
-    header_span,
-    parse_safetensors,
 )
+from .formats.stheader import header_span, parse_safetensors
 from .index.blockindex import BlockIndex
 from .index.health import check_index
 from .paths import CacheLayout, prepare_root

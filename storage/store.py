@@ -6,15 +6,13 @@ tips. It never interprets tensors: the engine converts KV state to and from
 blocks. Reading never deletes; a block that fails a check raises
 ``BlockCorrupt`` and the caller decides to ``quarantine`` it.
 
-Deleting is row first, then file: a crash leaves an orphan file for ``gc``.
-
-This module holds the store's lifecycle, identities, block writes, lookups
-and events; the rest it delegates, keeping each public method here: opening
-a root to ``opening.py``; the snapshot catalogue to ``snapshots.py``; block
-files' bytes and reading one in ``formats/``, many in parallel in
-``readpool.py``, placing them on disk in ``disk.py``; the SQLite index in
-``index/``; every way blocks leave, and ``verify``, in ``removal/``.
-``repair.py`` rebuilds a lost index.
+Deleting is row first, then file: a crash leaves an orphan file for ``gc``. This
+module holds the store's lifecycle, identities, block writes, lookups and events;
+the rest it delegates, keeping each public method here: opening a root to
+``opening.py``; the snapshot catalogue to ``snapshots.py``; block files' bytes and
+reading one in ``formats/``, many in parallel in ``readpool.py``, placing them
+on disk in ``disk.py``; the SQLite index in ``index/``; every way blocks leave,
+and ``verify``, in ``removal/``. ``repair.py`` rebuilds a lost index.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
-from .readpool import BlockReader, Drops, Fills
+from .readpool import BlockReader, Drops, Fills, Tails
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
@@ -270,7 +268,7 @@ class SnapshotStore:
         opened: Sequence[OpenedBlock],
         targets: Fills,
         discard: Drops = None,
-        tails: Sequence[int | None] | None = None,
+        tails: Tails = None,
     ) -> list[Block]:
         """Read opened blocks in parallel into their targets (see ``readinto.fill_block``)."""
         return self._reader.fill(opened, targets, discard, tails)

@@ -6,7 +6,8 @@ policy:
 - semantic: model content hash, LoRA adapters and scales, effective RoPE/YaRN
   parameters, KV cache types;
 - representation: architecture, layer count, per-layer K/V types and row sizes,
-  V layout (transposed or not), memory kind, state format version;
+  V layout (transposed or not), the KV cells' layout (``kv.section``: with
+  llama.cpp's cell extension or not), memory kind, state format version;
 - execution: llama-cpp-python version, backend, effective flash attention,
   llama.cpp's system description, and the thread count when flash attention is on
   (its numerics depend on it).
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from localkv.kv import codec, partial
+from localkv.model.memories import memory_refusal
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
 from localkv.model.snapshots import read_state_ext
 
@@ -62,6 +64,8 @@ _EXECUTION = ("llama_cpp_python", "backend", "flash_attn", "attn_threads", "syst
 # representation fields of memory that is not a plain KV cache; left out of a plain
 # model's digest, so plain caches keep their identity
 _MEMORY = ("swa_window", "swa_full", "partial_layout")
+# likewise: KV cells with llama.cpp's extension (M-RoPE), named only where they have it
+_CELLS = ("cell_ext",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +102,16 @@ class Identity:
     swa_window: int = 0
     swa_full: bool = False
     partial_layout: str = ""
+    cell_ext: bool = False  # KV cells carry x, y and the token (``kv.section``)
 
     def tiers(self) -> dict[str, dict[str, Any]]:
         """Fields by tier, as plain JSON-able values."""
         values = self.as_dict()
         memory = _MEMORY if self.memory_kind != "kv" else ()
+        cells = _CELLS if self.cell_ext else ()
         return {
             "semantic": {k: values[k] for k in _SEMANTIC},
-            "representation": {k: values[k] for k in (*_REPRESENTATION, *memory)},
+            "representation": {k: values[k] for k in (*_REPRESENTATION, *memory, *cells)},
             "execution": {k: values[k] for k in _EXECUTION},
         }
 
@@ -150,7 +156,8 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
     """Decode one token on an empty sequence and parse its state (then empty it again).
 
     This shows the KV representation llama.cpp actually chose (types, row sizes,
-    transposed V = flash attention off) and proves the codec can read it; and,
+    transposed V = flash attention off, the cell layout, checked against the
+    model's) and proves the codec can read it; and,
     for memory with a partial part, that part's layout. The KV state is None
     for recurrent memory. Raises ``codec.StateFormatError`` for layouts localkv
     cannot cache.
@@ -159,15 +166,21 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
         raise ValueError("probe_kv_layout needs an empty sequence")
     token = session.bos_token()
     kind = session.memory_kind
-    if kind is None:
-        raise codec.StateFormatError(session.memory_refusal or "unknown memory")
+    refusal = memory_refusal(session.meta("general.architecture"))
+    if kind is None or refusal is not None:
+        raise codec.StateFormatError(refusal or session.memory_refusal or "unknown memory")
     try:
         session.decode_one(0 if token is None else token)
         kv = None if kind == "recurrent" else session.capture()
         if kind == "kv":
             return kv, ""
+        if kind == "swa" and kv is not None and kv.cell_ext:
+            raise codec.StateFormatError(
+                "sliding-window memory with extended KV cells is not cached "
+                "(its window's cells would need their tokens)"
+            )
         info = partial.check_partial(read_state_ext(session.ctx, partial.PARTIAL_ONLY), kind, 1)
-        if kind == "swa":  # blocks keep their own sliding rows (``model.windows``)
+        if kind == "swa":  # blocks keep their own sliding rows (``kv.windows``)
             return kv, "rows1:" + info.layout
         return kv, f"{info.layout}:{info.nbytes}"
     finally:
@@ -219,4 +232,5 @@ def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:
         swa_window=int(llama_cpp.llama_model_n_swa(session.model)),
         swa_full=bool(cparams.swa_full) if session.memory_kind == "swa" else False,
         partial_layout=partial_layout,
+        cell_ext=kv.cell_ext if kv is not None else False,
     )

@@ -99,7 +99,8 @@ def _load_with_partial(
         state = partial.join_into(buffer, blob)
     else:
         pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
-        state = partial.join(codec.assemble(pieces, n_tokens=n), blob)
+        attention = codec.assemble(pieces, n_tokens=n, cell_ext=session.cell_ext)
+        state = partial.join(attention, blob)
     session.load_state(state, held)
     # the state before token n is now the one captured there: no capture, no settling again
     session.partials[n] = blob

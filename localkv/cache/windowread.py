@@ -2,7 +2,7 @@
 
 An iSWA state is two KV sections: the full-attention layers' rows of every
 token, then the sliding layers' rows of the window. A block stores its own
-tokens' rows of both kinds (``kv.blocks``, ``model.windows``); a restore that
+tokens' rows of both kinds (``kv.blocks``, ``kv.windows``); a restore that
 ends at the chain's last block ``[s, e)`` lays out the state of ``n = e - 1``
 tokens: full-attention rows ``0..n-1`` from every block, and the window
 ``f..n-1`` (``f`` is the last block's ``window_first``, where the writer's
@@ -91,7 +91,7 @@ def read_window_chain(
     froms = _tail_froms(opened, first, n)
     if layout.v_trans:
         return _read_transposed(store, opened, layout, (first, n), froms)
-    base = codec.state_size(layout.layers, False, n)
+    base = codec.state_size(layout.layers, False, n, session.cell_ext)
     section = codec.state_size(layout.window, False, n - first) - partial.HEADER
     buffer, k_rows, v_rows = session.restore_buffer(layout.layers, n, section)
     _, wk, wv = codec.assembly(

@@ -34,9 +34,11 @@ Ollama (OLLAMA_MODELS or ~/.ollama/models); the Hugging Face hub cache
 \b
 MEMORY is what the model keeps per sequence, from its GGUF metadata: attention
 (a plain KV cache), sliding (sliding-window layers), hybrid, recurrent. CACHE
-says whether localkv's prefix cache can hold it: every kind (a sliding window or
-recurrent state is kept at 256-token snapshot points), except a hybrid with
-sliding-window layers, which runs uncached (--json: cache_refusal says why).
+says what `localkv prefill` does: yes, it saves the document's blocks; no, it
+exits 1 with the reason --json's cache_refusal gives. Every kind is cached (a
+sliding window or recurrent state is kept at snapshot points; M-RoPE models too),
+except a hybrid with sliding-window layers and architectures whose memory is of
+another kind (a sparse-attention indexer cache, no KV memory, a draft model).
 --model NAME loads a model by the name listed here; --json gives every field
 and the file paths."""
 

@@ -12,7 +12,7 @@ padded into one uint8 row per token (the store wants a row per token),
 A block of a sliding-window (iSWA) model holds its full-attention layers'
 rows as ``k.{i}``/``v.{i}`` and, as tail tensors (the store's ``w.`` prefix),
 its sliding layers' rows of positions ``window_first..end-1`` clipped to the
-block: ``w.k.{j}``/``w.v.{j}`` (``model.windows``). ``window_layout`` gives
+block: ``w.k.{j}``/``w.v.{j}`` (``kv.windows``). ``window_layout`` gives
 their types, ``window_first`` the first position of the window held before
 the block's last token, where a restore ending at the block starts it.
 """

@@ -6,12 +6,15 @@
     u32 magic 0xaf143cd8, i32 seq_id
     u32 n_stream                      (localkv: exactly 1)
     per stream: u32 cell_count
-      per cell: i32 pos, u32 n_seq_id (=1), i32 seq_id
+      per cell: i32 pos, u32 n_seq_id (=1), [i32 x, i32 y, i32 tok], i32 seq_id
       u32 v_trans, u32 n_layer
       per layer: i32 k_type, u64 k_row_bytes, cell_count K rows
       V, untransposed: per layer i32 v_type, u64 v_row_bytes, cell_count rows
       V, transposed:   per layer i32 v_type, u32 elem_bytes, u32 n_embd_v,
                        then for each of n_embd_v rows, the cells' elements
+
+The bracketed cell extension is written by M-RoPE models (``localkv.kv.section``
+finds the layout); a state keeps its cells' tokens, and an assembly writes it back.
 
 The codec keeps K and V token-major (one row
 of bytes per token, V transposed back), so a state can be cut at any token and
@@ -27,7 +30,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv.kv.section import ELEMENT_BYTES as _ELEMENT_BYTES
+from localkv.kv.section import (
+    EXT_CELL,
+    PLAIN_CELL,
+    STATE_MAGIC,
+    StateFormatError,
+    kv_section,
+    write_cells,
+)
+from localkv.kv.section import Reader as _Reader
+from localkv.kv.section import known_type as _known_type
+
 __all__ = [
+    "STATE_MAGIC",
     "KVLayer",
     "KVState",
     "LayerLayout",
@@ -37,16 +53,6 @@ __all__ = [
     "concat",
     "parse",
 ]
-
-# ggml types whose elements are whole numbers of bytes: only these can sit in a
-# transposed V cache (llama.cpp needs flash attention for quantized V).
-_ELEMENT_BYTES = {0: 4, 1: 2, 30: 2}
-_EXPECTED_ROW_TYPES = {0, 1, 2, 3, 6, 7, 8, 30}
-STATE_MAGIC = 0xAF143CD8
-
-
-class StateFormatError(ValueError):
-    """The state buffer is not a layout this codec knows."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,13 @@ class KVState:
     positions: np.ndarray  # int32 [n_tokens]
     v_trans: bool
     layers: tuple[KVLayer, ...]
+    # int32 [n_tokens]: the token each cell names, where cells carry llama.cpp's
+    # extension; None for plain cells (and for states rebuilt from blocks)
+    cell_tokens: np.ndarray | None = None
+
+    @property
+    def cell_ext(self) -> bool:
+        return self.cell_tokens is not None
 
     @property
     def n_tokens(self) -> int:
@@ -96,29 +109,8 @@ class KVState:
             KVLayer(x.k_type, x.v_type, x.k[start:stop], x.v[start:stop], x.v_elem_bytes)
             for x in self.layers
         )
-        return KVState(self.positions[start:stop], self.v_trans, layers)
-
-
-class _Reader:
-    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
-        self.buf = memoryview(buf).cast("B")
-        self.off = 0
-
-    def take(self, fmt: str) -> int:
-        size = struct.calcsize(fmt)
-        if self.off + size > len(self.buf):
-            raise StateFormatError(f"state truncated at byte {self.off}")
-        (value,) = struct.unpack_from(fmt, self.buf, self.off)
-        self.off += size
-        return int(value)
-
-    def rows(self, n: int, row_bytes: int) -> np.ndarray:
-        size = n * row_bytes
-        if self.off + size > len(self.buf):
-            raise StateFormatError(f"state truncated at byte {self.off} (need {size} bytes)")
-        arr = np.frombuffer(self.buf, dtype=np.uint8, count=size, offset=self.off)
-        self.off += size
-        return arr.reshape(n, row_bytes)
+        tokens = None if self.cell_tokens is None else self.cell_tokens[start:stop]
+        return KVState(self.positions[start:stop], self.v_trans, layers, tokens)
 
 
 def parse(
@@ -136,22 +128,28 @@ def parse(
         if magic != STATE_MAGIC:
             raise StateFormatError(f"not a llama.cpp sequence state (magic {magic:#010x})")
         r.take("<i")  # the sequence it was taken from; set_data takes the target id
+    section = r.off
     n_stream = r.take("<I")
     if n_stream != 1:
         raise StateFormatError(f"{n_stream} KV streams (localkv handles exactly 1)")
     n = r.take("<I")
     if n == 0:
         raise StateFormatError("empty sequence state")
-    cells = r.rows(n, 12).view("<i4")  # per cell: pos, n_seq_id, seq_id
-    if not np.all(cells[:, 1] == 1):
-        raise StateFormatError("a KV cell belongs to several sequences (or has cell extras)")
+    _, cell_bytes = kv_section(r.buf, section, end=len(r.buf))
+    cells = r.rows(n, cell_bytes).view("<i4")  # pos, n_seq_id, [x, y, tok], seq_id
     positions = cells[:, 0].astype(np.int32)
+    tokens = cells[:, 4].astype(np.int32) if cell_bytes == EXT_CELL else None
     v_trans = r.take("<I")
-    if v_trans not in (0, 1):
-        raise StateFormatError(f"v_trans flag {v_trans}")
     n_layer = r.take("<I")
-    if not 0 < n_layer <= 4096:
-        raise StateFormatError(f"{n_layer} layers")
+    layers = _parse_layers(r, n, n_layer, bool(v_trans), copy)
+    if r.off != len(r.buf):
+        raise StateFormatError(f"{len(r.buf) - r.off} unexpected trailing bytes")
+    return KVState(positions, bool(v_trans), layers, tokens)
+
+
+def _parse_layers(
+    r: _Reader, n: int, n_layer: int, v_trans: bool, copy: bool
+) -> tuple[KVLayer, ...]:
     ks = []
     for _ in range(n_layer):
         k_type = _known_type(r.take("<i"))
@@ -172,15 +170,7 @@ def parse(
             k = k.copy()
             v = v if v_trans else v.copy()
         layers.append(KVLayer(k_type, v_type, k, v, elem))
-    if r.off != len(r.buf):
-        raise StateFormatError(f"{len(r.buf) - r.off} unexpected trailing bytes")
-    return KVState(positions, bool(v_trans), tuple(layers))
-
-
-def _known_type(type_id: int) -> int:
-    if type_id not in _EXPECTED_ROW_TYPES:
-        raise StateFormatError(f"unknown ggml type {type_id} in KV state")
-    return type_id
+    return tuple(layers)
 
 
 _ELEM_DTYPES: dict[int, np.dtype[np.unsignedinteger]] = {
@@ -203,7 +193,8 @@ def _untranspose(rows: np.ndarray, n: int, elem: int) -> np.ndarray:
 def _check_same_layout(parts: Sequence[KVState]) -> None:
     first = parts[0]
     for p in parts[1:]:
-        if p.v_trans != first.v_trans or p.layout() != first.layout():
+        same = p.v_trans == first.v_trans and p.cell_ext == first.cell_ext
+        if not same or p.layout() != first.layout():
             raise StateFormatError("blocks of different KV layouts cannot be joined")
 
 
@@ -233,16 +224,24 @@ def concat(parts: Sequence[KVState]) -> KVState:
         for i, x in enumerate(first.layers)
     )
     positions = np.concatenate([p.positions for p in parts])
-    return KVState(positions, first.v_trans, layers)
+    tokens = _cell_tokens(parts, len(positions)) if first.cell_ext else None
+    return KVState(positions, first.v_trans, layers, tokens)
+
+
+def _cell_tokens(parts: Sequence[KVState], n: int) -> np.ndarray | None:
+    """The first ``n`` cell tokens of consecutive parts (None unless every part has them)."""
+    if any(p.cell_tokens is None for p in parts):
+        return None
+    return np.concatenate([p.cell_tokens for p in parts if p.cell_tokens is not None])[:n]
 
 
 # per layer: (k_type, k_row_bytes, v_type, v_row_bytes), as KVState.layout() gives
 LayerLayout = tuple[int, int, int, int]
 
 
-def state_size(layout: Sequence[LayerLayout], v_trans: bool, n: int) -> int:
-    """Bytes of a sequence state of ``n`` tokens with this layout."""
-    size = 4 + 4 + 4 + 4 + n * 12 + 8
+def state_size(layout: Sequence[LayerLayout], v_trans: bool, n: int, cell_ext: bool = False) -> int:
+    """Bytes of a sequence state of ``n`` tokens with this layout (and cell layout)."""
+    size = 4 + 4 + 4 + 4 + n * (EXT_CELL if cell_ext else PLAIN_CELL) + 8
     for _, k_row_bytes, _, v_row_bytes in layout:
         size += 4 + 8 + n * k_row_bytes
         size += (4 + 4 + 4) if v_trans else (4 + 8)
@@ -250,8 +249,9 @@ def state_size(layout: Sequence[LayerLayout], v_trans: bool, n: int) -> int:
     return size
 
 
-def assembled_size(parts: Sequence[KVState], n: int) -> int:
-    return state_size(parts[0].layout(), parts[0].v_trans, n)
+def assembled_size(parts: Sequence[KVState], n: int, cell_ext: bool | None = None) -> int:
+    ext = parts[0].cell_ext if cell_ext is None else cell_ext
+    return state_size(parts[0].layout(), parts[0].v_trans, n, ext)
 
 
 def assembly(
@@ -259,13 +259,15 @@ def assembly(
     n: int,
     seq_id: int = 0,
     scratch: np.ndarray | None = None,
+    cell_ext: bool = False,
     *,
     first: int = 0,
     header: bool = True,
 ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-    """A ``set_data`` buffer for ``n`` tokens at positions ``first..first+n-1``, rows left to fill.
+    """A ``set_data`` buffer for ``n`` tokens at positions ``first..first+n-1``, rows to fill.
 
-    For untransposed V only. Every field but the K and V rows is written;
+    For untransposed V only. Every field but the K and V rows (and, with
+    ``cell_ext``, the cells' tokens: ``section.name_cell_tokens``) is written;
     returns the buffer (a view into ``scratch`` when it is large enough) and,
     per layer, the K and V row arrays (uint8 ``[n, row_bytes]`` views into it)
     that the caller fills, e.g. straight from block files. ``header=False``
@@ -275,19 +277,14 @@ def assembly(
     if n <= 0 or not layout:
         raise ValueError(f"cannot lay out {n} tokens of {len(layout)} layers")
     skip = 0 if header else 8
-    size = state_size(layout, False, n) - skip
+    size = state_size(layout, False, n, cell_ext) - skip
     out = _buffer(size, scratch)
-    off = 0
     if header:
         struct.pack_into("<Ii", out, 0, STATE_MAGIC, seq_id)  # type: ignore[arg-type]
-        off = 8
-    struct.pack_into("<II", out, off, 1, n)  # type: ignore[arg-type]
-    off += 8
-    cells = out[off : off + 12 * n].view("<i4").reshape(n, 3)
-    cells[:, 0] = np.arange(first, first + n, dtype=np.int32)
-    cells[:, 1] = 1
-    cells[:, 2] = seq_id
-    off += 12 * n
+    struct.pack_into("<II", out, 8 - skip, 1, n)  # type: ignore[arg-type]
+    off = 16 - skip + n * (EXT_CELL if cell_ext else PLAIN_CELL)
+    positions = np.arange(first, first + n, dtype=np.int32)
+    write_cells(out[16 - skip : off], positions, seq_id, cell_ext, None)
     struct.pack_into("<II", out, off, 0, len(layout))  # type: ignore[arg-type]
     off += 8
     rows: list[list[np.ndarray]] = [[], []]
@@ -361,6 +358,7 @@ def assemble(
     seq_id: int = 0,
     n_tokens: int | None = None,
     scratch: np.ndarray | None = None,
+    cell_ext: bool | None = None,
 ) -> np.ndarray:
     """Build the ``llama_state_seq_set_data`` buffer (uint8 array).
 
@@ -368,6 +366,8 @@ def assemble(
     into the buffer, cut after ``n_tokens`` tokens, without joining them first.
     With a large enough ``scratch`` array the result is a view into it: reusing
     one buffer spares the page faults of a fresh allocation on every restore.
+    The cells carry the extension if ``cell_ext`` (default: if the parts do),
+    with the parts' cell tokens where they have them (else ``TOKEN_NULL``).
     """
     parts = [state] if isinstance(state, KVState) else list(state)
     if not parts:
@@ -379,12 +379,12 @@ def assemble(
     if not 0 < n <= total:
         raise ValueError(f"cannot assemble {n} of {total} tokens")
     spans = _spans(parts, n)
-    w = _StateWriter(_buffer(assembled_size(parts, n), scratch))
+    ext = first.cell_ext if cell_ext is None else cell_ext
+    w = _StateWriter(_buffer(assembled_size(parts, n, ext), scratch))
     w.put("<IiII", STATE_MAGIC, seq_id, 1, n)
-    cells = w.take(12 * n).view("<i4").reshape(n, 3)
-    cells[:, 0] = np.concatenate([p.positions[:rows] for p, _, rows in spans])
-    cells[:, 1] = 1
-    cells[:, 2] = seq_id
+    positions = np.concatenate([p.positions[:rows] for p, _, rows in spans])
+    cells = w.take(n * (EXT_CELL if ext else PLAIN_CELL))
+    write_cells(cells, positions, seq_id, ext, _cell_tokens(parts, n) if ext else None)
     w.put("<II", 1 if first.v_trans else 0, len(first.layers))
     for i, x in enumerate(first.layers):
         w.put("<iQ", x.k_type, x.k_row_bytes)

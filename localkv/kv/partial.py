@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from localkv.kv import codec
+from localkv.kv import codec, section
 
 __all__ = [
     "PARTIAL_ONLY",
@@ -68,25 +68,7 @@ def _u32(buf: memoryview, off: int) -> int:
 
 def _kv_section_end(buf: memoryview, off: int) -> int:
     """Where the KV section that starts at ``off`` (its ``n_stream``) ends."""
-    if _u32(buf, off) != 1:
-        raise codec.StateFormatError("a KV section with other than 1 stream")
-    n = _u32(buf, off + 4)
-    off += 8 + 12 * n
-    v_trans, n_layer = _u32(buf, off), _u32(buf, off + 4)
-    off += 8
-    if v_trans not in (0, 1) or not 0 <= n_layer <= 4096:
-        raise codec.StateFormatError(f"KV section with v_trans {v_trans}, {n_layer} layers")
-    for _ in range(n_layer):
-        off += 12 + n * int(struct.unpack_from("<Q", buf, off + 4)[0])
-    for _ in range(n_layer):
-        if v_trans:
-            elem, n_embd_v = _u32(buf, off + 4), _u32(buf, off + 8)
-            off += 12 + n * elem * n_embd_v
-        else:
-            off += 12 + n * int(struct.unpack_from("<Q", buf, off + 4)[0])
-    if off > len(buf):
-        raise codec.StateFormatError(f"KV section runs past the state ({off} > {len(buf)})")
-    return off
+    return section.kv_section(buf, off)[0]
 
 
 def _view(buf: bytes | bytearray | memoryview | np.ndarray) -> memoryview:
@@ -163,7 +145,8 @@ def check_partial(
                 f"SWA part holds positions {first}..{last}, expected up to {n_tokens - 1}"
             )
         layout = ";".join(f"{a}/{b}/{c}/{d}" for a, b, c, d in state.layout())
-        return PartialInfo(first, last, len(view), f"v{int(state.v_trans)}:{layout}")
+        ext = ":ext" if state.cell_ext else ""
+        return PartialInfo(first, last, len(view), f"v{int(state.v_trans)}{ext}:{layout}")
     if kind not in ("hybrid", "recurrent"):
         raise codec.StateFormatError(f"a {kind} memory has no partial part")
     if len(view) < HEADER + 32:  # cell header, s_trans, n_layer, a first row's type and size

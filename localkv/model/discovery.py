@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localkv.model.ggufmeta import GGUFArray, GGUFError, GGUFMetadata, read_gguf_metadata
+from localkv.model.memories import memory_refusal
 from localkv.model.resolve import default_model_path
 
 __all__ = ["FoundModel", "ModelInfo", "describe", "find_models"]
@@ -43,7 +44,12 @@ FILE_TYPES = {
 # ggml tensor types, for files without general.file_type (the most common one is named)
 TENSOR_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
 RECURRENT = {"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"}
-HYBRID = {"jamba", "falcon-h1", "granitehybrid", "nemotron_h", "lfm2", "plamo2", "qwen3next"}
+# llama.cpp's llm_arch_is_hybrid
+HYBRID = {
+    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+    "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+    "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+}  # fmt: skip
 # memory kinds the prefix cache holds: plain KV blocks, and blocks with the SWA
 # window or the recurrent state kept at snapshot boundaries (``localkv.kv.partial``)
 CACHEABLE = {"attention", "sliding-window", "hybrid", "recurrent"}
@@ -264,11 +270,15 @@ def cache_refusal(meta: GGUFMetadata) -> str | None:
 
     A hybrid with sliding-window layers keeps two partial parts (a window and a
     recurrent state) that llama.cpp writes as one; a vision projector
-    (architecture ``clip``) is no language model.
+    (architecture ``clip``) is no language model; ``model.memories`` names the
+    architectures whose memory is of another kind.
     """
     arch = meta.architecture
     if arch == "clip":
         return "clip: a multimodal projector, not a language model (localkv runs text only)"
+    refusal = memory_refusal(arch)
+    if refusal is not None:
+        return refusal
     if arch is not None and memory_kind(meta) == "hybrid" and _sliding(meta, arch):
         return f"{arch}: hybrid memory with sliding-window layers is not cached"
     return None

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from localkv.kv import codec
+from localkv.kv.windows import WindowLog
 from localkv.model.config import LoraSpec, SessionConfig
 from localkv.model.loading import ModelLoadError, flash_attn_setting, large_buffer, open_native
 from localkv.model.native import ensure_backend, llama_cpp
@@ -38,11 +39,12 @@ from localkv.model.state import (
     ContextFullError,
     PrefillCancelled,
     PrefillResult,
+    cell_ext_of,
+    check_cells,
     read_state,
     write_state,
 )
 from localkv.model.vocab import token_piece, tokenize
-from localkv.model.windows import WindowLog
 
 __all__ = [
     "ContextFullError",
@@ -72,7 +74,7 @@ class ModelSession:
         # logits of tokens decoded alone at block ends and boundaries: the probes
         self.probes: dict[int, np.ndarray] = {}
         self.partials: dict[int, np.ndarray] = {}  # by position (``model.snapshots``)
-        # SWA: the sliding rows blocks will store (``model.windows``), and the position
+        # SWA: the sliding rows blocks will store (``kv.windows``), and the position
         # of the last settle (the state a restore loaded counts as settled there)
         self.windows = WindowLog()
         self.settled_at: int | None = None
@@ -102,6 +104,7 @@ class ModelSession:
         self._batch = native.batch
         self.memory_kind, self.memory_refusal = memory_of(self.model)
         self.swa_window = int(llama_cpp.llama_model_n_swa(self.model))
+        self.cell_ext = cell_ext_of(self.model, self.memory_kind)  # cells name their tokens
 
     def flash_attn_setting(self) -> str:
         """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
@@ -319,7 +322,7 @@ class ModelSession:
         state = self.capture_array()
         if self.memory_kind == "swa":
             self.windows.harvest(window_of(state))
-        return attention_state(state, self.memory_kind)
+        return check_cells(attention_state(state, self.memory_kind), self.tokens, self.cell_ext)
 
     def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
         """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
@@ -327,7 +330,7 @@ class ModelSession:
         if len(tokens) > self.n_ctx:
             raise ContextFullError(len(tokens), self.n_ctx)
         try:
-            write_state(self.ctx, data)
+            write_state(self.ctx, data, tokens if self.cell_ext else None)
         except codec.StateFormatError:
             self.reset()
             raise
@@ -335,17 +338,15 @@ class ModelSession:
         self.batch_ends = [len(tokens)]  # as far as this process knows
 
     def restore(self, state: codec.KVState | Sequence[codec.KVState], tokens: list[int]) -> None:
-        """Load a parsed state, or consecutive pieces of one, holding exactly ``tokens``.
-
-        Positions must be 0..n-1: a prefix cache never moves state elsewhere.
-        """
+        """Load a parsed state, or consecutive pieces of one, holding ``tokens`` at 0..n-1."""
         parts = [state] if isinstance(state, codec.KVState) else list(state)
         n = len(tokens)
         positions = np.concatenate([p.positions for p in parts])[:n]
         if positions.shape[0] != n or not np.array_equal(positions, np.arange(n)):
             raise codec.StateFormatError("state positions are not 0..n-1")
-        scratch = self._scratch_for(codec.assembled_size(parts, n), n)
-        self.load_state(codec.assemble(parts, n_tokens=n, scratch=scratch), tokens)
+        scratch = self._scratch_for(codec.assembled_size(parts, n, self.cell_ext), n)
+        buf = codec.assemble(parts, n_tokens=n, scratch=scratch, cell_ext=self.cell_ext)
+        self.load_state(buf, tokens)
 
     def restore_buffer(
         self, layout: Sequence[codec.LayerLayout], n: int, tail: int = 0
@@ -354,9 +355,9 @@ class ModelSession:
 
         ``codec.assembly`` in reused scratch memory: fill rows and tail, then ``load_state``.
         """
-        size = codec.state_size(layout, False, n)
+        size = codec.state_size(layout, False, n, self.cell_ext)
         scratch = self._scratch_for(size, n, tail)
-        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch)
+        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch, cell_ext=self.cell_ext)
         return scratch[: size + tail], k_rows, v_rows
 
     def _scratch_for(self, size: int, n: int, tail: int = 0) -> np.ndarray:

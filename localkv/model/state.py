@@ -1,18 +1,64 @@
-"""Sequence 0's raw llama.cpp state, read into and written from numpy buffers; what a
-prefill did, and why one stopped."""
+"""Sequence 0's raw llama.cpp state, read into and written from numpy buffers (and what
+a prefill did, and why one stopped).
+
+A model whose KV cache keeps llama.cpp's cell extension (M-RoPE: Qwen3.5,
+Qwen-VL; ``localkv.kv.section``) writes each cell's token into the state; a
+state assembled from blocks gets the sequence's tokens written into its cells
+before it is loaded, and a captured one must name the tokens the session holds.
+"""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from localkv.kv import codec
+from localkv.kv.section import name_cell_tokens
 from localkv.model.native import llama_cpp
 
-__all__ = ["ContextFullError", "PrefillCancelled", "PrefillResult", "read_state", "write_state"]
+__all__ = [
+    "ContextFullError",
+    "PrefillCancelled",
+    "PrefillResult",
+    "cell_ext_of",
+    "check_cells",
+    "read_state",
+    "write_state",
+]
+
+# rope types whose cache keeps several positions per token (n_pos_per_embd > 1)
+_MROPE = {int(llama_cpp.LLAMA_ROPE_TYPE_MROPE), int(llama_cpp.LLAMA_ROPE_TYPE_IMROPE)}
+
+
+def cell_ext_of(model: Any, kind: str | None) -> bool:
+    """Whether the model's KV cells carry llama.cpp's extension (``has_cell_ext``).
+
+    llama.cpp 0.3.36 writes it for M-RoPE (``n_pos_per_embd > 1``) and for
+    per-layer n-gram embeddings, which only an M-RoPE architecture has.
+    Recurrent memory has no KV cells.
+    """
+    if kind in (None, "recurrent"):
+        return False
+    return int(llama_cpp.llama_model_rope_type(model)) in _MROPE
+
+
+def check_cells(state: codec.KVState, tokens: Sequence[int], cell_ext: bool) -> codec.KVState:
+    """``state``, a capture of the session's sequence, if its cells are the ones expected.
+
+    ``StateFormatError`` if its cell layout is not the model's, or its cells
+    name other tokens than the sequence holds.
+    """
+    if state.cell_ext != cell_ext:
+        found, expected = ("extended", "plain") if state.cell_ext else ("plain", "extended")
+        raise codec.StateFormatError(f"the KV cells are {found}, where the model's are {expected}")
+    cell_tokens = state.cell_tokens
+    if cell_tokens is not None and not np.array_equal(cell_tokens, tokens[: state.n_tokens]):
+        raise codec.StateFormatError("the KV cells name other tokens than the sequence holds")
+    return state
 
 
 def read_state(ctx: Any) -> np.ndarray:
@@ -26,12 +72,21 @@ def read_state(ctx: Any) -> np.ndarray:
     return arr
 
 
-def write_state(ctx: Any, data: bytes | bytearray | np.ndarray) -> None:
-    """Load a raw state into sequence 0 (``StateFormatError`` unless llama.cpp takes it all)."""
+def write_state(
+    ctx: Any, data: bytes | bytearray | np.ndarray, cell_tokens: Sequence[int] | None = None
+) -> None:
+    """Load a raw state into sequence 0 (``StateFormatError`` unless llama.cpp takes it all).
+
+    With ``cell_tokens``, they are first written into the state's extended
+    cells (in place where ``data`` is a writable array).
+    """
     if isinstance(data, np.ndarray):
         arr = np.ascontiguousarray(data, dtype=np.uint8)
     else:
         arr = np.frombuffer(bytes(data), dtype=np.uint8)
+    if cell_tokens is not None:
+        arr = arr if arr.flags.writeable else arr.copy()
+        name_cell_tokens(arr, cell_tokens)
     size = int(arr.shape[0])
     ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     read = llama_cpp.llama_state_seq_set_data(ctx, ptr, size, 0)

@@ -36,9 +36,7 @@ buffer. Any failure raises ``BlockCorrupt`` with a reason.
 from __future__ import annotations
 
 import json
-import math
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -56,6 +54,13 @@ from ..values import (
     is_tail,
 )
 from . import planes
+from .stheader import (
+    DecodedBlock,
+    TensorSpec,
+    header_span,
+    parse_header,
+    parse_safetensors,
+)
 from .tails import group_digests
 
 __all__ = [
@@ -78,44 +83,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = "lkv-block2"
-_MAX_HEADER = 16 << 20
-_MAX_DIMS = 8
-_DTYPES: dict[str, np.dtype[np.generic]] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class DecodedBlock:
-    """A decoded block file: its metadata and tensors (read-only views)."""
-
-    metadata: dict[str, str]
-    tensors: dict[str, np.ndarray]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Where one tensor lies in a safetensors file's data section."""
-
-    dtype: np.dtype[np.generic]
-    shape: tuple[int, ...]
-    begin: int  # byte offsets, relative to the start of the data section
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -240,95 +207,6 @@ def decode(
     if len(data) > max_raw_size:
         raise BlockCorrupt(f"file of {len(data)} bytes is over the limit {max_raw_size}")
     return parse_safetensors(data)
-
-
-def parse_safetensors(raw: bytes | bytearray | memoryview) -> DecodedBlock:
-    """Parse a safetensors buffer strictly, returning read-only views into ``raw``.
-
-    Accepts what ``safetensors`` itself accepts for these dtypes: a JSON header
-    of string metadata and tensors whose byte ranges tile the data exactly.
-    """
-    body = header_span(raw[:8], len(raw))
-    metadata, specs = parse_header(raw[8:body], len(raw) - body)
-    tensors: dict[str, np.ndarray] = {}
-    for name, spec in specs.items():
-        count = math.prod(spec.shape)
-        view = np.frombuffer(raw, dtype=spec.dtype, count=count, offset=body + spec.begin)
-        view = view.reshape(spec.shape)
-        view.setflags(write=False)
-        tensors[name] = view
-    return DecodedBlock(metadata, tensors)
-
-
-def header_span(first8: bytes | bytearray | memoryview, file_size: int) -> int:
-    """Where the data section of a safetensors file of ``file_size`` bytes starts."""
-    if len(first8) < 8 or file_size < 8:
-        raise BlockCorrupt("safetensors: shorter than its header length")
-    (header_len,) = struct.unpack_from("<Q", first8, 0)
-    if header_len > min(_MAX_HEADER, file_size - 8):
-        raise BlockCorrupt(f"safetensors: header length {header_len} out of range")
-    return 8 + int(header_len)
-
-
-def parse_header(
-    text: bytes | bytearray | memoryview, data_size: int
-) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    """The metadata and tensor specs of a safetensors JSON header, checked strictly.
-
-    The tensors' byte ranges must tile the ``data_size`` bytes of data exactly.
-    """
-    try:
-        header = json.loads(bytes(text))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BlockCorrupt(f"safetensors: header is not JSON: {exc}") from exc
-    except RecursionError:
-        raise BlockCorrupt("safetensors: header nests too deeply") from None
-    if not isinstance(header, dict):
-        raise BlockCorrupt("safetensors: header is not an object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise BlockCorrupt("safetensors: metadata must map strings to strings")
-    specs = {name: _tensor_spec(name, info, data_size) for name, info in header.items()}
-    cursor = 0
-    for name, spec in sorted(specs.items(), key=lambda item: (item[1].begin, item[1].end)):
-        if spec.begin != cursor:
-            raise BlockCorrupt(f"safetensors: tensor {name!r} leaves a gap or overlaps")
-        cursor = spec.end
-    if cursor != data_size:
-        raise BlockCorrupt("safetensors: data does not end where the tensors do")
-    return metadata, specs
-
-
-def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:
-    if not isinstance(info, dict):
-        raise BlockCorrupt(f"safetensors: tensor {name!r} is not described by an object")
-    dtype = _DTYPES.get(str(info.get("dtype")))
-    shape = info.get("shape")
-    offsets = info.get("data_offsets")
-    if dtype is None:
-        raise BlockCorrupt(f"safetensors: tensor {name!r} has unsupported dtype")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise BlockCorrupt(f"safetensors: tensor {name!r} has a bad shape")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-    ):
-        raise BlockCorrupt(f"safetensors: tensor {name!r} has bad data offsets")
-    begin, end = offsets
-    count = math.prod(shape)
-    if not 0 <= begin <= end <= data_size or end - begin != count * dtype.itemsize:
-        raise BlockCorrupt(f"safetensors: tensor {name!r} offsets do not match its shape")
-    if len(shape) > _MAX_DIMS:
-        raise BlockCorrupt(f"safetensors: tensor {name!r} has {len(shape)} dimensions")
-    if math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 62:
-        # numpy refuses such a shape even when another dimension is 0
-        raise BlockCorrupt(f"safetensors: tensor {name!r} has an impossible shape")
-    return TensorSpec(dtype, tuple(shape), begin, end)
 
 
 def index_row(

@@ -55,11 +55,10 @@ from .blockcodec import (
     check_rows,
     check_tokens,
     detached_spec,
-    header_span,
-    parse_header,
 )
 from .compactread import byte_view, fill_planes, scratch
 from .headers import HeaderCache
+from .stheader import header_span, parse_header
 from .tails import TailHashes, tail_digests, tail_names
 
 __all__ = ["HeaderCache", "OpenedBlock", "Targets", "fill_block", "open_block"]
@@ -184,15 +183,13 @@ def fill_block(
 ) -> Block:
     """Read the block's tensors, those named in ``targets`` into their buffers.
 
-    A target is a sequence of writable C-contiguous arrays whose sizes add up
-    to the tensor's bytes; they are filled in order. ``discard``: tensors left
-    out of the block, unread if detached, else read and hashed through a
-    scratch buffer. ``tail_from``: the first row of the tail tensors wanted
-    (``tails``): each then needs a target for its rows from there on, the rows
-    before it in its group are read and hashed but not kept, earlier groups are
-    not read; None reads the tails whole. Returns the block with the tensors
-    that had no target (read-only). ``ValueError`` for a target that does not
-    fit, ``BlockCorrupt`` for a file that fails a check.
+    A target: writable C-contiguous arrays, filled in order, as large as the
+    tensor. ``discard``: tensors left out of the block, unread if detached, else
+    read and hashed through a scratch buffer. ``tail_from``: the first tail row
+    wanted (``tails``; each tail then needs a target for its rows from there,
+    earlier groups are not read); None reads the tails whole. Returns the block
+    with the tensors that had no target (read-only). ``ValueError`` for a target
+    that does not fit, ``BlockCorrupt`` for a file that fails a check.
     """
     targets = targets or {}
     unknown = (set(targets) | set(discard)) - set(opened.specs)

@@ -3,8 +3,8 @@
 Process A prefills a ~2,000-token document and exits; process B asks about it
 with ``--json``: it reuses the whole document (a sliding-window model's
 window is assembled from the blocks' own rows), verified, and answers as
-``--no-cache`` does, token for token. Tiny gemma3, lfm2, nemotron_h and mamba2
-models, and the real Gemma 3 270M.
+``--no-cache`` does, token for token. Tiny gemma3, lfm2, nemotron_h, qwen35 and
+mamba2 models, and the real Gemma 3 270M.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _reused_across_processes(home: Path, model: Path, doc: Path, seeded_too: boo
         _same_answer(sampled, _ask(home, model, doc, *seeded, "--no-cache"))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2", "qwen35"])
 def test_a_document_prefilled_by_one_process_is_reused_exactly_by_another(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -111,7 +111,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "qwen35"])
 def test_a_shifted_document_reuses_only_the_common_prefix(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -166,7 +166,7 @@ def test_a_flipped_byte_in_a_gemma_block_reuses_nothing_past_it(
     _same_answer(cached, _ask(home, model, doc, "--system", SYSTEM, "--no-cache"))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2", "qwen35"])
 def test_cache_show_gives_the_partial_state_and_verify_deep_recomputes_it(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -231,7 +231,7 @@ def _resumed_chat_answers_as_uncached(home: Path, model: Path, swa: bool) -> Non
     assert resumed.stdout.strip() and resumed.stdout == uncached.stdout
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "qwen35"])
 def test_a_resumed_chat_restores_verified_and_answers_as_uncached(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
 """SWA, hybrid and recurrent memory cached end to end (tiny models; Gemma 3 270M).
 
-The tiny models: gemma3 (SWA), lfm2 and nemotron_h (hybrid), mamba2 (recurrent).
+The tiny models: gemma3 (SWA), lfm2, nemotron_h and qwen35 (hybrid; qwen35's M-RoPE
+KV cells carry llama.cpp's cell extension), mamba2 (recurrent).
 
 A stored partial state (SWA window, recurrent state) is used only at a snapshot
 boundary, verified by the probe, and a cached answer equals the uncached one:
@@ -58,8 +59,8 @@ def _ask(path: Path, cache: Path | None, doc: Document, **kw: object) -> tuple[A
         return answer, logits.copy()
 
 
-def _prefill(path: Path, cache: Path, doc: Document) -> int:
-    with Runtime(tiny_config(path, n_ctx=4096), cache_dir=cache) as rt:
+def _prefill(path: Path, cache: Path, doc: Document, **kw: object) -> int:
+    with Runtime(tiny_config(path, n_ctx=4096, **kw), cache_dir=cache) as rt:
         assert rt.cache is not None, rt.cache_error
         return rt.prefill([doc]).tokens
 
@@ -69,7 +70,7 @@ def _same(a: tuple[Answer, np.ndarray], b: tuple[Answer, np.ndarray]) -> None:
     assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2", "qwen35"])
 def test_a_prefilled_document_is_reused_verified_and_exact(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -83,7 +84,20 @@ def test_a_prefilled_document_is_reused_verified_and_exact(
     _same(cached, _ask(path, None, doc))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35"])
+def test_with_v_transposed_a_document_is_reused_verified_and_exact(
+    arch: str, arch_models: TinyArchModels, tmp_path: Path
+) -> None:
+    """Flash attention off: the restore assembles the blocks' rows (M-RoPE cells included)."""
+    path, doc = arch_models.all()[arch], _doc()
+    n_doc = _prefill(path, tmp_path, doc, flash_attn="off")
+    cached = _ask(path, tmp_path, doc, flash_attn="off")
+    assert cached[0].cache.verified is True
+    assert cached[0].tokens.reused >= 0.9 * n_doc
+    _same(cached, _ask(path, None, doc, flash_attn="off"))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "qwen35"])
 def test_a_changed_document_reuses_up_to_the_last_snapshot_before_the_change(
     arch: str, arch_models: TinyArchModels, tmp_path: Path
 ) -> None:
@@ -169,7 +183,7 @@ def test_a_damaged_snapshot_a_restore_passes_is_never_read(
     assert [reason for _, reason in bad] == ["tensor 'partial' differs from its checksum"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "nemotron_h", "mamba2", "qwen35"])
 def test_memory_that_cannot_be_trimmed_is_emptied_not_cut(
     arch: str, arch_models: TinyArchModels
 ) -> None:

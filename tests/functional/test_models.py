@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from support.tinyarch import build_tiny_arch_models
 from support.tinymodels import TinyModels
 
 from localkv.model.discovery import FoundModel, describe
@@ -174,6 +175,60 @@ def test_nothing_is_listed_where_nothing_is_present(tmp_path: Path) -> None:
     done = _localkv(env, "models", "--json")
     assert done.returncode == 0, done.stderr
     assert [m["source"] for m in json.loads(done.stdout)["models"]] == ["default"]
+
+
+# ------------------------------------------------------- the CACHE column and prefill
+def _every_architecture(directory: Path, tiny_models: TinyModels, tokenizer: Path) -> set[str]:
+    """Every architecture the test model generators build, in one directory; their names."""
+    build_tiny_arch_models(directory, tokenizer)
+    _link(tiny_models.base, directory / "tiny-llama.gguf")
+    return {path.stem for path in directory.glob("*.gguf")}
+
+
+def _cache_column(table: str) -> dict[str, str]:
+    """Model name -> its CACHE cell, from the ``models`` table (every name fits its column)."""
+    lines = table.splitlines()
+    assert lines[0].split()[-1] == "CACHE"
+    return {line.split()[0]: line.split()[-1] for line in lines[1:] if len(line.split()) > 1}
+
+
+def test_the_cache_column_says_what_prefill_does(
+    tmp_path: Path, tiny_models: TinyModels, default_model_path: Path
+) -> None:
+    """yes: prefill saves blocks of the whole document; no: it exits 1 with the listed reason."""
+    names = _every_architecture(tmp_path / "models", tiny_models, default_model_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA"))}
+    env.update(HOME=str(tmp_path), LOCALKV_MODELS=str(tmp_path / "models"))
+    env["LOCALKV_HOME"] = str(tmp_path / "cache")
+    listed = _localkv(env, "models", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {m["name"]: m for m in json.loads(listed.stdout.splitlines()[-1])["models"]}
+    rows = {name: row for name, row in rows.items() if row["source"] == "LOCALKV_MODELS"}
+    assert set(rows) == names
+    column = _cache_column(_localkv(env, "models").stdout)
+    assert {row["cacheable"] for row in rows.values()} == {True, False}  # both outcomes seen
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"Chapter {i}. Alice sat by the river." for i in range(60)))
+    for name, row in sorted(rows.items()):
+        assert column[name] == ("yes" if row["cacheable"] else "no"), name
+        args = ["--model", name, "--threads", "1", "--ctx", "2048", "--json", str(doc)]
+        done = _localkv(env, "prefill", *args)
+        assert "Traceback" not in done.stderr, name
+        out = json.loads(done.stdout.splitlines()[-1])
+        if row["cacheable"]:
+            assert done.returncode == 0, (name, done.stderr)
+            assert out["new_blocks"] >= 2 and out["kept"] == out["tokens"] > 256, name
+        else:
+            assert done.returncode == 1, name
+            assert row["cache_refusal"] in out["error"], (name, out["error"])
+
+
+def test_memory_of_another_kind_is_listed_as_not_cached_with_the_reason(tmp_path: Path) -> None:
+    """Architectures whose llama.cpp memory keeps more than localkv stores (model.memories)."""
+    for arch, why in (("deepseek32", "indexer key cache"), ("nomic-bert", "no KV memory")):
+        info = describe(FoundModel(arch, "LOCALKV_MODELS", _header_only(tmp_path / arch, arch)))
+        refusal = info.cache_refusal() or ""
+        assert not info.cacheable and refusal.startswith(f"{arch}: ") and why in refusal
 
 
 # ------------------------------------------------------------------- the header reader

@@ -5,7 +5,12 @@
 - ``lfm2``: a hybrid of short-convolution (recurrent) layers and attention layers;
 - ``nemotron_h``: a hybrid of Mamba2 layers, attention layers and MLP layers
   (a Mamba2-style hybrid, the second hybrid kind beside ``lfm2``);
-- ``mamba2``: pure recurrent (Mamba2 layers only).
+- ``mamba2``: pure recurrent (Mamba2 layers only);
+- ``qwen35``: Qwen3.5's hybrid of gated delta-net (linear attention) layers
+  and gated full-attention layers with interleaved M-RoPE, whose KV cells
+  carry llama.cpp's cell extension (2D position and token);
+- ``lfm2`` with sliding-window attention layers (``lfm2-swa.gguf``): a hybrid
+  whose memory localkv refuses to cache (``TinyArchModels.refused``).
 
 Like ``tinymodels``, they borrow the default model's tokenizer, carry small
 random F32 weights and build in well under a second. Tensor names and shapes
@@ -37,13 +42,16 @@ F32 = npt.NDArray[np.float32]
 
 @dataclass(frozen=True)
 class TinyArchModels:
-    """One tiny model per memory kind, and a second gemma3 with other weights."""
+    """One tiny model per memory kind, a second gemma3 with other weights, and a hybrid
+    with sliding-window layers that the cache refuses."""
 
     gemma3: Path
     gemma3_other: Path
     lfm2: Path
     nemotron_h: Path
     mamba2: Path
+    qwen35: Path
+    lfm2_swa: Path
 
     def all(self) -> dict[str, Path]:
         return {
@@ -51,7 +59,12 @@ class TinyArchModels:
             "lfm2": self.lfm2,
             "nemotron_h": self.nemotron_h,
             "mamba2": self.mamba2,
+            "qwen35": self.qwen35,
         }
+
+    def refused(self) -> dict[str, Path]:
+        """The models whose memory the prefix cache does not hold."""
+        return {"lfm2_swa": self.lfm2_swa}
 
 
 def build_tiny_arch_models(directory: Path, tokenizer_source: Path) -> TinyArchModels:
@@ -62,6 +75,8 @@ def build_tiny_arch_models(directory: Path, tokenizer_source: Path) -> TinyArchM
         lfm2=build(directory / "tiny-lfm2.gguf", "lfm2", tokenizer_source),
         nemotron_h=build(directory / "tiny-nemotron-h.gguf", "nemotron_h", tokenizer_source),
         mamba2=build(directory / "tiny-mamba2.gguf", "mamba2", tokenizer_source),
+        qwen35=build(directory / "tiny-qwen35.gguf", "qwen35", tokenizer_source),
+        lfm2_swa=build(directory / "tiny-lfm2-swa.gguf", "lfm2_swa", tokenizer_source),
     )
 
 
@@ -149,12 +164,12 @@ def _lfm2(w: gguf.GGUFWriter, t: _Weights) -> None:
     t.ones("token_embd_norm.weight", N_EMBD)
 
 
-def _ssm_keys(w: gguf.GGUFWriter, d_inner: int, n_head: int) -> None:
+def _ssm_keys(w: gguf.GGUFWriter, d_inner: int, n_head: int, n_group: int = 1) -> None:
     w.add_ssm_conv_kernel(D_CONV)
     w.add_ssm_inner_size(d_inner)
     w.add_ssm_state_size(D_STATE)
     w.add_ssm_time_step_rank(n_head)
-    w.add_ssm_group_count(1)
+    w.add_ssm_group_count(n_group)
 
 
 def _mamba2(w: gguf.GGUFWriter, t: _Weights) -> None:
@@ -202,12 +217,67 @@ def _nemotron_h(w: gguf.GGUFWriter, t: _Weights) -> None:
     t.ones("output_norm.weight", N_EMBD)
 
 
+def _delta_net(t: _Weights, p: str, n_k_heads: int, n_v_heads: int) -> None:
+    """A gated delta-net layer (llama.cpp ``llama_model_qwen35``; head size ``D_STATE``)."""
+    key_dim, value_dim = D_STATE * n_k_heads, D_STATE * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    t.linear(p + "attn_qkv.weight", conv_dim, N_EMBD)
+    t.linear(p + "attn_gate.weight", value_dim, N_EMBD)
+    t.small(p + "ssm_conv1d.weight", conv_dim, D_CONV, scale=0.5)
+    t.small(p + "ssm_dt.bias", n_v_heads)
+    t.tensors[p + "ssm_a"] = -t.rng.uniform(0.5, 2.0, n_v_heads).astype(np.float32)
+    t.linear(p + "ssm_beta.weight", n_v_heads, N_EMBD)
+    t.linear(p + "ssm_alpha.weight", n_v_heads, N_EMBD)
+    t.ones(p + "ssm_norm.weight", D_STATE)
+    t.linear(p + "ssm_out.weight", N_EMBD, value_dim)
+
+
+def _qwen35(w: gguf.GGUFWriter, t: _Weights) -> None:
+    n_layer, n_ff, n_k_heads, n_v_heads = 4, 128, 2, 4
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(HEAD_DIM)
+    # M-RoPE sections (temporal, height, width, extra) over HEAD_DIM / 2 rotary pairs
+    w.add_rope_dimension_sections([6, 5, 5, 0])
+    w.add_uint32("qwen35.full_attention_interval", 2)  # layers 1 and 3 attend
+    _ssm_keys(w, D_STATE * n_v_heads, n_v_heads, n_k_heads)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t.ones(p + "attn_norm.weight", N_EMBD)
+        t.ones(p + "post_attention_norm.weight", N_EMBD)
+        t.gated_ffn(p, n_ff)
+        if (i + 1) % 2:
+            _delta_net(t, p, n_k_heads, n_v_heads)
+            continue
+        t.linear(p + "attn_q.weight", 2 * 2 * HEAD_DIM, N_EMBD)  # queries and their gates
+        t.linear(p + "attn_k.weight", HEAD_DIM, N_EMBD)
+        t.linear(p + "attn_v.weight", HEAD_DIM, N_EMBD)
+        t.linear(p + "attn_output.weight", N_EMBD, 2 * HEAD_DIM)
+        t.ones(p + "attn_q_norm.weight", HEAD_DIM)
+        t.ones(p + "attn_k_norm.weight", HEAD_DIM)
+    t.ones("output_norm.weight", N_EMBD)
+
+
+def _lfm2_swa(w: gguf.GGUFWriter, t: _Weights) -> None:
+    _lfm2(w, t)
+    w.add_sliding_window(SWA_WINDOW)  # its attention layers slide: llama.cpp's hybrid iSWA
+
+
 _BUILDERS: dict[str, Callable[[gguf.GGUFWriter, _Weights], None]] = {
     "gemma3": _gemma3,
     "lfm2": _lfm2,
     "mamba2": _mamba2,
     "nemotron_h": _nemotron_h,
+    "qwen35": _qwen35,
+    "lfm2_swa": _lfm2_swa,
 }
+_ARCHITECTURES = {"lfm2_swa": "lfm2"}  # builders of a variant: the GGUF's architecture
 
 
 def build(
@@ -221,7 +291,7 @@ def build(
         if key.startswith(TOKENIZER_KEY_PREFIX)
     }
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"].value)
-    writer = gguf.GGUFWriter(dst, arch)
+    writer = gguf.GGUFWriter(dst, _ARCHITECTURES.get(arch, arch))
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(f"localkv-tiny-{arch}")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from localkv.storage.filehash import FileHasher
+from support.tinyarch import build
 from support.tinymodels import TinyModels, tiny_config
 
 from localkv.cache.identity import Identity, identity_of
@@ -90,6 +92,20 @@ def test_identity_survives_a_json_round_trip(base: Identity) -> None:
     again = Identity.from_dict(json.loads(json.dumps(base.as_dict())))
     assert again == base
     assert again.digest == base.digest
+
+
+def test_the_kv_cell_layout_is_part_of_the_representation(
+    tmp_path: Path, default_model_path: Path, base: Identity
+) -> None:
+    """M-RoPE cells (qwen35) are named in the representation; plain cells leave it as it was."""
+    qwen35 = _identity(build(tmp_path / "tiny-qwen35.gguf", "qwen35", default_model_path))
+    assert qwen35.cell_ext
+    assert qwen35.tiers()["representation"]["cell_ext"] is True
+    assert not base.cell_ext
+    assert "cell_ext" not in base.tiers()["representation"]
+    flipped = dataclasses.replace(qwen35, cell_ext=False)
+    assert flipped.digest != qwen35.digest
+    assert "cell_ext: True → False" in qwen35.diff(flipped)
 
 
 def test_model_hash_is_remembered_across_hashers(tmp_path: Path, tiny_models: TinyModels) -> None:

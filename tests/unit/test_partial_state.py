@@ -15,7 +15,13 @@ from localkv.model.native import llama_cpp
 from localkv.model.session import ModelSession
 from localkv.model.snapshots import classify, read_state_ext
 
-KINDS = {"gemma3": "swa", "lfm2": "hybrid", "nemotron_h": "hybrid", "mamba2": "recurrent"}
+KINDS = {
+    "gemma3": "swa",
+    "lfm2": "hybrid",
+    "nemotron_h": "hybrid",
+    "mamba2": "recurrent",
+    "qwen35": "hybrid",
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,7 @@ def test_a_full_state_is_the_attention_part_then_the_partial_part(
             partial.check_partial(alone[:20], kind, len(tokens))
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["lfm2", "nemotron_h", "mamba2", "qwen35"])
 def test_recurrent_memory_refuses_a_partial_trim(arch: str, arch_models: TinyArchModels) -> None:
     s, _ = _session(arch_models.all()[arch], 100)
     with s:
