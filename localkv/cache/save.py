@@ -164,7 +164,7 @@ def write_blocks(store: SnapshotStore, blocks: Sequence[Block]) -> SaveResult:
     """Write the prepared blocks that are not stored yet (background-safe)."""
     new_blocks = new_bytes = 0
     for block in blocks:
-        if not block.tensors:
+        if not block.meta:  # a stand-in for a block already stored (``_block``)
             continue
         try:
             if store.put_block(block):

@@ -344,6 +344,7 @@ def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, A
             tokens = [int(t) for b in blocks for t in b.tokens]
             ends = [b.start + int(e) for b in blocks for e in b.ends]
             session.reset()
+            session.segment_ends = {row.end for row in chain if row.end_state}
             probes = session.prefill(tokens, ends=ends).probes
             if session.memory_kind == "swa":  # the last window's rows go to their blocks
                 session.capture()

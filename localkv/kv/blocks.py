@@ -106,7 +106,7 @@ def block_layout(
         raise codec.StateFormatError(f"block metadata lacks the KV layout: {exc}") from None
     extra = 1 if PARTIAL in shapes else 0
     n_tensors = 2 * (len(out) + len(window)) + 2 + extra
-    if not (out or extra) or len(shapes) != n_tensors:
+    if len(shapes) != n_tensors:  # (a recurrent block without its state holds none)
         raise codec.StateFormatError("block tensors do not match its KV layout")
     return BlockLayout(v_trans, tuple(out), tuple(window))
 

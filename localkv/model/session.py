@@ -74,10 +74,12 @@ class ModelSession:
         # logits of tokens decoded alone at block ends and boundaries: the probes
         self.probes: dict[int, np.ndarray] = {}
         self.partials: dict[int, np.ndarray] = {}  # by position (``model.snapshots``)
-        # SWA: the sliding rows blocks will store (``kv.windows``), and the position
-        # of the last settle (the state a restore loaded counts as settled there)
+        # SWA: the sliding rows blocks will store (``kv.windows``), the last settle's
+        # position; recurrent: where states are kept (``model.snapshots``)
         self.windows = WindowLog()
         self.settled_at: int | None = None
+        self.segment_ends: set[int] = set()
+        self.snapshot_interval = config.block_size
         self._scratch: np.ndarray | None = None  # reused restore buffer
         # token counts after each llama_decode call: how the sequence was batched.
         # Numerics depend on batching, so a faithful recomputation replays it.
@@ -201,7 +203,7 @@ class ModelSession:
         The logits are kept as a probe when ``probe`` is set or the token ends a block.
         """
         pos = len(self.tokens)
-        partial_before(self, pos, probe)
+        partial_before(self, pos)
         logits = self._decode([token], want_last=True)
         if logits is None:  # pragma: no cover - want_last guarantees logits
             raise RuntimeError("no logits")
@@ -213,7 +215,9 @@ class ModelSession:
     def schedule(
         self, n_tokens: int, boundaries: Iterable[int], singles: Iterable[tuple[int, int]] = ()
     ) -> list[int]:
-        """The canonical batch ends of a request (see ``localkv.model.schedule``)."""
+        """The canonical batch ends of a request (``model.schedule``); notes its segment ends."""
+        boundaries = list(boundaries)
+        self.segment_ends = {b for b in boundaries if b > 0} | {n_tokens}
         return request_ends(
             n_tokens,
             boundaries,
@@ -306,8 +310,7 @@ class ModelSession:
 
     # ------------------------------------------------------------------ state
     def capture_state(self) -> bytes:
-        """The raw llama.cpp state of sequence 0."""
-        return self.capture_array().tobytes()
+        return self.capture_array().tobytes()  # the raw state of sequence 0
 
     def capture_array(self) -> np.ndarray:
         """The raw llama.cpp state of sequence 0, written straight into a new uint8 array."""

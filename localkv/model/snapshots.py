@@ -8,7 +8,11 @@ is decoded alone as the probe.
 
 **Recurrent and hybrid** memories keep the recurrent state itself: the session
 captures it before a block's last token where a block can end (see
-``snapshot_here``). They need no settling (measured: bit-identical continuations).
+``snapshot_here``): at every segment end, and on the block grid every
+``snapshot_interval`` tokens, chosen so the states cost no more disk than the
+attention rows between them (a state of a real model is tens of MB: storing
+one per 256-token block would be 5-25 times the rows). A divergence recomputes
+at most one interval. They need no settling (measured: bit-identical continuations).
 
 **Settling (SWA).** A live context with ``swa_full`` keeps every SWA cell, but
 a state write (and so a restore) holds only the window: measured on the tiny
@@ -48,6 +52,7 @@ __all__ = [
     "settle",
     "settles_before",
     "snapshot_here",
+    "snapshot_interval",
     "window_of",
 ]
 
@@ -100,12 +105,24 @@ def read_state_ext(ctx: Any, flags: int) -> np.ndarray:
     return arr
 
 
-def snapshot_here(kind: MemoryKind, pos: int, block_size: int, probe: bool) -> bool:
+# per token, the least a recurrent state's bytes are weighed against (memory with few
+# or no attention rows): 32 KiB, about what a 7-8B model's KV cache keeps per token
+MIN_ROW_BYTES = 32 << 10
+
+
+def snapshot_interval(state_bytes: int, row_bytes: int, block_size: int) -> int:
+    """Tokens between recurrent snapshots on the block grid: the fewest blocks whose
+    attention rows (``row_bytes`` per token, at least ``MIN_ROW_BYTES``) outweigh a state."""
+    per_block = block_size * max(row_bytes, MIN_ROW_BYTES)
+    return block_size * max(1, -(-state_bytes // per_block))
+
+
+def snapshot_here(kind: MemoryKind, pos: int, interval: int, segment_ends: set[int]) -> bool:
     """Whether a recurrent or hybrid partial part is captured before decoding token
-    ``pos`` alone: at block-grid ends, and wherever a probe is kept (segment ends)."""
+    ``pos`` alone: every ``interval`` tokens, and at the end of a segment."""
     if kind in ("kv", "swa"):
         return False
-    return (pos + 1) % block_size == 0 or probe
+    return (pos + 1) % interval == 0 or pos + 1 in segment_ends
 
 
 def settles_before(pos: int, batch_ends: list[int], block_size: int) -> bool:
@@ -151,7 +168,7 @@ def memory_of(model: Any) -> tuple[MemoryKind | None, str | None]:
         return None, str(exc)
 
 
-def partial_before(session: Any, pos: int, probe: bool) -> None:
+def partial_before(session: Any, pos: int) -> None:
     """Before token ``pos`` is decoded alone: settle (SWA) or capture the partial part."""
     kind = session.memory_kind
     block = session.config.block_size
@@ -162,7 +179,8 @@ def partial_before(session: Any, pos: int, probe: bool) -> None:
         session.windows.open(pos + 1, pos // block * block, window)
         session.settled_at = pos
         return
-    if kind is None or not snapshot_here(kind, pos, block, probe):
+    interval, ends = session.snapshot_interval, session.segment_ends
+    if kind is None or not snapshot_here(kind, pos, interval, ends):
         return
     if pos in session.partials:  # just restored to this state (``cache.restore``)
         return
