@@ -58,7 +58,8 @@ def prepare_blocks(
 
     Full blocks end at multiples of the block size; each tip that is not a
     block end gets a shorter block. Every block needs the probe of its last
-    token; a chain stops where one is missing.
+    token; a chain stops where one is missing. The state is captured only if a
+    block is not stored yet (a repeat captures nothing).
     """
     n_max = max((t for t in tips if 0 < t <= session.n_tokens), default=0)
     if n_max == 0:
@@ -66,7 +67,13 @@ def prepare_blocks(
     ends = sorted({*range(scope.block_size, n_max + 1, scope.block_size), *tips})
     ends = [e for e in ends if 0 < e <= n_max]
     kind = session.memory_kind
-    state = None if kind == "recurrent" else session.capture()
+    captured: list[KVState | None] = []  # the state, captured once a block needs it
+
+    def state() -> KVState | None:
+        if not captured:  # (SWA: the capture hands the last window's rows to their blocks)
+            captured.append(None if kind == "recurrent" else session.capture())
+        return captured[0]
+
     tokens = session.tokens
     out: list[Block] = []
     full_hash_at = {0: scope.root}
@@ -74,7 +81,6 @@ def prepare_blocks(
         start = (end - 1) // scope.block_size * scope.block_size
         full = end - start == scope.block_size
         parent = full_hash_at.get(start)
-        window = session.windows.take(end) if kind == "swa" else None
         if parent is None:
             break  # the block before this one could not be saved
         block_tokens = np.asarray(tokens[start:end], dtype=np.int32)
@@ -85,10 +91,13 @@ def prepare_blocks(
             continue
         block_hash = chain_next(parent, block_tokens, offsets)
         if scope.store.has_block(block_hash):
+            session.windows.take(end)
             if full:
                 full_hash_at[end] = block_hash
             out.append(_block(scope, block_hash, parent, start, block_tokens, offsets))
             continue
+        kv = state()
+        window = session.windows.take(end) if kind == "swa" else None
         probe = session.probes.get(end - 1)
         partial = session.partials.get(end - 1)
         # where a restore can end: SWA, with the window's rows; recurrent, with its state.
@@ -99,7 +108,7 @@ def prepare_blocks(
             continue
         if full:
             full_hash_at[end] = block_hash
-        tensors, meta = _tensors(state, start, end, partial)
+        tensors, meta = _tensors(kv, start, end, partial)
         if window is not None:
             add_window(tensors, meta, window.state(), window.window_first)
         content = (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start))

@@ -1,0 +1,48 @@
+"""Saving does no work that is not needed: a repeat captures no state.
+
+A request whose blocks are all stored (the same document asked again) reads
+nothing of the state after its answer; a request with new tokens captures it
+once, however many blocks it adds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.tinymodels import TinyModels, tiny_config
+
+from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import Document
+from localkv.runtime import Runtime
+
+TEXT = "Alice was beginning to get very tired of sitting by her sister on the bank. "
+
+
+def _counting(rt: Runtime) -> list[int]:
+    """Count the session's state captures (each still captures the state)."""
+    calls: list[int] = []
+    original = rt.session.capture_array
+
+    def capture() -> object:
+        calls.append(rt.session.n_tokens)
+        return original()
+
+    rt.session.capture_array = capture  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("question", ["What?", "Who is by the bank?"])
+def test_a_repeat_captures_no_state_and_new_tokens_one(
+    question: str, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    doc = Document.from_text(" ".join(f"Chapter {i}. {TEXT}" for i in range(40)), "d.txt")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with Runtime(tiny_config(tiny_models.base, n_ctx=4096), cache_dir=tmp_path) as rt:
+        calls = _counting(rt)
+        rt.ask([doc], "What?", params=params)
+        rt.wait_for_saves()
+        assert len(calls) == 1  # the first ask: blocks to save, one capture
+        rt.ask([doc], question, params=params)
+        rt.wait_for_saves()
+    assert len(calls) == (1 if question == "What?" else 2)
