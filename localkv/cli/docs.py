@@ -172,9 +172,9 @@ def prefill(
     recomputing it. Completed blocks are saved as the prefill goes, so even a
     killed run keeps them. Ctrl-C, SIGTERM and SIGHUP stop after the current
     batch, keep what is complete and say how many tokens that is: what the
-    next run restores (exit 130, 143 and 129). A model or cache that cannot
-    be saved to (a sliding-window or recurrent model, a read-only cache) is
-    an error, exit 1.
+    next run restores (exit 130, 143 and 129). A model the cache cannot hold
+    (one `localkv models` lists with CACHE no) or a cache that cannot be saved
+    to (read-only) is an error with the reason, exit 1.
     """
     docs = _documents(files, opts["n_ctx"])
     system_text = _system_text(system, opts["n_ctx"])
