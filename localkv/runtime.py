@@ -248,7 +248,7 @@ class Runtime:
         reused = self.session.n_tokens
         t1 = time.perf_counter()
         early: list[SaveResult] = []  # blocks saved while the prefill went on
-        cancelled = self._prefill_saving(request, ends, progress, cancel, early.append)
+        cancelled = self._prefill_saving(request, ends, progress, cancel, early)
         self.wait_for_saves()
         prefilled = self.session.n_tokens - reused
         self.note_prefill(time.perf_counter() - t1, prefilled)
@@ -271,6 +271,7 @@ class Runtime:
             cache=self.with_snapshot(restored, report, request.tokens),
             not_kept=saved.not_kept,
             over_budget=saved.over_budget,
+            not_saved=saved.error,
         )
 
     def _prefill_saving(
@@ -279,13 +280,15 @@ class Runtime:
         ends: Sequence[int],
         progress: ProgressFn | None,
         cancel: CancelFn | None,
-        on_saved: Callable[[SaveResult], None],
+        early: list[SaveResult],
     ) -> bool:
         """Prefill the rest of ``request`` a block at a time; True if cancelled.
 
         After each completed block the blocks so far are saved in the background
         (never delaying the next batch), so a process killed mid-prefill keeps
-        every block that was written before the kill.
+        every block that was written before the kill; their results go to
+        ``early``. Once one has failed (a full disk) no more are tried: the
+        save at the end tries once more, and says why.
         """
         start, total = self.session.n_tokens, len(request.tokens)
         block = self.session.config.block_size
@@ -304,9 +307,9 @@ class Runtime:
             except PrefillCancelled:
                 return True
             log.info("prefill: %d of %d tokens computed", stop, total)
-            if stop < total:
+            if stop < total and not any(r.error for r in early):
                 tips = [b for b in request.boundaries if b < stop] + [stop]
-                self.save_prefix(tips, on_saved)
+                self.save_prefix(tips, early.append)
         return False
 
     # -------------------------------------------------------------------- ask

@@ -26,8 +26,10 @@ from .values import BlockCorrupt
 __all__ = [
     "ENV_MIN_FREE",
     "MIN_FREE_BYTES",
+    "MIN_FREE_FLOOR",
     "check_free_space",
     "link_into_place",
+    "min_free_bytes",
     "move_to_quarantine",
     "open_block_file",
     "read_exactly",
@@ -42,6 +44,9 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 ENV_MIN_FREE = "LOCALKV_MIN_FREE"
 MIN_FREE_BYTES = 256 << 20
+# the least margin that may be asked for: the index, its WAL, the manifests and the
+# saved conversations must still be written once block files have filled the rest
+MIN_FREE_FLOOR = 16 << 20
 try:
     _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
 except (AttributeError, ValueError, OSError):  # pragma: no cover - no sysconf (Windows)
@@ -54,8 +59,7 @@ def check_free_space(directory: Path, needed: int) -> None:
     The margin is ``$LOCALKV_MIN_FREE`` (e.g. ``1G``), else 256 MiB: the cache
     never fills the disk it shares with everything else.
     """
-    env = os.environ.get(ENV_MIN_FREE)
-    margin = parse_size(env) if env else MIN_FREE_BYTES
+    margin = min_free_bytes()
     free = shutil.disk_usage(directory).free
     if free < needed + margin:
         raise OSError(
@@ -63,6 +67,21 @@ def check_free_space(directory: Path, needed: int) -> None:
             f"not saving {needed} bytes: {free} bytes free at {directory}, "
             f"keeping {margin} free ({ENV_MIN_FREE})",
         )
+
+
+def min_free_bytes() -> int:
+    """``$LOCALKV_MIN_FREE`` in bytes (default 256 MiB); ``ValueError`` for a value that
+    is not a size or is below ``MIN_FREE_FLOOR``."""
+    env = os.environ.get(ENV_MIN_FREE)
+    if not env:
+        return MIN_FREE_BYTES
+    margin = parse_size(env)
+    if margin < MIN_FREE_FLOOR:
+        raise ValueError(
+            f"{env!r} is less than {MIN_FREE_FLOOR >> 20} MiB, the room the index and "
+            "the saved conversations need beside the cache's blocks"
+        )
+    return margin
 
 
 def stage_block_file(layout: CacheLayout, relpath: str, data: bytes) -> Path:

@@ -25,6 +25,7 @@ from localkv.chat.history import (
 from localkv.chat.historyrows import parts_of
 from localkv.chat.session import ChatState
 from localkv.cli.options import cache_dir_option
+from localkv.reports import printable
 
 __all__ = ["history"]
 
@@ -89,7 +90,7 @@ def ls_cmd(cache_dir: str | None, as_json: bool) -> None:
     with _store(cache_dir) as store:
         found, skipped = store.scan() if store is not None else ([], [])
     for row in skipped:
-        click.echo(f"warning: {row.line()}", err=True)
+        click.echo(f"warning: {printable(row.line())}", err=True)
     if as_json:
         click.echo(json.dumps([_info_json(info) for info in found]))
         return
@@ -103,8 +104,8 @@ def ls_cmd(cache_dir: str | None, as_json: bool) -> None:
         notes = " (last message unanswered)" if info.pending else ""
         notes += f" (forked from {info.forked_from})" if info.forked_from else ""
         click.echo(
-            f"{info.id:<16}  {_when(info.updated):<16}  {info.messages:>8}  "
-            f"{info.tokens:>7,}  {model} · {info.title}{notes}"
+            f"{printable(info.id):<16}  {_when(info.updated):<16}  {info.messages:>8}  "
+            f"{info.tokens:>7,}  {printable(model)} · {printable(info.title)}{notes}"
         )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from localkv.cli.jsonerrors import JsonErrors
+from localkv.reports import printable
 from localkv.storage.index.health import IndexDamaged, check_index, is_damage
 from localkv.storage.paths import CacheDirError, default_root
 from localkv.storage.repair import RepairReport, repair
@@ -111,7 +112,7 @@ def repair_cmd(cache_dir: str | None, as_json: bool) -> None:
         click.echo(json.dumps(asdict(report)))
         return
     for line in _lines(report):
-        click.echo(line)
+        click.echo(printable(line))  # names of files found on disk, labels
 
 
 def _lines(report: RepairReport) -> Iterator[str]:
