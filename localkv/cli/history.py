@@ -33,10 +33,13 @@ _dir_option = cache_dir_option
 
 
 @contextmanager
-def _store(cache_dir: str | None) -> Iterator[ConversationStore | None]:
-    """The saved conversations, or None when there are none (nothing is created)."""
+def _store(cache_dir: str | None, read_only: bool = True) -> Iterator[ConversationStore | None]:
+    """The saved conversations, or None when there are none (nothing is created).
+
+    ``read_only``: a listing never waits for a chat writing in another process.
+    """
     try:
-        store = ConversationStore.open_existing(cache_dir)
+        store = ConversationStore.open_existing(cache_dir, read_only=read_only)
     except OSError as exc:
         raise click.ClickException(f"cannot open the saved conversations: {exc}") from None
     if store is None:
@@ -183,7 +186,7 @@ def _markdown(info: ConversationInfo, state: ChatState) -> str:
 @_dir_option
 def rm_cmd(conversation_id: str, cache_dir: str | None) -> None:
     """Delete a conversation; its pages in the file are overwritten too."""
-    with _store(cache_dir) as store:
+    with _store(cache_dir, read_only=False) as store:
         found, ident = _resolve(store, conversation_id)
         _, truncated = found.forget([ident])
     click.echo(f"deleted {ident}")

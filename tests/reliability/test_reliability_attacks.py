@@ -305,3 +305,34 @@ def test_the_cache_screen_shows_a_label_with_controls_escaped(
     finally:
         runtime.close()
     assert cells == ["evil\\x1b[2J\\x1b]0;owned\\x07[/bold]\\u202e"]
+
+
+# ------------------------------------------------------------------ smaller
+_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")  # another process's write lock, held until stdin closes
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_history_reads_do_not_wait_for_another_processs_write_lock(env: dict[str, str]) -> None:
+    assert _localkv(env, *CHAT, stdin=b"Hello there\n").returncode == 0
+    path = Path(env["LOCALKV_HOME"]) / "conversations.db"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        listing = _localkv(env, "history", "ls", "--json")
+        assert listing.returncode == 0, listing.stderr
+        (conversation,) = json.loads(listing.stdout)
+        assert conversation["title"] == "Hello there"
+        export = _localkv(env, "history", "export", conversation["id"])
+        assert export.returncode == 0 and "Hello there" in export.stdout, export.stderr
+    finally:
+        holder.communicate("", timeout=LIVENESS_S)
