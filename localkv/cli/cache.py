@@ -224,6 +224,8 @@ def forget_cmd(
       another snapshot shares, and every block after those, with the
       snapshots on them;
     - the quarantined copies of those blocks;
+    - files no index row names: every temp file a killed save left, and
+      block files holding FILE's tokens whose row was never written;
     - only with --with-conversations, the saved conversations holding FILE's
       text or tokens; without it, forget refuses and removes nothing while
       any conversation holds FILE.
@@ -234,7 +236,7 @@ def forget_cmd(
     default model) and of each model the cache's entries were made with. If no
     vocabulary loads (a warning says so), only FILE's snapshots and the blocks
     only they need are removed; if FILE is gone already, only the snapshots
-    whose path names it and the blocks only they need.
+    whose path names it and the blocks only they need (none: an error, exit 1).
     """
     path = Path(file).expanduser()
     document = forgotten_document(path)
@@ -245,14 +247,19 @@ def forget_cmd(
         )
         sha = document.sha256 if document is not None else None
         report = store.forget(path_text(path.resolve()), sha, runs)
+    if document is None and not (report.snapshots or report.blocks):
+        raise click.ClickException(
+            f"{path_text(file)}: no such file, and no snapshot was saved from it: nothing to forget"
+        )
     fields: dict[str, Any] = {k: getattr(report, k) for k in report.__dataclass_fields__}
     fields["wal_truncated"] = report.wal_truncated and chats_truncated
     fields["conversations"] = chats
     if as_json:
         click.echo(json.dumps(fields))
     else:
+        unindexed = f", {report.unindexed_files} unindexed file(s)" * bool(report.unindexed_files)
         click.echo(
-            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s), "
+            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s){unindexed}, "
             f"{human_size(report.bytes_freed)}, {len(chats)} conversation(s)"
         )
     if not fields["wal_truncated"]:

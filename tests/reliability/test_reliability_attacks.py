@@ -336,3 +336,11 @@ def test_history_reads_do_not_wait_for_another_processs_write_lock(env: dict[str
         assert export.returncode == 0 and "Hello there" in export.stdout, export.stderr
     finally:
         holder.communicate("", timeout=LIVENESS_S)
+
+
+def test_forgetting_a_file_that_is_gone_and_was_never_cached_is_an_error(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    done = _localkv(env, "cache", "forget", str(tmp_path / "nonexistent.txt"))
+    assert done.returncode == 1
+    assert "no such file, and no snapshot was saved from it: nothing to forget" in done.stderr
