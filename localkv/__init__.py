@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
-from localkv.prompt.request import Document, DocumentError, read_document
+from localkv.prompt.request import Document, DocumentError, TextError, read_document
 from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Runtime",
     "SamplingParams",
     "SessionConfig",
+    "TextError",
     "read_document",
 ]
 __version__ = "0.1.0"

@@ -1,10 +1,35 @@
-"""What the runtime reports: cache outcome, token counts, timings (public values)."""
+"""What the runtime reports: cache outcome, token counts, timings (public values);
+and ``printable``, how every face shows a name it did not write."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["Answer", "CacheReport", "PrefillReport", "Timing", "TokenCounts"]
+__all__ = ["Answer", "CacheReport", "PrefillReport", "Timing", "TokenCounts", "printable"]
+
+# C0 and C1 controls and DEL (ESC starts a terminal command), the bidirectional
+# overrides and isolates (they reorder what follows), line and paragraph separators
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\x1b``, ``\\n``).
+
+    Labels, titles, document and file names come from users, files and HTTP
+    clients; a listing shows them on one line and never lets one drive the
+    terminal (clear it, move the cursor, retitle the window).
+    """
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(found: re.Match[str]) -> str:
+    char = found.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +142,7 @@ class PrefillReport:
     kept: int = 0  # tokens in the cache after the run: what the next run of it restores
     not_kept: str | None = None  # why the budget's eviction took what was just saved
     over_budget: str | None = None  # pinned snapshots hold more than the budget
+    not_saved: str | None = None  # why saving failed (disk full, an I/O error); None: it did not
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -132,4 +158,5 @@ class PrefillReport:
             "cancelled": self.cancelled,
             "not_kept": self.not_kept,
             "over_budget": self.over_budget,
+            "not_saved": self.not_saved,
         }

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.catalogue import covering_snapshot, save_prefill, snapshot_listing
+from localkv.cache.catalogue import covering_snapshot, has_room, save_prefill, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.native import llama_cpp
 from localkv.model.resolve import resolve_model
@@ -248,7 +248,7 @@ class Runtime:
         reused = self.session.n_tokens
         t1 = time.perf_counter()
         early: list[SaveResult] = []  # blocks saved while the prefill went on
-        cancelled = self._prefill_saving(request, ends, progress, cancel, early.append)
+        cancelled = self._prefill_saving(request, ends, progress, cancel, early)
         self.wait_for_saves()
         prefilled = self.session.n_tokens - reused
         self.note_prefill(time.perf_counter() - t1, prefilled)
@@ -271,6 +271,7 @@ class Runtime:
             cache=self.with_snapshot(restored, report, request.tokens),
             not_kept=saved.not_kept,
             over_budget=saved.over_budget,
+            not_saved=saved.error,
         )
 
     def _prefill_saving(
@@ -279,13 +280,15 @@ class Runtime:
         ends: Sequence[int],
         progress: ProgressFn | None,
         cancel: CancelFn | None,
-        on_saved: Callable[[SaveResult], None],
+        early: list[SaveResult],
     ) -> bool:
         """Prefill the rest of ``request`` a block at a time; True if cancelled.
 
         After each completed block the blocks so far are saved in the background
         (never delaying the next batch), so a process killed mid-prefill keeps
-        every block that was written before the kill.
+        every block that was written before the kill; their results go to
+        ``early``. Once one has failed for want of room (a full disk) no more
+        are tried: the save at the end tries once more, and says why.
         """
         start, total = self.session.n_tokens, len(request.tokens)
         block = self.session.config.block_size
@@ -304,10 +307,14 @@ class Runtime:
             except PrefillCancelled:
                 return True
             log.info("prefill: %d of %d tokens computed", stop, total)
-            if stop < total:
+            if stop < total and not self._no_room(early):
                 tips = [b for b in request.boundaries if b < stop] + [stop]
-                self.save_prefix(tips, on_saved)
+                self.save_prefix(tips, early.append)
         return False
+
+    def _no_room(self, early: list[SaveResult]) -> bool:
+        failed = any(r.error for r in early)
+        return failed and (self.cache is None or not has_room(self.cache))
 
     # -------------------------------------------------------------------- ask
     def ask(

@@ -1,6 +1,6 @@
 """Block files on disk: atomic writes, reads that never follow links, removal.
 
-Write: a 0600 temp file in ``root/tmp`` -> fsync -> into ``blocks/ab/`` ->
+Write: a 0600 temp file in ``root/tmp``, locked by its writer -> fsync -> into ``blocks/ab/`` ->
 fsync the directory; a hard link puts it in place without ever replacing
 another writer's file, and ``os.replace`` is used only under the index lock.
 Read: refuse anything that is not a regular file at the expected place (a
@@ -16,7 +16,14 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 from . import faults
 from .paths import CacheLayout, create_private_file, ensure_private_dir, fsync_dir
@@ -26,14 +33,20 @@ from .values import BlockCorrupt
 __all__ = [
     "ENV_MIN_FREE",
     "MIN_FREE_BYTES",
+    "MIN_FREE_FLOOR",
+    "TEMP_SUFFIX",
     "check_free_space",
     "link_into_place",
+    "locked_temp_file",
+    "min_free_bytes",
     "move_to_quarantine",
     "open_block_file",
     "read_exactly",
+    "remove_abandoned_temp_files",
     "remove_file",
+    "remove_if_abandoned",
     "replace_into_place",
-    "stage_block_file",
+    "staged_block_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -42,6 +55,10 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 ENV_MIN_FREE = "LOCALKV_MIN_FREE"
 MIN_FREE_BYTES = 256 << 20
+TEMP_SUFFIX = ".tmp"  # tmp/NAME.RANDOM.tmp: a file being written (see ``locked_temp_file``)
+# the least margin that may be asked for: the index, its WAL, the manifests and the
+# saved conversations must still be written once block files have filled the rest
+MIN_FREE_FLOOR = 16 << 20
 try:
     _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
 except (AttributeError, ValueError, OSError):  # pragma: no cover - no sysconf (Windows)
@@ -54,8 +71,7 @@ def check_free_space(directory: Path, needed: int) -> None:
     The margin is ``$LOCALKV_MIN_FREE`` (e.g. ``1G``), else 256 MiB: the cache
     never fills the disk it shares with everything else.
     """
-    env = os.environ.get(ENV_MIN_FREE)
-    margin = parse_size(env) if env else MIN_FREE_BYTES
+    margin = min_free_bytes()
     free = shutil.disk_usage(directory).free
     if free < needed + margin:
         raise OSError(
@@ -65,22 +81,104 @@ def check_free_space(directory: Path, needed: int) -> None:
         )
 
 
-def stage_block_file(layout: CacheLayout, relpath: str, data: bytes) -> Path:
-    """Write ``data`` to a new 0600 temp file in ``tmp/``, fsynced; return its path."""
-    final = layout.resolve(relpath)
-    tmp = layout.tmp / f"{final.name}.{secrets.token_hex(6)}.tmp"
-    fd = create_private_file(tmp)
+def min_free_bytes() -> int:
+    """``$LOCALKV_MIN_FREE`` in bytes (default 256 MiB); ``ValueError`` for a value that
+    is not a size or is below ``MIN_FREE_FLOOR``."""
+    env = os.environ.get(ENV_MIN_FREE)
+    if not env:
+        return MIN_FREE_BYTES
+    margin = parse_size(env)
+    if margin < MIN_FREE_FLOOR:
+        raise ValueError(
+            f"{env!r} is less than {MIN_FREE_FLOOR >> 20} MiB, the room the index and "
+            "the saved conversations need beside the cache's blocks"
+        )
+    return margin
+
+
+@contextmanager
+def locked_temp_file(layout: CacheLayout, stem: str) -> Iterator[tuple[Path, int]]:
+    """A new 0600 file ``tmp/STEM.RANDOM.tmp`` and its descriptor, locked while this
+    writer lives.
+
+    The lock (``flock``) is the kernel's: it ends when the writer closes the file
+    or dies, so ``gc``, ``forget`` and ``repair`` tell a temp file a writer still
+    needs from one a killed save left (``remove_if_abandoned``) at once, by no
+    clock. On exit the file is removed, if still there, and the lock released.
+    """
+    path, fd = _create_locked(layout.tmp, stem)
     try:
-        with os.fdopen(fd, "wb", closefd=True) as f:
+        yield path, fd
+    finally:
+        remove_file(path)
+        os.close(fd)
+
+
+def _create_locked(directory: Path, stem: str) -> tuple[Path, int]:
+    """Create and lock a temp file; again under a new name if a cleaner took it first."""
+    while True:
+        path = directory / f"{stem}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
+        fd = create_private_file(path)
+        if fcntl is None:  # pragma: no cover - no flock (Windows): gc's grace period only
+            return path, fd
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
+                return path, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed between its creation and the lock: it was never ours
+
+
+def remove_if_abandoned(path: Path, salvage: Callable[[Path], None] | None = None) -> int | None:
+    """Remove a temp file no living writer holds; the bytes freed, or None if one does.
+
+    ``salvage(path)`` runs first, under the lock (``repair`` places a whole block
+    file from it). Anything but a regular file is left to ``gc``'s grace period.
+    """
+    if fcntl is None:  # pragma: no cover - no flock (Windows)
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # its writer is alive
+        if salvage is not None:
+            salvage(path)
+        return remove_file(path)  # under the lock: no writer can take it now
+    finally:
+        os.close(fd)
+
+
+def remove_abandoned_temp_files(layout: CacheLayout) -> tuple[int, int]:
+    """Remove every temp file no living writer holds; (how many, bytes freed)."""
+    count = freed = 0
+    for entry in os.scandir(layout.tmp):
+        gone = remove_if_abandoned(Path(entry.path))
+        if gone is not None:
+            count, freed = count + 1, freed + gone
+    return count, freed
+
+
+@contextmanager
+def staged_block_file(layout: CacheLayout, relpath: str, data: bytes) -> Iterator[Path]:
+    """``data`` in a new locked temp file in ``tmp/``, fsynced, for the ``with`` block;
+    removed afterwards (the block file is linked into place from it)."""
+    final = layout.resolve(relpath)
+    with locked_temp_file(layout, final.name) as (tmp, fd):
+        with os.fdopen(os.dup(fd), "wb", closefd=True) as f:  # the lock stays on ``fd``
             faults.point("before_write")
             f.write(data)
             f.flush()
             faults.point("before_fsync")
             os.fsync(f.fileno())
-    except BaseException:
-        remove_file(tmp)
-        raise
-    return tmp
+        yield tmp
 
 
 def link_into_place(layout: CacheLayout, tmp: Path, relpath: str) -> bool:

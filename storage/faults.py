@@ -17,6 +17,7 @@ Example: ``LOCALKV_FAULT=before_commit:kill@3,before_fsync:enospc@*``.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import threading
@@ -58,7 +59,10 @@ def parse(spec: str) -> list[Fault]:
         name, _, rest = item.partition(":")
         action, _, when = rest.partition("@")
         if name not in POINTS or action not in _ACTIONS:
-            raise ValueError(f"bad fault {item!r}: points {sorted(POINTS)}, actions {_ACTIONS}")
+            raise ValueError(
+                f"bad fault {item!r}: POINT:ACTION[@N|@*], points {', '.join(sorted(POINTS))}, "
+                f"actions {', '.join(sorted(_ACTIONS))}"
+            )
         if when == "*":
             faults.append(Fault(name, action, None))
         elif not when or (when.isdigit() and int(when) > 0):
@@ -115,5 +119,16 @@ def point(name: str) -> None:
     raise OSError(code, f"{os.strerror(code)} (injected at {name})")
 
 
-if os.environ.get(ENV_FAULT):
-    arm(os.environ[ENV_FAULT])
+def _arm_from_environment() -> None:
+    """Arm ``$LOCALKV_FAULT``; a malformed spec arms nothing (the CLI refuses it as a
+    usage error before any work; ``parse`` says why)."""
+    spec = os.environ.get(ENV_FAULT)
+    if not spec:
+        return
+    try:
+        arm(spec)
+    except ValueError as exc:
+        logging.getLogger(__name__).info("%s ignored: %s", ENV_FAULT, exc)
+
+
+_arm_from_environment()

@@ -20,8 +20,8 @@ import logging
 import os
 from pathlib import Path
 
-from .disk import remove_file
-from .paths import CacheLayout, create_private_file, ensure_private_dir, fsync_dir
+from .disk import locked_temp_file, remove_file
+from .paths import CacheLayout, ensure_private_dir, fsync_dir
 from .values import SnapshotRow
 
 __all__ = ["MANIFEST_FORMAT", "Manifest", "manifest_dir", "prune", "read_all", "remove", "write"]
@@ -63,17 +63,12 @@ def write(layout: CacheLayout, snap: SnapshotRow, identity_json: str | None) -> 
     }
     target = _path(layout, snap.id)
     ensure_private_dir(target.parent)
-    tmp = layout.tmp / f"{snap.id}.{os.getpid()}.manifest"
-    remove_file(tmp)
-    fd = create_private_file(tmp)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with locked_temp_file(layout, f"{snap.id}.manifest") as (tmp, fd):
+        with os.fdopen(os.dup(fd), "w", encoding="utf-8") as f:  # the lock stays on ``fd``
             json.dump(fields, f, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    finally:
-        remove_file(tmp)
     fsync_dir(target.parent)
 
 

@@ -7,6 +7,9 @@
   others) and its index opened read-only: restores work, nothing is saved,
   and every write raises ``sqlite3.OperationalError``. A read-only root
   without an index is an empty store.
+- A root on a full disk (less free than the least ``LOCALKV_MIN_FREE``), whose
+  index cannot be opened for writing (SQLite cannot create its -wal/-shm), is
+  opened read-only the same way: reading needs no room.
 - With ``create=False`` (the read-only commands: ``cache ls``, ``show``,
   ``stats``, ``verify``), a root that does not exist is an empty store in
   memory, and no directory is created.
@@ -14,14 +17,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import sqlite3
 import stat
 from pathlib import Path
 
+from .disk import MIN_FREE_FLOOR
 from .index.blockindex import BlockIndex
 from .paths import CacheDirError, CacheLayout, ensure_private_dir, prepare_root
 
-__all__ = ["open_index", "writable"]
+__all__ = ["NOT_WRITABLE", "open_index", "writable"]
+
+logger = logging.getLogger(__name__)
+
+NOT_WRITABLE = "this process cannot write to it"
 
 
 def writable(root: Path) -> bool:
@@ -29,19 +40,31 @@ def writable(root: Path) -> bool:
     return os.access(root, os.W_OK | os.X_OK)
 
 
-def open_index(root: Path, *, create: bool = True) -> tuple[CacheLayout, BlockIndex, bool]:
-    """The layout of ``root``, its index, and whether it is read-only (see the module)."""
+def open_index(root: Path, *, create: bool = True) -> tuple[CacheLayout, BlockIndex, str | None]:
+    """The layout of ``root``, its index, and why it is read-only (None: it is not;
+    see the module)."""
     layout = CacheLayout(root)
     if not create and not os.path.lexists(root):
-        return layout, BlockIndex(None), False
+        return layout, BlockIndex(None), None
     if os.path.isdir(root) and not os.path.islink(root) and not writable(root):
-        ensure_private_dir(root)  # exists: only checked
-        try:
-            st = os.lstat(layout.index)
-        except FileNotFoundError:
-            return layout, BlockIndex(None), True
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheDirError(f"refusing {layout.index}: not a regular file (a symlink?)")
-        return layout, BlockIndex(layout.index, read_only=True), True
+        return layout, _read_only_index(layout), NOT_WRITABLE
     layout = prepare_root(root)
-    return layout, BlockIndex(layout.index), False
+    try:
+        return layout, BlockIndex(layout.index), None
+    except (OSError, sqlite3.OperationalError) as exc:
+        free = shutil.disk_usage(root).free
+        if free >= MIN_FREE_FLOOR or not layout.index.is_file():
+            raise
+        logger.info("the index cannot be opened for writing (%s): opened read-only", exc)
+        return layout, _read_only_index(layout), f"its disk is full ({free:,} bytes free)"
+
+
+def _read_only_index(layout: CacheLayout) -> BlockIndex:
+    ensure_private_dir(layout.root)  # exists: only checked
+    try:
+        st = os.lstat(layout.index)
+    except FileNotFoundError:
+        return BlockIndex(None)
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheDirError(f"refusing {layout.index}: not a regular file (a symlink?)")
+    return BlockIndex(layout.index, read_only=True)

@@ -9,7 +9,9 @@ its prefill seconds, and the checksum of its data section
 1. ``PRAGMA integrity_check`` (``index/health.py``); an index that is not
    sound is moved to ``quarantine/`` with a note (never deleted) and a new one
    is created. A missing or empty index is simply created anew.
-2. Every block file without a row is read whole and checked: its data
+2. Temp files no living writer holds are removed; one that is a whole block
+   file (a save killed between its fsync and its rename) is put in place
+   first. Every block file without a row is read whole and checked: its data
    checksum, its hash recomputed from parent, tokens and batch ends (and equal
    to its file name), positions, metadata. A file that fails is reported and
    left where it is (``gc`` removes it later); so is one written before block
@@ -37,7 +39,13 @@ import numpy as np
 
 from . import manifests
 from .chain import chain_next, chain_root, ends_array, tokens_sha
-from .disk import open_block_file, read_exactly
+from .disk import (
+    TEMP_SUFFIX,
+    open_block_file,
+    read_exactly,
+    remove_file,
+    remove_if_abandoned,
+)
 from .formats import planes
 from .formats.blockcodec import (
     FORMAT_VERSION,
@@ -51,7 +59,7 @@ from .formats.blockcodec import (
 from .formats.stheader import header_span, parse_safetensors
 from .index.blockindex import BlockIndex
 from .index.health import check_index
-from .paths import CacheLayout, prepare_root
+from .paths import CacheLayout, ensure_private_dir, prepare_root
 from .removal.quarantine import quarantine_index
 from .snapshots import SnapshotCatalogue
 from .values import BlockCorrupt, BlockRow, Probe
@@ -78,6 +86,8 @@ class RepairReport:
     skipped_blocks: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
     skipped_snapshots: list[tuple[str, str]] = field(default_factory=list)  # (id, reason)
     snapshots: int = 0  # snapshots in the index after the repair
+    temp_files: int = 0  # temp files killed saves left, removed
+    placed_from_temp: int = 0  # of which whole block files, put in place first
     not_recovered: str = NOT_RECOVERED
 
 
@@ -161,6 +171,41 @@ def _row(
         hits=0,
         end_state=end_state_of(meta),
     )
+
+
+def _salvage_temp_files(layout: CacheLayout, max_bytes: int) -> tuple[int, list[str]]:
+    """Remove the temp files no living writer holds; a whole block file among them (a
+    save killed before its rename) is put in place first, for its row to be rebuilt.
+
+    Returns how many were removed and the block files placed.
+    """
+    placed: list[str] = []
+
+    def salvage(tmp: Path) -> None:
+        name = tmp.name.rsplit(".", 2)[0]  # HASH.lkv.RANDOM.tmp
+        block_hash = CacheLayout.hash_of_file(name)
+        if block_hash is None or not tmp.name.endswith(TEMP_SUFFIX):
+            return
+        relpath = layout.block_relpath(block_hash)
+        final = layout.resolve(relpath)
+        ensure_private_dir(final.parent)
+        try:
+            os.link(tmp, final, follow_symlinks=False)
+        except OSError:  # there already, or no hard links: the temp file goes
+            return
+        try:
+            recover_row(layout, relpath, max_bytes)
+        except BlockCorrupt as exc:
+            logger.warning("repair: %s from tmp/ is not a whole block (%s)", name, exc.reason)
+            remove_file(final)
+            return
+        placed.append(relpath)
+
+    count = 0
+    for entry in os.scandir(layout.tmp):
+        if remove_if_abandoned(Path(entry.path), salvage) is not None:
+            count += 1
+    return count, placed
 
 
 def _block_files(layout: CacheLayout) -> list[str]:
@@ -258,6 +303,7 @@ def repair(root: Path, max_bytes: int) -> RepairReport:
     if problem is not None:
         moved = quarantine_index(layout, problem)
         layout = prepare_root(root)
+    temp, placed = _salvage_temp_files(layout, max_bytes)
     index = BlockIndex(layout.index)
     try:
         added, skipped = _add_blocks(index, layout, _block_files(layout), max_bytes)
@@ -276,4 +322,6 @@ def repair(root: Path, max_bytes: int) -> RepairReport:
         skipped_blocks=skipped,
         skipped_snapshots=skipped_snaps,
         snapshots=total,
+        temp_files=temp,
+        placed_from_temp=len(placed),
     )

@@ -31,9 +31,8 @@ from .chain import chain_next, chain_root
 from .disk import (
     check_free_space,
     link_into_place,
-    remove_file,
     replace_into_place,
-    stage_block_file,
+    staged_block_file,
 )
 from .formats.blockcodec import encode, index_row
 from .formats.readinto import OpenedBlock
@@ -83,10 +82,12 @@ class SnapshotStore:
         workers: int | None = None,
         *,
         compact: bool = False,
-        read_only: bool = False,
+        read_only: str | None = None,
     ) -> None:
         self.layout = layout
-        self.read_only = read_only  # a root this process cannot write: nothing is saved
+        # why nothing is saved (a root this process cannot write, a full disk), or None
+        self.read_only_reason = read_only
+        self.read_only = read_only is not None
         self.compact = compact  # write new blocks in the compact format (``formats.planes``)
         self._index = index
         self._workers = workers or min(8, os.cpu_count() or 1)
@@ -176,18 +177,16 @@ class SnapshotStore:
         if row.raw_bytes > MAX_RAW_BLOCK_BYTES:
             raise ValueError(f"block of {row.raw_bytes} bytes is over {MAX_RAW_BLOCK_BYTES}")
         check_free_space(self.layout.tmp, len(data))
-        tmp = stage_block_file(self.layout, relpath, data)
-        try:
-            placed = link_into_place(self.layout, tmp, relpath)
-            # A file already there is an orphan or another writer's: replace it only
-            # under the write lock and only if no row (which would name it) exists.
-            place = None if placed else lambda: replace_into_place(self.layout, tmp, relpath)
-            outcome = self._index.add_block(row, place)
-        except BaseException:
-            self._discard_unindexed(relpath)
-            raise
-        finally:
-            remove_file(tmp)
+        with staged_block_file(self.layout, relpath, data) as tmp:
+            try:
+                placed = link_into_place(self.layout, tmp, relpath)
+                # A file already there is an orphan or another writer's: replace it only
+                # under the write lock and only if no row (which would name it) exists.
+                place = None if placed else lambda: replace_into_place(self.layout, tmp, relpath)
+                outcome = self._index.add_block(row, place)
+            except BaseException:
+                self._discard_unindexed(relpath)
+                raise
         if outcome == "orphan":
             logger.info("parent of %s was removed while saving it; not stored", block.hash)
             deletion.remove_files(self._index, self.layout, [relpath])

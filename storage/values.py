@@ -267,6 +267,9 @@ class ForgetReport:
     bytes_freed: int
     quarantined_files: int
     wal_truncated: bool  # False: another process held the WAL open
+    # files no index row names: temp files a killed save left (every one no living
+    # writer holds) and block files holding the document whose row never came
+    unindexed_files: int = 0
 
 
 class StoreStats(TypedDict):

@@ -17,6 +17,7 @@ from textual.widgets import DataTable, Footer, Label, Static
 
 from localkv.chat.controller import ChatController, SnapshotInfo
 from localkv.chat.formats import ago, human_bytes
+from localkv.reports import printable
 
 __all__ = ["CacheScreen"]
 
@@ -76,7 +77,7 @@ class CacheScreen(Screen[None]):
         table.clear()
         for snap in self.snapshots:
             table.add_row(
-                Text(snap.label),
+                Text(printable(snap.label)),
                 f"{snap.tokens:,}",
                 human_bytes(snap.bytes_on_disk),
                 str(snap.hits),
@@ -106,7 +107,7 @@ class CacheScreen(Screen[None]):
     def _pin(self, controller: ChatController, snap: SnapshotInfo, pinned: bool) -> None:
         try:
             controller.set_pinned(snap.id, pinned)
-            note = f"{'pinned' if pinned else 'unpinned'} {snap.label}"
+            note = f"{'pinned' if pinned else 'unpinned'} {printable(snap.label)}"
             self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
         except Exception as exc:
             self.post_message(self.ActionFailed(str(exc)))
@@ -120,7 +121,7 @@ class CacheScreen(Screen[None]):
     def _delete(self, controller: ChatController, snap: SnapshotInfo) -> None:
         try:
             freed = controller.remove_snapshot(snap.id)
-            note = f"deleted {snap.label}, freed {human_bytes(freed)}"
+            note = f"deleted {printable(snap.label)}, freed {human_bytes(freed)}"
             self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
         except Exception as exc:
             self.post_message(self.ActionFailed(str(exc)))

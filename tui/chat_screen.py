@@ -20,10 +20,11 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
-from localkv import ContextFullError, DocumentError, SamplingParams
+from localkv import ContextFullError, DocumentError, SamplingParams, TextError
 from localkv.chat.commands import HELP, Command, message_text, parse_command
 from localkv.chat.controller import Answered, Attached, ChatController, Opened
 from localkv.chat.formats import finish_line, sync_line, turn_line
+from localkv.reports import printable
 
 from .assistant_message import AssistantMessage
 from .cache_screen import CacheScreen
@@ -284,16 +285,14 @@ class ChatScreen(Screen[None]):
 
     def on_chat_screen_document_attached(self, message: DocumentAttached) -> None:
         attached = message.attached
-        line = sync_line(attached.sync)
+        line, name = sync_line(attached.sync), printable(attached.name)
         if attached.sync.cancelled:
-            self.conversation.add_note(f"not attached: {attached.name} ({line})", "error")
+            self.conversation.add_note(f"not attached: {name} ({line})", "error")
         else:
-            self.conversation.add_note(
-                f"attached {attached.name} · {attached.tokens:,} tokens", "document"
-            )
+            self.conversation.add_note(f"attached {name} · {attached.tokens:,} tokens", "document")
             if attached.reuse:
                 self.conversation.add_note(attached.reuse)
-        self.status.show(f"{attached.name}: {line}")
+        self.status.show(f"{name}: {line}")
         self.query_one(ContextPanel).show_context(attached.context)
         self._note_history_error()
 
@@ -321,7 +320,12 @@ class ChatScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="open")
     def _new(self, controller: ChatController, system: str | None) -> None:
-        self.post_message(self.ConversationOpened(controller.new(system), False))
+        try:
+            opened = controller.new(system)
+        except TextError as exc:  # a system prompt with a NUL: the conversation stays
+            self.app.call_from_thread(self.conversation.add_note, f"not changed: {exc}", "error")
+            return
+        self.post_message(self.ConversationOpened(opened, False))
 
     async def on_chat_screen_conversation_opened(self, message: ConversationOpened) -> None:
         opened = message.opened
@@ -334,7 +338,8 @@ class ChatScreen(Screen[None]):
                 self.status.show("new conversation")
             else:
                 made = f" · made with {opened.model}" if opened.model else ""
-                self.status.show(f"resumed “{opened.title}” · {sync_line(opened.sync)}{made}")
+                title = printable(opened.title)
+                self.status.show(f"resumed “{title}” · {sync_line(opened.sync)}{made}")
         self._note_history_error()
         self._attach_pending()
 

@@ -9,6 +9,7 @@ from textual.widgets import Label, ProgressBar, Static
 
 from localkv.chat.controller import ContextInfo, ModelInfo
 from localkv.chat.formats import human_bytes
+from localkv.reports import printable
 
 __all__ = ["ContextPanel"]
 
@@ -42,7 +43,8 @@ class ContextPanel(VerticalScroll):
         system = context.system or "(none)"
         if len(system) > _SYSTEM_CHARS:
             system = system[: _SYSTEM_CHARS - 1] + "…"
-        docs = "\n".join(f"{name} · {n:,} tok" for name, n in context.documents) or "(none)"
+        docs = "\n".join(f"{printable(name)} · {n:,} tok" for name, n in context.documents)
+        docs = docs or "(none)"
         self.query_one("#system-info", Static).update(Content(system))
         self.query_one("#documents-info", Static).update(Content(docs))
         self.query_one("#context-bar", ProgressBar).update(

@@ -18,6 +18,7 @@ from textual.widgets import DataTable, Footer, Label, Static
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import ago
 from localkv.chat.history import ConversationInfo
+from localkv.reports import printable
 
 __all__ = ["HistoryScreen"]
 
@@ -53,8 +54,8 @@ class HistoryScreen(Screen[str | None]):
         table.clear()
         for conv in self.conversations:
             table.add_row(
-                Text(conv.title),
-                Text(conv.model.file if conv.model is not None else "—"),
+                Text(printable(conv.title)),
+                Text(printable(conv.model.file) if conv.model is not None else "—"),
                 str(conv.messages),
                 f"{conv.tokens:,}",
                 ago(conv.updated),
@@ -62,7 +63,8 @@ class HistoryScreen(Screen[str | None]):
             )
         note = "" if self.conversations else "No saved conversations yet."
         if skipped:
-            note = "\n".join([*([note] if note else []), *(row.line() for row in skipped)])
+            lines = [*([note] if note else []), *(printable(row.line()) for row in skipped)]
+            note = "\n".join(lines)
         if self.controller.history is None:
             note = f"Conversations are not saved: {self.controller.history_error}"
         self.query_one("#history-note", Static).update(Content(note))

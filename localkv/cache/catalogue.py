@@ -6,18 +6,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.naming import covering
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.model.session import ModelSession
-from localkv.prompt.request import Document
+from localkv.prompt.request import Document, path_text
+from localkv.storage.disk import check_free_space
 from localkv.storage.store import SnapshotStore
+from localkv.storage.values import Block
 
 __all__ = [
     "covering_snapshot",
     "document_label",
+    "has_room",
     "save_prefill",
     "save_snapshot",
     "snapshot_listing",
@@ -89,7 +92,7 @@ def save_snapshot(
 def document_label(document: Document) -> str:
     """How a snapshot and the chat name a document: its file name (``LICENSE``), not the
     path it was given by, so one document gets one snapshot from every face."""
-    return document.path.name if document.path is not None else document.name
+    return path_text(document.path.name) if document.path is not None else document.name
 
 
 def save_prefill(
@@ -109,19 +112,59 @@ def save_prefill(
     if cache is None:
         return SaveResult(0, 0, 0, None), None, 0, 0
     label, pin, cancelled = naming
-    saved = cache.write(cache.prepare(session, tips, seconds_per_token))
+    saved, blocks = _write(cache, lambda: cache.prepare(session, tips, seconds_per_token))
     snapshot = None
     if saved.tip is not None and not cancelled:
         snapshot = save_snapshot(cache, saved.tip, documents, tips[-1], label=label, pin=pin)
     saved = fit_budget(cache, saved)  # evicts; says if that took this very chain
     snapshot = None if saved.not_kept else snapshot
-    chain = cache.store.chain_of(saved.tip) if saved.tip is not None else []
+    tip = saved.tip if saved.error is None else _stored_tip(cache, blocks)
+    chain = cache.store.chain_of(tip) if tip is not None else []
     kept = chain[-1].end if chain and not saved.not_kept else 0
     return saved, snapshot, sum(r.stored_bytes for r in chain), kept
 
 
+_ATTEMPTS = 3
+
+
+def _write(
+    cache: PrefixCache, prepare: Callable[[], list[Block]]
+) -> tuple[SaveResult, list[Block]]:
+    """Prepare the blocks and write them; again when that failed while the disk has room:
+    another process evicted a block the chain needed meanwhile (prepared again from
+    the session, it is written back), or an I/O error passed. A disk without room
+    fails at once, and the caller says so."""
+    for _ in range(_ATTEMPTS - 1):
+        blocks = prepare()
+        saved = cache.write(blocks)
+        if saved.error is None or not has_room(cache):
+            return saved, blocks
+    blocks = prepare()
+    return cache.write(blocks), blocks
+
+
+def has_room(cache: PrefixCache) -> bool:
+    """Whether a block may be saved at all: free space beyond ``LOCALKV_MIN_FREE``."""
+    try:
+        check_free_space(cache.store.layout.tmp, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _stored_tip(cache: PrefixCache, blocks: Sequence[Block]) -> str | None:
+    """After a failed save: the last of ``blocks`` stored with every block before it
+    (what earlier saves kept), or None."""
+    tip = None
+    for block in blocks:
+        if not cache.store.has_block(block.hash):
+            break
+        tip = block.hash
+    return tip
+
+
 def _source_path(documents: Sequence[Document]) -> str | None:
-    paths = [str(d.path.resolve()) for d in documents if d.path is not None]
+    paths = [path_text(d.path.resolve()) for d in documents if d.path is not None]
     return paths[0] if len(paths) == 1 else ("; ".join(paths) or None)
 
 

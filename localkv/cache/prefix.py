@@ -138,7 +138,9 @@ class PrefixCache:
     def warning(self) -> str | None:
         """What the user should be told once about this cache, if anything."""
         if self.store.read_only:
-            return f"the cache at {self.store.root} is read-only: restored from it, saved nothing"
+            why = self.store.read_only_reason or "read-only"
+            root = self.store.root
+            return f"the cache at {root} is read-only ({why}): restored from it, saved nothing"
         return self.damaged or self.index_lost()
 
     @property

@@ -25,7 +25,7 @@ from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model
 from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
-from localkv.prompt.request import Document, byte_limit, read_document
+from localkv.prompt.request import Document, byte_limit, check_text, read_document
 from localkv.runtime import Runtime
 
 __all__ = [
@@ -229,7 +229,9 @@ class ChatController:
     def send(
         self, text: str, params: SamplingParams, on_text: TextFn, cancel: CancelFn
     ) -> Answered:
-        """Answer ``text`` (streaming to ``on_text``); raises ``ContextFullError``."""
+        """Answer ``text`` (streaming to ``on_text``); raises ``ContextFullError``, and
+        ``TextError`` for text no prompt can hold (a NUL, bytes that were not UTF-8)."""
+        check_text(text, "the message")
         with self._lock:
             self.keeper.question(self.chat.state, text)  # kept even if this process dies
             try:
@@ -293,7 +295,9 @@ class ChatController:
         return len(plain) == len(state.documents) == len(self._documents)
 
     def new(self, system: str | None) -> Opened:
-        """Start a fresh conversation (the current one stays saved)."""
+        """Start a fresh conversation (the current one stays saved); ``TextError`` as ``send``."""
+        if system is not None:
+            check_text(system, "the system prompt")
         with self._lock:
             self.chat.reset(system)
             self.keeper.started(None)

@@ -46,7 +46,7 @@ from localkv.chat.historyrows import (
     message_texts,
     title_of,
 )
-from localkv.chat.historyschema import MIGRATIONS, migrate, rebuild_table
+from localkv.chat.historyschema import MIGRATIONS, connect, migrate, rebuild_table
 from localkv.chat.session import ChatState
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
 from localkv.storage.removal.forget import DocumentRuns
@@ -109,12 +109,15 @@ class ConversationStore:
     ``repairs`` says what opening had to mend (a dropped table made again, empty).
     """
 
-    def __init__(self, path: Path | None) -> None:
-        """``path=None`` keeps everything in memory (for tests). Raises ``sqlite3.Error``."""
-        if path is None:
-            conn = sqlite3.connect(":memory:", check_same_thread=False)
-        else:
-            conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
+    def __init__(self, path: Path | None, *, read_only: bool = False) -> None:
+        """``path=None`` keeps everything in memory (for tests). Raises ``sqlite3.Error``.
+
+        ``read_only`` (listing, exporting): a history whose schema is current is
+        opened without a write transaction, so a chat writing it in another
+        process does not hold the reader up; one that needs migrating is
+        opened as for writing.
+        """
+        conn, ready = connect(path, read_only)
         self.path = path
         self.repairs: list[str] = []
         self._lock = threading.Lock()
@@ -122,6 +125,8 @@ class ConversationStore:
         self.db = sqlite_utils.Database(conn)
         try:
             self.db.execute("PRAGMA busy_timeout = 30000")
+            if ready:
+                return
             if path is not None:
                 self.db.execute("PRAGMA journal_mode = WAL")
             with self._immediate(self.db):  # one process migrates at a time
@@ -136,24 +141,26 @@ class ConversationStore:
             raise
 
     @classmethod
-    def open(cls, root: Path | str | None = None) -> ConversationStore:
+    def open(cls, root: Path | str | None = None, *, read_only: bool = False) -> ConversationStore:
         """Open ``conversations.db`` in the cache root (``root``, ``$LOCALKV_HOME``, default)."""
         directory = default_root(root)
         ensure_private_dir(directory)
         path = directory / HISTORY_FILE
         _prepare_file(path)
         try:
-            return cls(path)
+            return cls(path, read_only=read_only)
         except sqlite3.Error as exc:  # not a database, read-only, disk full, locked
             raise OSError(f"conversation history {path}: {exc}") from exc
 
     @classmethod
-    def open_existing(cls, root: Path | str | None = None) -> ConversationStore | None:
+    def open_existing(
+        cls, root: Path | str | None = None, *, read_only: bool = False
+    ) -> ConversationStore | None:
         """Open the history if there is one; None (creating nothing) when there is none."""
         path = default_root(root) / HISTORY_FILE
         if not os.path.lexists(path):
             return None
-        return cls.open(root)
+        return cls.open(root, read_only=read_only)
 
     def _check_writable(self) -> None:
         """Fail now, not after the first answer, if nothing can be written."""

@@ -5,11 +5,15 @@ Never edit a migration that has shipped: add a new one.
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import sqlite_utils
 
+from localkv.storage.index.health import read_only_uri
 from localkv.storage.index.migrations import Migrations
 
-__all__ = ["MIGRATIONS", "migrate", "rebuild_table"]
+__all__ = ["MIGRATIONS", "connect", "migrate", "rebuild_table"]
 
 migration = Migrations()  # the conversation database's schema
 MIGRATIONS = migration.functions
@@ -18,6 +22,32 @@ MIGRATIONS = migration.functions
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply the migrations not yet named in ``_migrations``; return their names."""
     return migration.apply(db)
+
+
+def connect(path: Path | None, read_only: bool) -> tuple[sqlite3.Connection, bool]:
+    """A connection to the history (None: in memory), and whether it is ready to read.
+
+    ``read_only``: a history whose schema is current is opened read-only, so no
+    write lock another process holds, and no full disk, keeps it from being
+    read (immutable when SQLite cannot make its -shm there); one that needs
+    migrating, and every other, is opened for writing (not ready: migrate it).
+    """
+    if path is None:
+        return sqlite3.connect(":memory:", check_same_thread=False), False
+    if read_only:
+        for uri in (read_only_uri(path), read_only_uri(path, immutable=True)):
+            conn = sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False)
+            try:
+                db = sqlite_utils.Database(conn)
+                ready = not migration.pending(db) and db.table("conversations").exists()
+            except sqlite3.OperationalError:  # no -shm can be made: the immutable one
+                conn.close()
+                continue
+            if ready:
+                return conn, True
+            conn.close()
+            break
+    return sqlite3.connect(str(path), timeout=30.0, check_same_thread=False), False
 
 
 def rebuild_table(db: sqlite_utils.Database) -> None:

@@ -27,7 +27,15 @@ from localkv.chat.formats import ago, human_bytes, sync_line, sync_summary, turn
 from localkv.chat.history import ConversationStore, MalformedConversation
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
-from localkv.prompt.request import Document, DocumentError, byte_limit, read_document
+from localkv.prompt.request import (
+    Document,
+    DocumentError,
+    TextError,
+    byte_limit,
+    check_text,
+    read_document,
+)
+from localkv.reports import printable
 from localkv.runtime import Runtime
 
 __all__ = ["run_plain_chat"]
@@ -57,7 +65,7 @@ def run_plain_chat(
         controller,
         params,
         system,
-        stdin or sys.stdin,
+        stdin or _lenient(sys.stdin),
         stdout or sys.stdout,
         stderr or sys.stderr,
     )
@@ -73,6 +81,19 @@ def run_plain_chat(
         return 128 + ended.signum
     finally:
         controller.close()
+
+
+def _lenient(stdin: TextIO) -> TextIO:
+    """Standard input that reads bytes which are not UTF-8 instead of failing on them.
+
+    They arrive as lone surrogates (``surrogateescape``), so a path after
+    ``/attach`` keeps its bytes, and a message holding them is refused with a
+    note (``check_text``) while the chat goes on.
+    """
+    reconfigure = getattr(stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
+    return stdin
 
 
 class _Ended(Exception):
@@ -204,7 +225,11 @@ class _PlainChat:
             case "new":
                 self.new()
             case "system" if command.arg:
-                self.system = command.arg
+                try:
+                    self.system = check_text(command.arg, "the system prompt")
+                except TextError as exc:
+                    self.note(f"not changed: {exc}")
+                    return
                 self.new()
             case "system":
                 self.note(f"system prompt: {self.system or '(none)'}")
@@ -227,6 +252,9 @@ class _PlainChat:
             self.note(f"context full: {exc}. Type /new to start over.")
             self.note_history_error()
             return
+        except TextError as exc:
+            self.note(f"not sent: {exc}")
+            return
         self.say()
         self.note(turn_line(answered.report))
         self.note_history_error()
@@ -237,7 +265,7 @@ class _PlainChat:
         except ContextFullError as exc:
             self.note(f"context full: {exc}")
             return
-        self.note(f"attached {attached.name}: {sync_summary(attached.sync)}")
+        self.note(f"attached {printable(attached.name)}: {sync_summary(attached.sync)}")
         if attached.reuse:
             self.note(attached.reuse)
         self.note_history_error()
@@ -270,7 +298,7 @@ class _PlainChat:
             self.note("no saved conversation to resume: this is a new one")
         elif opened.sync is not None:
             made = f" · made with {opened.model}" if opened.model else ""
-            self.note(f"resumed “{opened.title}”: {sync_line(opened.sync)}{made}")
+            self.note(f"resumed “{printable(opened.title)}”: {sync_line(opened.sync)}{made}")
         return True
 
     # ------------------------------------------------------------- listings
@@ -283,12 +311,10 @@ class _PlainChat:
             self.say("No saved conversations yet.")
         for conv in rows:
             model = f" · {conv.model.file}" if conv.model is not None else ""
-            self.say(
-                f"{conv.id} · {conv.title} · {conv.messages} messages · {conv.tokens:,} tokens"
-                f"{model} · {ago(conv.updated)}"
-            )
+            line = f"{conv.id} · {conv.title} · {conv.messages} messages · {conv.tokens:,} tokens"
+            self.say(printable(f"{line}{model}") + f" · {ago(conv.updated)}")
         for row in skipped:
-            self.note(row.line())
+            self.note(printable(row.line()))
 
     def list_cache(self) -> None:
         if self.controller.runtime.cache is None:
@@ -300,6 +326,7 @@ class _PlainChat:
         for snap in rows:
             pinned = " · pinned" if snap.pinned else ""
             self.say(
-                f"{snap.label} · {snap.tokens:,} tokens · {human_bytes(snap.bytes_on_disk)} · "
-                f"{snap.hits} hits · used {ago(snap.last_used)}{pinned}"
+                f"{printable(snap.label)} · {snap.tokens:,} tokens · "
+                f"{human_bytes(snap.bytes_on_disk)} · {snap.hits} hits · "
+                f"used {ago(snap.last_used)}{pinned}"
             )

@@ -99,7 +99,7 @@ class ChatSession:
         self.runtime = runtime
         self.state = state or ChatState()
         self.snapshot_label = snapshot_label
-        self.snapshot = ConversationSnapshot(runtime)
+        self.snapshot = ConversationSnapshot(runtime, resumed=bool(self.state.tokens))
         if not self.state.tokens:
             self.reset(self.state.system)
 
@@ -120,7 +120,7 @@ class ChatSession:
         """Start over (optionally with a new system prompt)."""
         template = self.runtime.template
         self.state = ChatState(system=system)
-        self.snapshot.forget()
+        self.snapshot = ConversationSnapshot(self.runtime)  # the last one's saves keep theirs
         self.state.tokens = template.start_tokens()
         if system:
             self._add(Message("system", system))
@@ -204,8 +204,9 @@ class ChatSession:
             self.runtime.save_prefix(self.state.boundaries)
             return
         n_tokens = self.state.boundaries[-1]
+        snapshot = self.snapshot  # this conversation's, even once ``reset`` has run
         self.runtime.save_prefix(
-            self.state.boundaries, lambda saved: self.snapshot.name(saved, title, n_tokens)
+            self.state.boundaries, lambda saved: snapshot.name(saved, title, n_tokens)
         )
 
     # -------------------------------------------------------------- documents

@@ -6,8 +6,10 @@ snapshots ``localkv prefill`` names after its documents. One snapshot per
 conversation: the newer tip replaces the older one (its pin carries over),
 also the one an earlier process named before ``--resume`` (the same title,
 its tokens the start of the new chain's), and removing it on the cache screen frees the
-blocks only it needs. Naming
-runs on the save's worker thread, after the blocks are written.
+blocks only it needs. Naming runs on the save's worker thread, after the blocks
+are written, possibly after the chat has moved on to a new conversation: each
+conversation has its own ``ConversationSnapshot``, which the save names, so a
+late save of the last conversation never touches the next one's snapshot.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ log = logging.getLogger(__name__)
 
 
 class ConversationSnapshot:
-    """The id of the snapshot naming one conversation's saved prefix (None: not yet)."""
+    """The id of the snapshot naming one conversation's saved prefix (None: not yet).
 
-    def __init__(self, runtime: Runtime) -> None:
+    ``resumed``: the conversation was saved by an earlier chat, whose snapshot
+    (found by label and tokens) the first save replaces; a fresh conversation
+    has no earlier snapshot and replaces none.
+    """
+
+    def __init__(self, runtime: Runtime, *, resumed: bool = False) -> None:
         self.runtime = runtime
+        self.resumed = resumed
         self.id: str | None = None
-
-    def forget(self) -> None:
-        """A new conversation: the last one keeps its snapshot, the next gets its own."""
-        self.id = None
 
     def name(self, result: SaveResult, label: str, n_tokens: int) -> None:
         """Name the chain ``result`` saved; drop the conversation's previous snapshot."""
@@ -45,7 +49,9 @@ class ConversationSnapshot:
         if cache is None or result.tip is None or result.not_kept:
             return
         try:
-            previous = self.id if self.id is not None else _earlier(cache, result.tip, label)
+            previous = self.id
+            if previous is None and self.resumed:
+                previous = _earlier(cache, result.tip, label)
             pinned = previous is not None and cache.store.get_snapshot(previous).pinned
         except (KeyError, OSError, sqlite3.Error):  # removed on the cache screen
             previous, pinned = None, False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 
 import click
 
@@ -93,17 +94,27 @@ def cli(verbose: int) -> None:
 
 
 def _check_environment() -> None:
-    """Refuse a malformed ``LOCALKV_BUDGET`` before any work, not after a prefill."""
+    """Refuse a malformed ``LOCALKV_*`` setting before any work, as a usage error (exit 2)."""
     import os
 
+    for name, check in _settings().items():
+        value = os.environ.get(name)
+        if value:
+            try:
+                check(value)
+            except ValueError as exc:
+                raise click.UsageError(f"{name}: {exc}") from None
+
+
+def _settings() -> dict[str, Callable[[str], object]]:
+    """The settings read from the environment that must parse, and how each is read."""
+    from localkv.storage import disk, faults
     from localkv.storage.removal.budget import ENV_BUDGET, parse_size
 
-    value = os.environ.get(ENV_BUDGET)
-    if value:
-        try:
-            parse_size(value)
-        except ValueError as exc:
-            raise click.ClickException(f"{ENV_BUDGET}: {exc}") from None
+    def min_free(value: str) -> int:
+        return disk.min_free_bytes()  # reads the variable itself, with its floor
+
+    return {ENV_BUDGET: parse_size, disk.ENV_MIN_FREE: min_free, faults.ENV_FAULT: faults.parse}
 
 
 def main() -> None:

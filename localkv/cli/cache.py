@@ -13,10 +13,12 @@ import numpy as np
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
 from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
 from localkv.cli.jsonerrors import JsonErrors
-from localkv.cli.options import cache_dir_option, model_options, session_config
+from localkv.cli.options import cache_dir_option, model_options, namespace_option, session_config
 from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.model.session import ModelLoadError
+from localkv.prompt.request import path_text
+from localkv.reports import printable
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import BlockCorrupt, SnapshotRow
 
@@ -81,7 +83,7 @@ def _short_ids(store: SnapshotStore) -> int:
 @cache.command("ls")
 @_dir_option
 @_json_option
-@click.option("--namespace", default=None, help="Only this namespace.")
+@namespace_option()
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     """List snapshots (and warn when pinned ones hold more than the budget)."""
     with _store(cache_dir) as store:
@@ -95,6 +97,7 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
         click.echo("no snapshots")
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     spaces = len({r["namespace"] for r in rows}) > 1  # the column only when it tells apart
@@ -108,7 +111,8 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     for r in rows:
         cells = [r["id"][:width], r["label"], f"{r['tokens']:,}", human_size(r["bytes_on_disk"])]
         cells += [str(r["hits"]), _when(r["last_used"])[5:], "yes" if r["pinned"] else ""]
-        table.add_row(*cells, *([r["namespace"]] if spaces else []))
+        cells += [r["namespace"]] if spaces else []
+        table.add_row(*(escape(printable(c)) for c in cells))  # no markup either
     Console().print(table)
 
 
@@ -131,7 +135,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
         return
     parts = info.pop("partial_state", None)
     for key, value in info.items():
-        click.echo(f"{key:>14}: {value}")
+        click.echo(f"{key:>14}: {printable(str(value))}")
     if parts is not None:  # the window / recurrent state kept with each block
         n = len(parts["blocks"])
         click.echo(f" partial state: {human_size(parts['bytes'])} in {n} blocks")
@@ -139,7 +143,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
             click.echo(f"{'':>16}tokens {b['start']}+{b['tokens']}: {human_size(b['bytes'])}")
     click.echo("      identity fields:")
     for key, value in identity.items():
-        click.echo(f"  {key:>20}: {json.dumps(value)}")
+        click.echo(f"  {key:>20}: {printable(json.dumps(value))}")
 
 
 def _partial_state(store: SnapshotStore, chain: list[Any]) -> dict[str, Any]:
@@ -224,6 +228,8 @@ def forget_cmd(
       another snapshot shares, and every block after those, with the
       snapshots on them;
     - the quarantined copies of those blocks;
+    - files no index row names: every temp file a killed save left, and
+      block files holding FILE's tokens whose row was never written;
     - only with --with-conversations, the saved conversations holding FILE's
       text or tokens; without it, forget refuses and removes nothing while
       any conversation holds FILE.
@@ -234,7 +240,7 @@ def forget_cmd(
     default model) and of each model the cache's entries were made with. If no
     vocabulary loads (a warning says so), only FILE's snapshots and the blocks
     only they need are removed; if FILE is gone already, only the snapshots
-    whose path names it and the blocks only they need.
+    whose path names it and the blocks only they need (none: an error, exit 1).
     """
     path = Path(file).expanduser()
     document = forgotten_document(path)
@@ -244,15 +250,20 @@ def forget_cmd(
             store.root, document, runs, with_conversations
         )
         sha = document.sha256 if document is not None else None
-        report = store.forget(str(path.resolve()), sha, runs)
+        report = store.forget(path_text(path.resolve()), sha, runs)
+    if document is None and not (report.snapshots or report.blocks):
+        raise click.ClickException(
+            f"{path_text(file)}: no such file, and no snapshot was saved from it: nothing to forget"
+        )
     fields: dict[str, Any] = {k: getattr(report, k) for k in report.__dataclass_fields__}
     fields["wal_truncated"] = report.wal_truncated and chats_truncated
     fields["conversations"] = chats
     if as_json:
         click.echo(json.dumps(fields))
     else:
+        unindexed = f", {report.unindexed_files} unindexed file(s)" * bool(report.unindexed_files)
         click.echo(
-            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s), "
+            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s){unindexed}, "
             f"{human_size(report.bytes_freed)}, {len(chats)} conversation(s)"
         )
     if not fields["wal_truncated"]:
@@ -276,7 +287,7 @@ def gc_cmd(cache_dir: str | None, as_json: bool) -> None:
 @cache.command("stats")
 @_dir_option
 @_json_option
-@click.option("--namespace", default="default", show_default=True, help="Only this namespace.")
+@namespace_option("default")
 def stats_cmd(cache_dir: str | None, as_json: bool, namespace: str) -> None:
     """One namespace's hits, misses by reason, bytes (pinned too) and prefill seconds
     saved; and the whole cache's budget with its use (bytes stored, bytes pinned)."""

@@ -17,6 +17,7 @@ from localkv.cli.options import (
     open_runtime,
     sampling_options,
     sampling_params,
+    system_option,
 )
 from localkv.model.session import ModelLoadError
 
@@ -32,7 +33,7 @@ __all__ = ["chat"]
 @model_options
 @sampling_options
 @cache_options
-@click.option("--system", default=None, help="System prompt.")
+@system_option("System prompt.")
 @click.option(
     "--doc",
     "docs",

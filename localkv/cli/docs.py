@@ -19,10 +19,13 @@ from localkv.cli.options import (
     open_runtime,
     sampling_options,
     sampling_params,
+    system_option,
+    text_value,
 )
 from localkv.model.session import ContextFullError, ModelLoadError
 from localkv.prompt.request import (
     ENCODING_POLICY,
+    MAX_BYTES_PER_TOKEN,
     Document,
     DocumentError,
     byte_limit,
@@ -146,14 +149,22 @@ class _Progress:
 
 
 _EPILOG = (
-    "Several files form one prefix, in the given order; - reads standard input. " + ENCODING_POLICY
+    "Several files form one prefix, in the given order; - reads standard input. "
+    + ENCODING_POLICY
+    + f" No more is read than a context can hold: {MAX_BYTES_PER_TOKEN} bytes per token "
+    "of --ctx. --system @FILE is read the same way."
 )
 
 
 @click.command(cls=JsonErrors, epilog=_EPILOG)
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
-@click.option("--system", default=None, help="System prompt: TEXT, or @FILE to read it.")
-@click.option("--label", default=None, help="Snapshot label (default: the file names).")
+@system_option("System prompt: TEXT, or @FILE to read it.")
+@click.option(
+    "--label",
+    default=None,
+    callback=lambda ctx, param, value: text_value(value, "the label"),
+    help="Snapshot label (default: the file names).",
+)
 @click.option("--pin", is_flag=True, help="Pin the snapshot: eviction never removes it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
 @model_options
@@ -200,11 +211,19 @@ def prefill(
         if unsaved:
             raise click.ClickException(f"nothing was saved: {unsaved}")
         note = _cache_note(runtime)
+    if report.not_saved and not report.cancelled:  # a full disk, an I/O error
+        raise click.ClickException(_not_saved(report))
     _report_prefill(report, as_json)
     if note:
         click.echo(f"warning: {note}", err=True)
     if flag[0]:
         sys.exit(128 + flag[0])  # what was complete is saved; say how the run ended
+
+
+def _not_saved(report: PrefillReport) -> str:
+    """Why a prefill's save failed, and what the cache holds of it after all."""
+    held = f"the cache holds {report.kept:,} of its {report.tokens:,} tokens"
+    return f"not saved: {report.not_saved}; {held}, no snapshot"
 
 
 def _why_unsaved(runtime: Runtime, no_cache: bool) -> str | None:
@@ -240,7 +259,7 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
 
 @click.command(cls=JsonErrors, epilog=_EPILOG)
 @click.argument("files", nargs=-1, required=True, metavar="FILE... QUESTION")
-@click.option("--system", default=None, help="System prompt: TEXT, or @FILE to read it.")
+@system_option("System prompt: TEXT, or @FILE to read it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
 @model_options
 @sampling_options
@@ -260,6 +279,7 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     *paths, question = files
     if not question.strip():
         raise click.BadParameter("the question is empty")
+    text_value(question, "the question")
     docs = _documents(tuple(paths), opts["n_ctx"])
     system_text = _system_text(system, opts["n_ctx"])
     params = sampling_params(opts)

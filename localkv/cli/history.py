@@ -25,6 +25,7 @@ from localkv.chat.history import (
 from localkv.chat.historyrows import parts_of
 from localkv.chat.session import ChatState
 from localkv.cli.options import cache_dir_option
+from localkv.reports import printable
 
 __all__ = ["history"]
 
@@ -32,10 +33,13 @@ _dir_option = cache_dir_option
 
 
 @contextmanager
-def _store(cache_dir: str | None) -> Iterator[ConversationStore | None]:
-    """The saved conversations, or None when there are none (nothing is created)."""
+def _store(cache_dir: str | None, read_only: bool = True) -> Iterator[ConversationStore | None]:
+    """The saved conversations, or None when there are none (nothing is created).
+
+    ``read_only``: a listing never waits for a chat writing in another process.
+    """
     try:
-        store = ConversationStore.open_existing(cache_dir)
+        store = ConversationStore.open_existing(cache_dir, read_only=read_only)
     except OSError as exc:
         raise click.ClickException(f"cannot open the saved conversations: {exc}") from None
     if store is None:
@@ -89,7 +93,7 @@ def ls_cmd(cache_dir: str | None, as_json: bool) -> None:
     with _store(cache_dir) as store:
         found, skipped = store.scan() if store is not None else ([], [])
     for row in skipped:
-        click.echo(f"warning: {row.line()}", err=True)
+        click.echo(f"warning: {printable(row.line())}", err=True)
     if as_json:
         click.echo(json.dumps([_info_json(info) for info in found]))
         return
@@ -103,8 +107,8 @@ def ls_cmd(cache_dir: str | None, as_json: bool) -> None:
         notes = " (last message unanswered)" if info.pending else ""
         notes += f" (forked from {info.forked_from})" if info.forked_from else ""
         click.echo(
-            f"{info.id:<16}  {_when(info.updated):<16}  {info.messages:>8}  "
-            f"{info.tokens:>7,}  {model} · {info.title}{notes}"
+            f"{printable(info.id):<16}  {_when(info.updated):<16}  {info.messages:>8}  "
+            f"{info.tokens:>7,}  {printable(model)} · {printable(info.title)}{notes}"
         )
 
 
@@ -182,7 +186,7 @@ def _markdown(info: ConversationInfo, state: ChatState) -> str:
 @_dir_option
 def rm_cmd(conversation_id: str, cache_dir: str | None) -> None:
     """Delete a conversation; its pages in the file are overwritten too."""
-    with _store(cache_dir) as store:
+    with _store(cache_dir, read_only=False) as store:
         found, ident = _resolve(store, conversation_id)
         _, truncated = found.forget([ident])
     click.echo(f"deleted {ident}")

@@ -8,6 +8,7 @@ import json
 import click
 
 from localkv.model.discovery import ModelInfo, describe, find_models
+from localkv.reports import printable
 
 __all__ = ["models"]
 
@@ -58,7 +59,7 @@ def models(as_json: bool) -> None:
     for info in infos:
         name_width = _COLUMNS[0][1]
         if len(info.found.name) > name_width:  # a name is never cut: it is what --model takes
-            click.echo(info.found.name)
+            click.echo(printable(info.found.name))
             info = dataclasses.replace(info, found=dataclasses.replace(info.found, name=""))
         click.echo(_row(_cells(info)) if info.error is None else _error_row(info))
 
@@ -87,7 +88,7 @@ def _fit(text: str, width: int) -> str:
 def _row(cells: list[str]) -> str:
     out = []
     for cell, (title, width) in zip(cells, _COLUMNS, strict=True):
-        text = _fit(cell, width)
+        text = _fit(printable(cell), width)
         out.append(text.rjust(width) if title in ("PARAMS", "SIZE") else text.ljust(width))
     return " ".join(out).rstrip()
 
@@ -96,7 +97,7 @@ def _error_row(info: ModelInfo) -> str:
     """Name and source, then why the header could not be read, in the other columns."""
     head = _row([info.found.name, _source(info)] + [""] * (len(_COLUMNS) - 2))
     start = sum(width + 1 for _, width in _COLUMNS[:2])
-    return head.ljust(start) + _fit(f"unreadable: {info.error}", 80 - start)
+    return head.ljust(start) + _fit(printable(f"unreadable: {info.error}"), 80 - start)
 
 
 def _count(n: int | None) -> str:

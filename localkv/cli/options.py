@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from localkv.model.config import MAX_THREADS
 from localkv.model.native import GGML_TYPES
 from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import LoraSpec, SessionConfig
+from localkv.prompt.request import TextError, check_text
 from localkv.prompt.templatechoice import ChatTemplateError, parse_template_option
 
 if TYPE_CHECKING:
@@ -23,10 +25,13 @@ __all__ = [
     "cache_dir_option",
     "cache_options",
     "model_options",
+    "namespace_option",
     "open_runtime",
     "sampling_options",
     "sampling_params",
     "session_config",
+    "system_option",
+    "text_value",
 ]
 
 
@@ -96,9 +101,9 @@ _MODEL_OPTIONS = [
     ),
     click.option(
         "--threads",
-        type=click.IntRange(min=1),
+        type=click.IntRange(min=1, max=MAX_THREADS),
         default=None,
-        help="CPU threads (default: all cores).",
+        help=f"CPU threads, 1 to {MAX_THREADS} (llama.cpp's limit; default: all cores).",
     ),
 ]
 
@@ -111,6 +116,39 @@ def _chat_template(value: str | None) -> str | None:
         except ChatTemplateError as exc:
             raise click.BadParameter(str(exc)) from None
     return value
+
+
+def text_value(value: str | None, what: str) -> str | None:
+    """``value`` if it can be a prompt's text (``check_text``), else a usage error (exit 2).
+
+    Arguments come from the command line as Python decoded them: bytes that are
+    not UTF-8 arrive as lone surrogates, which no prompt or SQLite row can hold.
+    """
+    if value is not None:
+        try:
+            check_text(value, what)
+        except TextError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def _system(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--system TEXT`` checked as text; ``@FILE`` names a file, read when the command runs."""
+    if value is not None and value.startswith("@"):
+        return value
+    return text_value(value, "the system prompt")
+
+
+def system_option(help: str) -> Callable[[F], F]:
+    """``--system``, its text checked before any work."""
+    return click.option("--system", default=None, callback=_system, help=help)
+
+
+def _namespace(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A namespace names entries in the index: not empty, and text."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("a namespace cannot be empty")
+    return text_value(value, "the namespace")
 
 
 def model_options(func: F) -> F:
@@ -233,6 +271,17 @@ def sampling_params(opts: dict[str, Any]) -> SamplingParams:
     )
 
 
+def namespace_option(default: str | None = None) -> Callable[[F], F]:
+    """``--namespace`` of the ``cache`` commands that list: only this namespace."""
+    return click.option(
+        "--namespace",
+        default=default,
+        show_default=default is not None,
+        callback=_namespace,
+        help="Only this namespace.",
+    )
+
+
 cache_dir_option = click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),
@@ -249,6 +298,7 @@ def cache_options(func: F) -> F:
             "--namespace",
             default="default",
             show_default=True,
+            callback=_namespace,
             help="Entries of one namespace are never reused by another.",
         ),
         click.option(

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from localkv.cli.jsonerrors import JsonErrors
+from localkv.reports import printable
 from localkv.storage.index.health import IndexDamaged, check_index, is_damage
 from localkv.storage.paths import CacheDirError, default_root
 from localkv.storage.repair import RepairReport, repair
@@ -64,7 +65,11 @@ def _index_error(store: SnapshotStore, exc: sqlite3.Error) -> str:
     if is_damage(exc):
         return str(IndexDamaged(store.layout.index, str(exc)))
     if store.read_only:
-        return f"the cache at {store.root} is read-only, so this command cannot change it ({exc})"
+        why = store.read_only_reason or "read-only"
+        return (
+            f"the cache at {store.root} is read-only ({why}), "
+            f"so this command cannot change it ({exc})"
+        )
     return f"cache index error: {exc}"
 
 
@@ -91,6 +96,8 @@ def repair_cmd(cache_dir: str | None, as_json: bool) -> None:
     \b
     - index.db is checked (PRAGMA integrity_check); a damaged one is moved to
       quarantine/ with a note, never deleted, and a new one is built;
+    - temp files that killed saves left are removed; a whole block file
+      among them is put in place first;
     - every block file the index has no row for is read and checked (its data
       checksum, its chain hash, its tokens and positions) and its row rebuilt,
       root first; a damaged file, or one written before block files carried
@@ -111,7 +118,7 @@ def repair_cmd(cache_dir: str | None, as_json: bool) -> None:
         click.echo(json.dumps(asdict(report)))
         return
     for line in _lines(report):
-        click.echo(line)
+        click.echo(printable(line))  # names of files found on disk, labels
 
 
 def _lines(report: RepairReport) -> Iterator[str]:
@@ -124,6 +131,11 @@ def _lines(report: RepairReport) -> Iterator[str]:
     )
     for ident in report.snapshots_added:
         yield f"  restored snapshot {ident}"
+    if report.temp_files:
+        yield (
+            f"removed {report.temp_files} temp file(s) that killed saves left; "
+            f"{report.placed_from_temp} whole block file(s) among them were put in place"
+        )
     skipped = [("block", *s) for s in report.skipped_blocks]
     skipped += [("snapshot", *s) for s in report.skipped_snapshots]
     for kind, name, reason in skipped[:_SHOWN]:

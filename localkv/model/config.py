@@ -7,13 +7,17 @@ from pathlib import Path
 
 from localkv.model.native import ggml_type_id, llama_cpp
 
-__all__ = ["FLASH_ATTN_TYPES", "LoraSpec", "SessionConfig"]
+__all__ = ["FLASH_ATTN_TYPES", "MAX_THREADS", "LoraSpec", "SessionConfig"]
 
 FLASH_ATTN_TYPES = {
     "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
+
+# llama.cpp's GGML_MAX_N_THREADS (ggml.h): its CPU thread pool holds no more; past
+# it, measured, 5,000 threads hang and 100,000 crash the process (SIGSEGV)
+MAX_THREADS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,5 +74,5 @@ class SessionConfig:
             raise ValueError(f"flash_attn must be on, off or auto, got {self.flash_attn!r}")
         ggml_type_id(self.type_k)
         ggml_type_id(self.type_v)
-        if self.n_threads is not None and self.n_threads < 1:
-            raise ValueError(f"n_threads must be positive, got {self.n_threads}")
+        if self.n_threads is not None and not 1 <= self.n_threads <= MAX_THREADS:
+            raise ValueError(f"n_threads must be 1 to {MAX_THREADS}, got {self.n_threads}")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from localkv.model.config import FLASH_ATTN_TYPES, LoraSpec, SessionConfig
+from localkv.model.config import FLASH_ATTN_TYPES, MAX_THREADS, LoraSpec, SessionConfig
 from localkv.model.native import ggml_type_id, llama_cpp, recent_errors
 
 __all__ = ["ModelLoadError", "Native", "flash_attn_setting", "large_buffer", "open_native"]
@@ -76,7 +76,7 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     vocab = llama_cpp.llama_model_get_vocab(model)
     _check_kv_types(cfg, model)
     _check_kv_memory(cfg, model)
-    threads = cfg.n_threads or max(1, os.cpu_count() or 1)
+    threads = cfg.n_threads or min(MAX_THREADS, max(1, os.cpu_count() or 1))
     ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads))
     if not ctx:
         raise ModelLoadError(_context_failure(cfg))

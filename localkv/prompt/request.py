@@ -6,6 +6,7 @@ import codecs
 import hashlib
 import logging
 import os
+import re
 import stat
 import sys
 from collections.abc import Sequence
@@ -16,11 +17,16 @@ from localkv.prompt.conversation import Conversation
 from localkv.prompt.template import ChatTemplate, Message
 
 __all__ = [
+    "ENCODING_POLICY",
+    "MAX_BYTES_PER_TOKEN",
     "Document",
     "DocumentError",
     "Request",
+    "TextError",
     "build_request",
     "byte_limit",
+    "check_text",
+    "path_text",
     "read_document",
 ]
 
@@ -29,8 +35,8 @@ log = logging.getLogger(__name__)
 ENCODING_POLICY = (
     "Documents are read as UTF-8 (a byte-order mark is dropped); a file with a UTF-16 "
     "byte-order mark is read as UTF-16; a file that is not valid UTF-8 is read as "
-    "Latin-1, with a warning. Files with NUL bytes are binary and refused. Only regular "
-    "files are read (not FIFOs, sockets or devices), and at most ``max_bytes`` of them."
+    "Latin-1, with a warning. Files with a NUL byte anywhere are binary and refused. "
+    "Only regular files are read (not FIFOs, sockets or devices)."
 )
 # A context of n tokens never holds more text than this many bytes per token; the
 # CLI caps what it reads by it, so a huge file fails at once instead of filling memory.
@@ -43,8 +49,43 @@ def byte_limit(n_ctx: int) -> int:
     return n_ctx * MAX_BYTES_PER_TOKEN
 
 
+class TextError(ValueError):
+    """Text that cannot become a prompt: a NUL character, or not valid UTF-8."""
+
+
 class DocumentError(ValueError):
     """A document cannot be used (missing, unreadable, binary, empty)."""
+
+
+# What llama.cpp's tokenizer cannot take whole: it reads C strings, so a NUL ends
+# the text there, and a lone surrogate (an undecodable byte kept by Python's
+# surrogateescape, or one from JSON) has no UTF-8 form.
+_NOT_TEXT = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` unchanged, or ``TextError`` naming ``what`` and the first character
+    that cannot be a prompt (see ``_NOT_TEXT``): never a silently cut prompt."""
+    found = _NOT_TEXT.search(text)
+    if found is None:
+        return text
+    char, at = found.group(), f"at character {found.start() + 1:,}"
+    if char == "\0":
+        raise TextError(f"{what} holds a NUL character ({at}); give text")
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, kept by surrogateescape
+        raise TextError(f"{what} is not valid UTF-8 (byte 0x{code - 0xDC00:02x} {at})")
+    raise TextError(f"{what} holds a lone surrogate U+{code:04X} ({at}); give text")
+
+
+def path_text(path: str | os.PathLike[str]) -> str:
+    """A path as text: bytes that are not UTF-8 become U+FFFD.
+
+    A path is bytes; what names it in the index, the history, JSON and on the
+    terminal is text, which cannot hold the lone surrogates Python reads such
+    bytes as. The path itself still opens the file.
+    """
+    return os.fsencode(path).decode("utf-8", "replace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +98,10 @@ class Document:
 
     @classmethod
     def from_text(cls, text: str, name: str = "<text>") -> Document:
+        try:
+            check_text(text, name)
+        except TextError as exc:
+            raise DocumentError(str(exc)) from None
         if not text.strip():
             raise DocumentError(f"{name}: the document is empty")
         return cls(text, name, hashlib.sha256(text.encode("utf-8")).hexdigest())
@@ -69,7 +114,7 @@ def read_document(source: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> 
         name, path = "<stdin>", None
     else:
         path = Path(source).expanduser()
-        name = str(source)
+        name = path_text(source)
         data = _read_regular_file(path, name, max_bytes)
     if len(data) > max_bytes:
         raise DocumentError(_too_large(name, max_bytes))
@@ -118,11 +163,16 @@ def _decode(data: bytes, name: str) -> tuple[str, str]:
     """The text and the encoding it was read in (see ``ENCODING_POLICY``)."""
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         try:
-            return data.decode("utf-16"), "utf-16"
+            text = data.decode("utf-16")
         except UnicodeDecodeError:
             raise DocumentError(f"{name}: has a UTF-16 byte-order mark but is not UTF-16") from None
-    if b"\0" in data[:65536]:
-        raise DocumentError(f"{name}: looks binary (NUL bytes); give a text file")
+        if "\0" in text:
+            raise DocumentError(f"{name}: looks binary (a NUL character); give a text file")
+        return text, "utf-16"
+    if (at := data.find(b"\0")) >= 0:
+        raise DocumentError(
+            f"{name}: looks binary (a NUL byte at byte {at + 1:,}); give a text file"
+        )
     try:
         return data.decode("utf-8-sig"), "utf-8"
     except UnicodeDecodeError:

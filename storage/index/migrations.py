@@ -31,6 +31,13 @@ class Migrations:
         self.functions.append(fn)
         return fn
 
+    def pending(self, db: sqlite_utils.Database) -> list[str]:
+        """The names of the migrations not yet applied, read without writing anything."""
+        if not db.table("_migrations").exists():
+            return [fn.__name__ for fn in self.functions]
+        applied = {row["name"] for row in db.table("_migrations").rows}
+        return [fn.__name__ for fn in self.functions if fn.__name__ not in applied]
+
     def apply(self, db: sqlite_utils.Database) -> list[str]:
         """Apply pending migrations, each in its own transaction; return their names.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..disk import remove_file
+from ..disk import remove_abandoned_temp_files, remove_file
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
 from ..values import BlockRow, ForgetReport, SnapshotRow
@@ -117,7 +117,9 @@ def forget(
     ``DocumentRuns.starts_inside``), even if another snapshot needs it:
     privacy first. Every block below those goes, with the snapshots on them,
     their quarantined copies, and, through ``scrub()``, the SQLite pages and
-    WAL frames that held their rows.
+    WAL frames that held their rows. Files no row names go too: every temp
+    file no living writer holds (a killed save's, whatever it held), and every
+    block file holding one of ``runs`` (a save killed before its row).
     """
     matched = _matching(index.snapshots(), source_path, source_sha256)
     document = DocumentRuns.of(runs)
@@ -132,7 +134,8 @@ def forget(
         files = index.delete_blocks(db, victims)
     freed = remove_files(index, layout, files)  # only what really left the disk
     quarantined, quarantined_bytes = _remove_quarantined(layout, victims)
-    freed += quarantined_bytes
+    unindexed, unindexed_bytes = _remove_unindexed(index, layout, document)
+    freed += quarantined_bytes + unindexed_bytes
     busy = scrub(index)
     logger.info("forgot %d snapshot(s), %d block(s), %d bytes", len(removed), len(victims), freed)
     return ForgetReport(
@@ -141,6 +144,7 @@ def forget(
         bytes_freed=freed,
         quarantined_files=quarantined,
         wal_truncated=not busy,
+        unindexed_files=unindexed,
     )
 
 
@@ -210,6 +214,44 @@ def _extensions(index: BlockIndex, hashes: set[str]) -> set[str]:
             ):
                 out.add(sib.hash)
     return out
+
+
+def _remove_unindexed(
+    index: BlockIndex, layout: CacheLayout, document: DocumentRuns
+) -> tuple[int, int]:
+    """Abandoned temp files, and block files without a row that hold the document."""
+    count, freed = remove_abandoned_temp_files(layout)
+    if not document:
+        return count, freed
+    known = {str(r[0]) for r in index.query("SELECT file FROM blocks")}
+    for fan in os.scandir(layout.blocks):
+        if not fan.is_dir(follow_symlinks=False):
+            continue
+        for entry in os.scandir(fan.path):
+            if f"blocks/{fan.name}/{entry.name}" in known:
+                continue
+            if entry.is_file(follow_symlinks=False) and _file_holds(Path(entry.path), document):
+                freed += remove_file(Path(entry.path))
+                count += 1
+    return count, freed
+
+
+def _file_holds(path: Path, document: DocumentRuns) -> bool:
+    """Whether the file's bytes hold a run of the document's tokens as int32 anywhere
+    (at any alignment): what its ``tokens`` tensor is, read without trusting its header."""
+    chunk, tail = 16 << 20, b""
+    try:
+        with path.open("rb") as f:
+            while data := f.read(chunk):
+                window = tail + data
+                for at in range(4):
+                    usable = (len(window) - at) // 4 * 4
+                    if document.holds(np.frombuffer(window, "<i4", usable // 4, at)):
+                        return True
+                tail = window[-_WIDTH:]
+    except OSError:
+        return False
+    return False
 
 
 def _remove_quarantined(layout: CacheLayout, hashes: set[str]) -> tuple[int, int]:

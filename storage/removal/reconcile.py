@@ -2,8 +2,9 @@
 
 After a crash or a manual deletion the two can disagree three ways: temp files
 left in ``tmp/``, block files no row names, rows whose file is gone. ``gc``
-removes the first two (past a grace period, since a writer in another process
-may be between placing its file and its ``INSERT``) and drops the third with
+removes the first two: a temp file once no living writer holds its lock, any
+other past a grace period (a writer in another process may be between placing
+its file and its ``INSERT``); and drops the third with
 their descendants: a chain without its middle is useless. An intact block
 file older than the index is kept: the index was lost, and ``cache repair``
 indexes it again. ``verify`` reads
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .. import faults
 from ..chain import chain_next, chain_root
-from ..disk import remove_file
+from ..disk import remove_file, remove_if_abandoned
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
 from ..readpool import BlockReader
@@ -41,12 +42,19 @@ def _old(path: Path, cutoff: float) -> bool:
         return False
 
 
-def _remove_old_temp_files(layout: CacheLayout, cutoff: float) -> tuple[int, int]:
+def _remove_temp_files(layout: CacheLayout, cutoff: float) -> tuple[int, int]:
+    """Temp files no living writer holds (a killed save's), at once; others past the
+    grace period (a writer stuck that long, or a file system without ``flock``)."""
     count = freed = 0
     for entry in os.scandir(layout.tmp):
         path = Path(entry.path)
-        if _old(path, cutoff) and not entry.is_dir(follow_symlinks=False):
-            freed += remove_file(path)
+        if entry.is_dir(follow_symlinks=False):
+            continue
+        gone = remove_if_abandoned(path)
+        if gone is None and _old(path, cutoff):
+            gone = remove_file(path)
+        if gone is not None:
+            freed += gone
             count += 1
     return count, freed
 
@@ -129,7 +137,7 @@ def _intact(layout: CacheLayout, relpath: str) -> bool:
 def gc(layout: CacheLayout, index: BlockIndex, grace_seconds: float) -> GcReport:
     """Remove temp files, orphan block files and rows without files."""
     cutoff = time.time() - grace_seconds
-    temp, temp_bytes = _remove_old_temp_files(layout, cutoff)
+    temp, temp_bytes = _remove_temp_files(layout, cutoff)
     faults.point("mid_gc")
     missing, missing_bytes = _rows_without_files(layout, index)
     faults.point("mid_gc")

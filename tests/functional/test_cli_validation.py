@@ -37,7 +37,7 @@ def test_a_malformed_budget_is_refused_before_any_work(
 ) -> None:
     monkeypatch.setenv("LOCALKV_BUDGET", budget)
     result = CliRunner().invoke(cli, ["cache", "stats"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a usage error, as every bad setting is
     assert f"LOCALKV_BUDGET: not a size: {budget!r}" in result.stderr
 
 

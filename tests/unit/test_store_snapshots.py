@@ -161,11 +161,11 @@ def test_gc_removes_orphans_temp_files_and_rows_without_files(store: SnapshotSto
     (store.root / a[2].hash[7:9]).exists()
     row2 = store.match_chain([b.hash for b in a])[2]
     (store.root / row2.file).unlink()
-    young = store.gc()  # default grace: recent files stay
-    assert young.temp_files == 0 and young.orphan_files == 0
+    young = store.gc()  # default grace: recent orphans stay; a temp file no writer
+    assert young.temp_files == 1 and young.orphan_files == 0  # holds goes at once
     assert young.missing_files == len(a) - 2  # the row and its descendants
     report = store.gc(grace_seconds=0)
-    assert report.temp_files == 1 and report.orphan_files == 1
+    assert report.temp_files == 0 and report.orphan_files == 1
     assert not any((store.root / "tmp").iterdir())
     assert _stored(store) == {a[0].hash, a[1].hash}
     assert {p.name for p in block_files(store.root)} == {
