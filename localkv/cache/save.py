@@ -96,26 +96,38 @@ def prepare_blocks(
                 full_hash_at[end] = block_hash
             out.append(_block(scope, block_hash, parent, start, block_tokens, offsets))
             continue
-        kv = state()
-        window = session.windows.take(end) if kind == "swa" else None
-        probe = session.probes.get(end - 1)
-        partial = session.partials.get(end - 1)
-        # where a restore can end: SWA, with the window's rows; recurrent, with its state.
-        # A block without one is restored through; a tip without one is of no use
-        end_state = {"swa": window is not None, "kv": True}.get(kind or "", partial is not None)
-        if probe is None or not (end_state or full):
-            log.debug("no probe or end state for token %d: not saved", end - 1)
+        made = _content(session, state(), (start, end), seconds_per_token)
+        if made is None:
             continue
         if full:
             full_hash_at[end] = block_hash
-        tensors, meta = _tensors(kv, start, end, partial)
-        if window is not None:
-            add_window(tensors, meta, window.state(), window.window_first)
-        content = (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start))
-        out.append(
-            _block(scope, block_hash, parent, start, block_tokens, offsets, content, end_state)
-        )
+        out.append(_block(scope, block_hash, parent, start, block_tokens, offsets, *made))
     return out
+
+
+def _content(
+    session: ModelSession, kv: KVState | None, span: tuple[int, int], seconds_per_token: float
+) -> tuple[_Content, bool] | None:
+    """A new block's content and whether a restore may end at it (None: not saved).
+
+    Where a restore can end: SWA, with the window's rows; recurrent, with its
+    state. A full block without one is restored through; a tip without one is of
+    no use; a block without the probe of its last token cannot be verified.
+    """
+    start, end = span
+    kind = session.memory_kind
+    window = session.windows.take(end) if kind == "swa" else None
+    probe = session.probes.get(end - 1)
+    partial = session.partials.get(end - 1)
+    end_state = {"swa": window is not None, "kv": True}.get(kind or "", partial is not None)
+    full = end - start == session.config.block_size
+    if probe is None or not (end_state or full):
+        log.debug("no probe or end state for token %d: not saved", end - 1)
+        return None
+    tensors, meta = _tensors(kv, start, end, partial)
+    if window is not None:
+        add_window(tensors, meta, window.state(), window.window_first)
+    return (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start)), end_state
 
 
 def _tensors(

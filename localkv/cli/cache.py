@@ -8,19 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import click
-import numpy as np
 
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
+from localkv.cli.deepverify import deep_verify
 from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
 from localkv.cli.jsonerrors import JsonErrors
-from localkv.cli.options import cache_dir_option, model_options, namespace_option, session_config
+from localkv.cli.options import cache_dir_option, model_options, namespace_option
 from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
-from localkv.model.session import ModelLoadError
 from localkv.prompt.request import path_text
 from localkv.reports import printable
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import BlockCorrupt, SnapshotRow
+from localkv.storage.values import SnapshotRow
 
 __all__ = ["cache"]
 
@@ -314,7 +313,7 @@ def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) ->
     if not problems:  # a damaged index is the problem: `localkv cache repair`
         with _store(cache_dir) as store:
             problems = [{"block": h, "reason": r} for h, r in store.verify()]
-            deep_results = _deep_verify(store, opts) if deep else []
+            deep_results = deep_verify(store, opts) if deep else []
     bad = problems or [r for r in deep_results if not r["ok"]]
     if as_json:
         click.echo(json.dumps({"problems": problems, "deep": deep_results, "ok": not bad}))
@@ -327,82 +326,6 @@ def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) ->
         click.echo("all good" if not bad else f"{len(bad)} problem(s)")
     if bad:
         raise SystemExit(1)
-
-
-def _deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Replay each snapshot of this model's identity uncached (an emptied sequence, never a
-    trimmed one) and compare every block's probe and partial state."""
-    from localkv.cache.identity import identity_of
-    from localkv.model.session import ModelSession
-    from localkv.storage.filehash import FileHasher
-
-    try:
-        session = ModelSession(session_config(opts))
-    except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from None
-    results = []
-    with session:
-        identity = identity_of(session, FileHasher(store.root / "filehashes.db"))
-        for snap in store.snapshots():
-            if snap.identity != identity.digest:
-                continue
-            chain = store.chain_of(snap.tip)
-            try:
-                blocks = store.read_blocks(chain)
-            except BlockCorrupt as exc:
-                results.append({"snapshot": snap.id, "ok": False, "detail": str(exc)})
-                continue
-            tokens = [int(t) for b in blocks for t in b.tokens]
-            ends = [b.start + int(e) for b in blocks for e in b.ends]
-            session.reset()
-            session.segment_ends = {row.end for row in chain if row.end_state}
-            probes = session.prefill(tokens, ends=ends).probes
-            if session.memory_kind == "swa":  # the last window's rows go to their blocks
-                session.capture()
-            worst, partial = 0.0, session.memory_kind not in (None, "kv")
-            bad = []
-            for row, block in zip(chain, blocks, strict=True):
-                logits = probes.get(row.end - 1)
-                if _partial_differs(session, row.end, block.tensors, block.meta):
-                    bad.append(row.hash)
-                elif logits is None or not row.probe.matches(logits):
-                    bad.append(row.hash)
-                    if logits is not None:
-                        worst = max(
-                            worst, _top_diff(row.probe.top_ids, row.probe.top_logits, logits)
-                        )
-            detail = (
-                f"{len(chain)} blocks, probes equal" + (" and partial states" if partial else "")
-                if not bad
-                else f"{len(bad)} of {len(chain)} blocks differ (max top-64 logit diff {worst:.3g})"
-            )
-            results.append({"snapshot": snap.id, "ok": not bad, "detail": detail})
-    return results
-
-
-def _partial_differs(
-    session: Any, end: int, tensors: dict[str, np.ndarray], meta: dict[str, str]
-) -> bool:
-    """Whether a block's stored sliding rows or recurrent state differ from the ones the
-    replay in ``session`` computed, bit for bit (False for a block that holds none)."""
-    from localkv.kv import codec
-    from localkv.kv.blocks import block_partial, window_differs
-
-    if session.memory_kind == "swa":
-        rows = session.windows.pending.get(end)
-        return window_differs(rows.state() if rows is not None else None, tensors)
-    computed = session.partials.get(end - 1)
-    if "partial_bytes" not in meta:
-        return False
-    try:
-        stored = block_partial(tensors, meta)
-    except codec.StateFormatError:
-        return True
-    return computed is None or computed.tobytes() != stored.tobytes()
-
-
-def _top_diff(ids: np.ndarray, stored: np.ndarray, logits: np.ndarray) -> float:
-    return float(np.max(np.abs(logits[ids.astype(np.int64)] - stored))) if ids.size else 0.0
 
 
 cache.add_command(repair_cmd)
