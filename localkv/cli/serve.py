@@ -17,6 +17,7 @@ import uvicorn
 from localkv.cli.options import cache_options, model_options, open_runtime, session_config
 from localkv.server.app import ServerSettings, create_app
 from localkv.server.engine import Engine
+from localkv.server.http import server_config
 from localkv.server.worker import ModelWorker
 
 __all__ = ["serve"]
@@ -125,11 +126,10 @@ def serve(
 
     worker = ModelWorker(open_engine, queue, on_failure)
     settings = ServerSettings(api_key=api_key, queue=queue, max_body=max_body)
-    logging.getLogger("localkv.server").setLevel(logging.INFO)
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
+        logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)
-    uv = _Server(
-        uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on")
-    )
+    uv = _Server(server_config(app, host=host, port=port))
     server.append(uv)
     click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
     uv.run()

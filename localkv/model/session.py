@@ -139,7 +139,7 @@ class ModelSession:
 
     # ---------------------------------------------------------- tokenization
     def tokenize(
-        self, text: str, *, add_special: bool = False, parse_special: bool = True
+        self, text: str, *, add_special: bool = False, parse_special: bool = False
     ) -> list[int]:
         return tokenize(self.vocab, text, add_special=add_special, parse_special=parse_special)
 

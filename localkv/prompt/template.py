@@ -7,6 +7,11 @@ and the same document after the same system prompt always gives the same
 tokens, whichever command built the request. Generated tokens are appended as
 the ids that were sampled, never re-tokenized.
 
+The deltas are rendered with placeholders for the messages' text, after a
+bounded window of the history (``rendering``), and tokenized so that only the
+template's markup holds special tokens (``markup``): a message's text is text,
+whatever it contains.
+
 Which template is used (the model's own, ``--chat-template``, or one chosen by
 architecture) is decided in ``localkv.prompt.templatechoice``.
 """
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from localkv.model.native import llama_cpp
+from localkv.prompt.markup import MarkupTokenizer
+from localkv.prompt.rendering import Piece, Renderer, window
 from localkv.prompt.templatechoice import TemplateChoice, choose_template
 
 if TYPE_CHECKING:
@@ -44,6 +51,8 @@ class ChatTemplate:
         self.session = session
         self.choice: TemplateChoice = choose_template(session, override)
         self.template = self.choice.template
+        self.renderer = Renderer(self.template)
+        self.tokenizer = MarkupTokenizer(session.vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(session.vocab))
         self.end_of_turn = self._end_of_turn()
 
@@ -84,7 +93,13 @@ class ChatTemplate:
                 )
         return token
 
+    def work(self) -> tuple[int, int, int, int]:
+        """Renders, characters rendered, tokenize calls, characters tokenized (so far)."""
+        r, t = self.renderer, self.tokenizer
+        return r.renders, r.rendered_chars, t.calls, t.tokenized_chars
+
     def render(self, messages: Sequence[Message], *, add_assistant: bool = False) -> str:
+        """The text llama.cpp renders for ``messages`` (their text in it)."""
         arr = (llama_cpp.llama_chat_message * max(1, len(messages)))()
         keep: list[bytes] = []  # the C strings must outlive the call
         for i, m in enumerate(messages):
@@ -112,37 +127,28 @@ class ChatTemplate:
 
     def message_tokens(self, history: Sequence[Message], message: Message) -> list[int]:
         """The tokens that ``message`` adds after ``history``."""
-        before = self.render(history) if history else ""
-        after = self.render([*history, message])
-        return self.session.tokenize(_delta(before, after))
+        before = window(history)
+        return self.tokens(self.renderer.delta(before or None, [*before, message]))
 
     def assistant_start_tokens(self, history: Sequence[Message]) -> list[int]:
         """The tokens that open the assistant's turn after ``history``."""
-        before = self.render(history)
-        after = self.render(history, add_assistant=True)
-        return self.session.tokenize(_delta(before, after))
+        before = window(history)
+        return self.tokens(self.renderer.delta(before, before, open_after=True))
 
     def assistant_end_tokens(self, history: Sequence[Message], answer: str) -> list[int]:
         """The tokens that close an assistant turn whose text is ``answer``."""
-        opened = self.render(history, add_assistant=True)
-        closed = self.render([*history, Message("assistant", answer)])
-        delta = _delta(opened, closed)
-        for text in (answer, answer.strip()):  # some formats trim the message text
-            if delta.startswith(text):
-                return self.session.tokenize(delta[len(text) :])
+        before = window(history)
+        after = [*before, Message("assistant", answer)]
+        delta = self.renderer.delta(before, after, open_before=True)
+        if delta and delta[0].source == len(before):  # the answer (trimmed by some formats)
+            return self.tokens(delta[1:])
         log.debug("template changes the answer text when closing the turn")
         return []
 
+    def tokens(self, pieces: Sequence[Piece]) -> list[int]:
+        """Markup with its special tokens, the messages' text as text."""
+        return self.tokenizer.tokenize(pieces)
 
-def _delta(before: str, after: str) -> str:
-    if after.startswith(before):
-        return after[len(before) :]
-    # Not prefix-stable: the earlier tokens stay as they were and the new
-    # segment is what follows their longest common text prefix.
-    i = 0
-    for a, b in zip(before, after, strict=False):
-        if a != b:
-            break
-        i += 1
-    log.debug("chat template is not prefix-stable at character %d", i)
-    return after[i:]
+    def text_tokens(self, text: str) -> list[int]:
+        """``text`` as text (an answer the server did not sample, a raw prompt)."""
+        return self.tokenizer.text(text)

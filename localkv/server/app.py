@@ -41,6 +41,7 @@ class ServerSettings:
     queue: int = 4  # requests admitted at once, the running one included
     max_body: int = 16 * 2**20
     keepalive_s: float = 10.0
+    body_timeout_s: float = 30.0  # the whole body must arrive within this
 
 
 def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
@@ -110,18 +111,18 @@ class Routes:
         return JSONResponse({"object": "list", "data": snapshots})
 
     async def prefill(self, request: Request) -> Response:
-        body = decode_body(await read_body(request, self.settings.max_body))
+        body = await self._body(request)
         report = await self._run(request, lambda engine, ticket: engine.prefill(body))
         return JSONResponse(report)
 
     # ---------------------------------------------------------- generation
     async def chat(self, request: Request) -> Response:
-        parsed = parse_chat(decode_body(await read_body(request, self.settings.max_body)))
+        parsed = parse_chat(await self._body(request))
         reply = Reply.new(True, self._engine().model_id, parsed.include_usage)
         return await self._generate(request, reply, parsed.stream, lambda e, t: e.chat(parsed, t))
 
     async def completions(self, request: Request) -> Response:
-        parsed = parse_completion(decode_body(await read_body(request, self.settings.max_body)))
+        parsed = parse_completion(await self._body(request))
         reply = Reply.new(False, self._engine().model_id, parsed.include_usage)
         return await self._generate(
             request, reply, parsed.stream, lambda e, t: e.complete(parsed, t)
@@ -169,6 +170,10 @@ class Routes:
             ticket.cancel()  # a client that went away stops its generation
 
     # --------------------------------------------------------------- helpers
+    async def _body(self, request: Request) -> dict[str, Any]:
+        settings = self.settings
+        return decode_body(await read_body(request, settings.max_body, settings.body_timeout_s))
+
     def _engine(self) -> Engine:
         if self.worker.engine is None or self.worker.state != "ready":
             raise ApiError(

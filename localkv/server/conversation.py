@@ -14,13 +14,36 @@ the request and a cached prefix stays exact.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from localkv.chat.session import ChatState
 from localkv.prompt.template import ChatTemplate, Message
+from localkv.server.limits import Budget
 
-__all__ = ["AnswerMemory", "build_history", "common_prefix"]
+__all__ = ["AnswerMemory", "TokenDigest", "build_history", "build_prompt", "common_prefix"]
+
+
+class TokenDigest:
+    """A running SHA-256 of a token list, extended as the list grows (no rehashing)."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self._hash = hashlib.sha256()
+        self.n = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if tokens:
+            self._hash.update(array("i", tokens).tobytes())
+            self.n += len(tokens)
+
+    def key(self, text: str) -> str:
+        """The digest of the tokens so far followed by ``text``."""
+        h = self._hash.copy()
+        h.update(self.n.to_bytes(8, "little"))
+        h.update(text.encode("utf-8"))
+        return h.hexdigest()
 
 
 class AnswerMemory:
@@ -31,21 +54,18 @@ class AnswerMemory:
         self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     @staticmethod
-    def _key(before: Sequence[int], text: str) -> str:
-        h = hashlib.sha256()
-        h.update(len(before).to_bytes(8, "little"))
-        h.update(b"".join(t.to_bytes(4, "little") for t in before))
-        h.update(text.encode("utf-8"))
-        return h.hexdigest()
+    def _key(before: Sequence[int] | TokenDigest, text: str) -> str:
+        digest = before if isinstance(before, TokenDigest) else TokenDigest(before)
+        return digest.key(text)
 
-    def remember(self, before: Sequence[int], text: str, ids: Sequence[int]) -> None:
+    def remember(self, before: Sequence[int] | TokenDigest, text: str, ids: Sequence[int]) -> None:
         key = self._key(before, text)
         self._ids[key] = tuple(ids)
         self._ids.move_to_end(key)
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
-    def recall(self, before: Sequence[int], text: str) -> tuple[int, ...] | None:
+    def recall(self, before: Sequence[int] | TokenDigest, text: str) -> tuple[int, ...] | None:
         key = self._key(before, text)
         ids = self._ids.get(key)
         if ids is not None:
@@ -53,45 +73,85 @@ class AnswerMemory:
         return ids
 
 
+def build_prompt(
+    template: ChatTemplate, messages: Sequence[Message], memory: AnswerMemory, budget: Budget
+) -> ChatState:
+    """The chat state of a request: its history, its last (user) message, the opener."""
+    *history, last = messages
+    state = build_history(template, history, memory, budget)
+    user = Message("user", last.content)
+    budget.before_text(len(state.tokens), user.content)
+    state.tokens.extend(template.message_tokens(state.messages, user))
+    state.messages.append(user)
+    state.tokens.extend(template.assistant_start_tokens(state.messages))
+    state.boundaries.append(len(state.tokens))
+    budget.after(len(state.tokens))
+    return state
+
+
 def build_history(
-    template: ChatTemplate, messages: Sequence[Message], memory: AnswerMemory
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    memory: AnswerMemory,
+    budget: Budget | None = None,
 ) -> ChatState:
     """The chat state of ``messages`` (everything before the new user message).
 
     Tokens, segment ends and generated spans are what ``ChatSession`` records
     for the same conversation: a user message answered by the next one ends
     after the assistant's opening tokens; an answer's tokens are a span decoded
-    one by one, followed by the template's closing tokens.
+    one by one, followed by the template's closing tokens. Each message costs
+    the same whatever the history's length (``ChatTemplate`` renders a bounded
+    window); ``budget`` refuses a prompt that cannot fit as soon as that is
+    known, and stops when the client has gone.
     """
+    budget = budget or Budget(2**62)
     system = messages[0].content if messages and messages[0].role == "system" else None
     state = ChatState(system=system, tokens=template.start_tokens())
+    digest = TokenDigest(state.tokens)
     for message in messages:
+        start = len(state.tokens)
         if message.role == "assistant":
-            _add_answer(template, state, message.content, memory)
+            _add_answer(template, state, message.content, memory, (digest, budget))
         else:
+            budget.before_text(start, message.content)
             new = template.message_tokens(state.messages, message)
             state.messages.append(message)
             state.tokens.extend(new)
             state.boundaries.append(len(state.tokens))
+            digest.extend(new)
+        budget.after(len(state.tokens))
     return state
 
 
-def _add_answer(template: ChatTemplate, state: ChatState, text: str, memory: AnswerMemory) -> None:
-    state.tokens.extend(template.assistant_start_tokens(state.messages))
+def _add_answer(
+    template: ChatTemplate,
+    state: ChatState,
+    text: str,
+    memory: AnswerMemory,
+    running: tuple[TokenDigest, Budget],
+) -> None:
+    digest, budget = running
+    opener = template.assistant_start_tokens(state.messages)
+    state.tokens.extend(opener)
+    digest.extend(opener)
     if state.boundaries:
         state.boundaries[-1] = len(state.tokens)
     else:
         state.boundaries.append(len(state.tokens))
-    ids = memory.recall(state.tokens, text)
+    ids = memory.recall(digest, text)
     if ids is None:
-        ids = tuple(template.session.tokenize(text, parse_special=False))
+        budget.before_text(len(state.tokens), text)
+        ids = tuple(template.text_tokens(text))
     start = len(state.tokens)
     if ids:
         state.generated.append((start, start + len(ids)))
-    state.tokens.extend(ids)
-    history = list(state.messages)
+    closing = template.assistant_end_tokens(state.messages, text)
     state.messages.append(Message("assistant", text))
-    state.tokens.extend(template.assistant_end_tokens(history, text))
+    state.tokens.extend(ids)
+    state.tokens.extend(closing)
+    digest.extend(ids)
+    digest.extend(closing)
     state.boundaries.append(len(state.tokens))
 
 

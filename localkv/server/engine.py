@@ -23,8 +23,9 @@ from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
-from localkv.server.conversation import AnswerMemory, build_history, common_prefix
+from localkv.server.conversation import AnswerMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
+from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.stops import StopText
 
@@ -85,18 +86,19 @@ class Engine:
     def chat(self, request: ChatRequest, channel: Channel) -> Outcome:
         t0 = time.perf_counter()
         template = self.runtime.template
-        *history, last = request.messages
-        state = build_history(template, history, self.memory)
-        user = Message("user", last.content)
-        state.tokens.extend(template.message_tokens(state.messages, user))
-        state.messages.append(user)
-        state.tokens.extend(template.assistant_start_tokens(state.messages))
-        state.boundaries.append(len(state.tokens))
+        work = template.work()
+        budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
+        try:
+            state = build_prompt(template, request.messages, self.memory, budget)
+        finally:
+            _log_work(template.work(), work, len(request.messages))
         prompt = list(state.tokens)
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
         params = self._params(request.sampling, len(prompt))
+        if sync.cancelled:  # the client went away during the prefill
+            return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
         answer = stream_answer(
             self.runtime.session,
             params,
@@ -144,20 +146,26 @@ class Engine:
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
         t0 = time.perf_counter()
-        session = self.runtime.session
+        session, template = self.runtime.session, self.runtime.template
+        budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
-            prompt = self.runtime.template.start_tokens() + session.tokenize(request.prompt)
+            prompt = template.start_tokens()
+            budget.before_text(len(prompt), request.prompt)
+            prompt += template.text_tokens(request.prompt)
         else:
             prompt = list(request.prompt)
             if any(t >= session.n_vocab for t in prompt):
                 raise bad_request(f"token ids must be below {session.n_vocab}", "prompt")
         if not prompt:
             raise bad_request("the prompt has no tokens", "prompt")
+        budget.after(len(prompt))
         state = ChatState(tokens=list(prompt), boundaries=[len(prompt)])
         chat = ChatSession(self.runtime, state)
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
         params = self._params(request.sampling, len(prompt))
+        if sync.cancelled:
+            return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
         answer = stream_answer(
             session,
             params,
@@ -190,14 +198,6 @@ class Engine:
         """
         session, prompt = self.runtime.session, state.tokens
         n = len(prompt)
-        if n + 1 > session.n_ctx:
-            raise ApiError(
-                413,
-                f"the prompt has {n:,} tokens; with the answer's first token it does not fit "
-                f"in the context of {session.n_ctx:,} tokens",
-                param="messages",
-                code="context_length_exceeded",
-            )
         channel.started()
         live = session.tokens
         common = common_prefix(live, prompt)
@@ -208,7 +208,7 @@ class Engine:
             session.reset()  # the disk holds more of this prompt than the live context
         elif 0 < keep < len(live):
             session.truncate(keep)
-        return chat.sync(), diverged
+        return chat.sync(cancel=channel.cancelled), diverged
 
     def _on_disk(self, tokens: Sequence[int], ends: Sequence[int]) -> int:
         """How many of ``tokens`` the disk cache could restore (an index lookup only)."""
@@ -278,19 +278,18 @@ class Engine:
     # --------------------------------------------------------- pre-warm, list
     def prefill(self, body: dict[str, Any]) -> dict[str, object]:
         """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints."""
-        system = body.get("system")
-        if system is not None and not isinstance(system, str):
-            raise bad_request("'system' must be a string", "system")
+        system = _optional_str(body, "system")
         documents = _documents(body.get("documents", []))
         if not documents and not system:
             raise bad_request("give 'documents', a 'system' prompt, or both", "documents")
-        label = body.get("label")
-        if label is not None and not isinstance(label, str):
-            raise bad_request("'label' must be a string", "label")
+        label = _optional_str(body, "label")
+        pin = body.get("pin", False)
+        if not isinstance(pin, bool):
+            raise bad_request("'pin' must be true or false", "pin")
+        budget = Budget(self.runtime.session.n_ctx + 1, param="documents")  # no answer follows
+        budget.before_chars(0, len(system or "") + sum(len(d.text) for d in documents))
         try:
-            report = self.runtime.prefill(
-                documents, system=system, label=label, pin=bool(body.get("pin", False))
-            )
+            report = self.runtime.prefill(documents, system=system, label=label, pin=pin)
         except ValueError as exc:  # ContextFullError is one
             raise ApiError(
                 413, str(exc), param="documents", code="context_length_exceeded"
@@ -314,22 +313,44 @@ def _sender(stops: StopText, emit: TextFn) -> TextFn:
     return send
 
 
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string", name)
+    return value
+
+
 def _documents(raw: object) -> list[Document]:
     if not isinstance(raw, list):
         raise bad_request("'documents' must be an array", "documents")
     docs = []
     for i, item in enumerate(raw):
+        where = f"documents[{i}]"
         if isinstance(item, str):
-            text, name = item, f"document {i + 1}"
+            text, name = item, None
         elif isinstance(item, dict) and isinstance(item.get("text"), str):
-            text, name = item["text"], str(item.get("name") or f"document {i + 1}")
+            text, name = item["text"], item.get("name")
+            if name is not None and not isinstance(name, str):
+                raise bad_request(f"{where}.name must be a string", f"{where}.name")
         else:
-            raise bad_request("each document is a string or {'name', 'text'}", f"documents[{i}]")
+            raise bad_request("each document is a string or {'name', 'text'}", where)
         try:
-            docs.append(Document.from_text(text, name))
+            docs.append(Document.from_text(text, name or f"document {i + 1}"))
         except DocumentError as exc:
-            raise bad_request(str(exc), f"documents[{i}]") from None
+            raise bad_request(str(exc), where) from None
     return docs
+
+
+def _log_work(now: tuple[int, ...], before: tuple[int, ...], n_messages: int) -> None:
+    renders, rendered, calls, tokenized = (a - b for a, b in zip(now, before, strict=True))
+    log.debug(
+        "prompt of %d messages: %d renders (%d characters), %d tokenize calls (%d characters)",
+        n_messages,
+        renders,
+        rendered,
+        calls,
+        tokenized,
+    )
 
 
 def _cache_json(hit: bool, verified: bool | None, miss_reason: str | None) -> dict[str, object]:

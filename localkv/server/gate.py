@@ -1,16 +1,23 @@
-"""What every request passes: the API key, the body limit, and its one log line."""
+"""What every request passes: the API key, the body's limits, and its one log line.
+
+Whatever a handler raises ends here as an OpenAI-shaped error: an ``ApiError``
+as itself, anything else as a JSON 500 (logged with its traceback, since it is
+a bug), never Starlette's plain-text page.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localkv.server.errors import ApiError, error_response
+from localkv.server.limits import disconnected
 
 __all__ = ["Gate", "read_body"]
 
@@ -51,7 +58,15 @@ class Gate:
                 _check_key(scope, self.api_key)
             await self.app(scope, receive, logged_send)
         except ApiError as exc:
-            await error_response(exc)(scope, receive, logged_send)
+            if not status[0]:  # else the response is under way: nothing more can be said
+                await error_response(exc)(scope, receive, logged_send)
+        except Exception as exc:
+            log.error("%s %s failed: %s", scope["method"], scope["path"], exc, exc_info=exc)
+            if not status[0]:
+                error = ApiError(
+                    500, f"internal error: {type(exc).__name__}", code="internal_error"
+                )
+                await error_response(error)(scope, receive, logged_send)
         finally:
             _log_line(scope, status[0], time.perf_counter() - t0)
 
@@ -92,8 +107,27 @@ def _log_line(scope: Scope, status: int, seconds: float) -> None:
         ticket.when_done(line)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 past ``limit`` bytes (before reading it all)."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with a 413 past ``limit`` bytes (before reading it all).
+
+    The whole body must arrive within ``timeout_s`` (408 after that: a client
+    that trickles its body does not hold the connection); a client that goes
+    away before the end gets nothing (499 in the log line), not a traceback.
+    """
+    try:
+        return await asyncio.wait_for(_read(request, limit), timeout_s)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    except ClientDisconnect:
+        raise disconnected() from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_large = ApiError(
         413,

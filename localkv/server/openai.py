@@ -3,12 +3,16 @@
 Only what the server honours is accepted: ``n`` other than 1, tools, logprobs,
 penalties and JSON modes are refused with a 400 naming the field, never
 silently ignored. Unknown fields (``user``, ``metadata``, ...) are ignored.
+Every string of a body, wherever it is, is checked first: a NUL character or
+a lone surrogate (``\ud800``, not Unicode) is a 400 naming where it is, never
+cut or passed on; so is a body nested deeper than ``MAX_DEPTH``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +23,8 @@ __all__ = ["ChatRequest", "CompletionRequest", "Sampling", "parse_chat", "parse_
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4
+MAX_DEPTH = 32  # a request body needs 5 levels
+_REFUSED_CHARS = re.compile("[\x00\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +56,46 @@ class CompletionRequest:
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body (400 when it is not one)."""
+    """The JSON object of a request body (400 when it is not one, or holds refused text)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError; an int too long
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_values(body)
     return body
+
+
+def _check_values(body: dict[str, Any]) -> None:
+    """Refuse a body nested deeper than ``MAX_DEPTH``, or with NUL or surrogates in a string."""
+    stack: list[tuple[object, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels", path)
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path or None)
+                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, path: str | None) -> None:
+    found = _REFUSED_CHARS.search(text)
+    if found is None:
+        return
+    where = f"{path}, character {found.start()}" if path else f"character {found.start()}"
+    if found.group() == "\x00":
+        raise bad_request(f"NUL characters are not allowed in text ({where})", path)
+    raise bad_request(
+        f"a lone surrogate (U+{ord(found.group()):04X}) is not valid Unicode ({where})", path
+    )
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -191,7 +229,10 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
         raise bad_request("'stream_options' must be an object", "stream_options")
     if not stream:
         raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
-    return True, bool(options.get("include_usage", False))
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise bad_request("'include_usage' must be true or false", "stream_options.include_usage")
+    return True, usage
 
 
 def _is_int(value: object) -> bool:

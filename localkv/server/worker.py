@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from localkv.server.engine import Engine
+from localkv.server.errors import ApiError
 
 __all__ = ["ModelWorker", "NotReady", "QueueFull", "Ticket"]
 
@@ -178,6 +179,9 @@ class ModelWorker:
             else:
                 result = ticket.job(engine, ticket)
                 ticket._put("done", result)
+        except ApiError as exc:  # the request's own fault: its answer says why
+            log.debug("request refused: %s %s", exc.status, exc.message)
+            ticket._put("error", exc)
         except Exception as exc:
             log.debug("request failed", exc_info=True)
             ticket._put("error", exc)

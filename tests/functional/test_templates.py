@@ -94,10 +94,12 @@ def test_chat_template_chatml_overrides_the_models_own(tiny_llama3: Path) -> Non
         # built segment by segment, the request is exactly llama.cpp's chatml rendering
         doc = localkv.Document.from_text(DOC)
         request = build_request(chatml, system="Be brief.", documents=[doc], question=QUESTION)
-        assert request.tokens == chatml.start_tokens() + session.tokenize(expected)
+        assert request.tokens == chatml.start_tokens() + session.tokenize(
+            expected, parse_special=True
+        )
         mine = build_request(own, system="Be brief.", documents=[doc], question=QUESTION)
         assert mine.tokens != request.tokens
-        assert chatml.end_of_turn == session.tokenize("<|im_end|>")[0]
+        assert chatml.end_of_turn == session.tokenize("<|im_end|>", parse_special=True)[0]
 
 
 def test_chat_template_option_reaches_the_request(tmp_path: Path, tiny_llama3: Path) -> None:

@@ -24,10 +24,20 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m localkv serve ARGS`` with its log in ``log_path``; a context manager."""
+    """``python -m localkv [GLOBAL] serve ARGS`` with its log in ``log_path``; a context manager.
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    ``global_args`` go before ``serve`` (``-vv``: debug log lines).
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        global_args: tuple[str, ...] = (),
+    ) -> None:
         self.args = args
+        self.global_args = list(global_args)
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.port = free_port()
@@ -39,7 +49,16 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         log = self.log_path.open("ab")
-        cmd = [sys.executable, "-m", "localkv", "serve", "--port", str(self.port), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "localkv",
+            *self.global_args,
+            "serve",
+            "--port",
+            str(self.port),
+        ]
+        cmd += self.args
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
         self.wait_ready()
@@ -72,6 +91,12 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             raise
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the server is not running")
+        return self.proc.pid
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
