@@ -171,3 +171,50 @@ def test_a_damaged_row_before_the_window_is_not_read(model: Path, tmp_path: Path
     with SnapshotStore.open(tmp_path) as store:
         bad = store.verify()
     assert len(bad) == 1 and "tail rows" in bad[0][1]
+
+
+def _flip_full_row(cache: Path, start: int) -> None:
+    """Flip a byte of a full-attention layer's K rows in the block that starts at ``start``."""
+    conn = sqlite3.connect(cache / "index.db")
+    try:
+        ((file,),) = conn.execute("SELECT file FROM blocks WHERE start = ?", (start,)).fetchall()
+    finally:
+        conn.close()
+    path = cache / file
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack_from("<Q", data, 0)
+    begin, end = json.loads(data[8 : 8 + n])["k.0"]["data_offsets"]
+    data[8 + n + (begin + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.default_model
+def test_gemma3_270m_changed_shifted_and_damaged_documents_answer_as_uncached(
+    gemma3_path: Path, tmp_path: Path
+) -> None:
+    """The real Gemma 3 270M (a 512-token window): what a restore reuses is exact."""
+    model, doc = gemma3_path, _doc()
+    n_doc = _prefill(model, tmp_path, doc)
+    assert n_doc > 3 * 512
+    # a damaged row the restore needs (a sliding row in the window, a full row earlier)
+    tip = (n_doc - 1) // 256 * 256
+    _flip_sliding_row(tmp_path, tip, n_doc - 3)
+    _flip_full_row(tmp_path, 512)
+    cached = _ask(model, tmp_path, doc)
+    assert cached[0].tokens.reused <= 512
+    assert "corrupt block" in (cached[0].cache.miss_reason or "")
+    _same(cached, _ask(model, None, doc))
+    # that ask stored the document again; a change past the window reuses the blocks before it
+    changed = _doc(changed_at=60)
+    with Runtime(tiny_config(model, n_ctx=4096), use_cache=False) as rt:
+        a = rt.build([doc], system=SYSTEM, question=QUESTION).tokens
+        b = rt.build([changed], system=SYSTEM, question=QUESTION).tokens
+    p = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    cached = _ask(model, tmp_path, changed)
+    assert cached[0].cache.verified is True and cached[0].tokens.reused == p // 256 * 256 > 512
+    _same(cached, _ask(model, None, changed))
+    # the same text after a preface: only the template's tokens before the document match
+    shifted = Document.from_text("A preface. " + doc.text, "doc.txt")
+    cached = _ask(model, tmp_path, shifted)
+    assert cached[0].tokens.reused < 256
+    _same(cached, _ask(model, None, shifted))
