@@ -28,6 +28,7 @@ and its digests compared before anything is decoded (``compactread``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ def open_block(
 ) -> OpenedBlock:
     """Open ``row``'s file and check its header (``BlockCorrupt`` on any failure)."""
     fd = open_block_file(layout, row.file, row.stored_bytes)
+    _no_readahead(fd)
     try:
         known = cache.size_of(row) if cache is not None else None
         first = os.pread(fd, min(known or _FIRST_READ, row.stored_bytes), 0)
@@ -133,6 +135,17 @@ def open_block(
     except BaseException:
         os.close(fd)
         raise
+
+
+def _no_readahead(fd: int) -> None:
+    """Read from storage only what is asked for: a restore may read part of a file
+    (tails from a row, a detached tensor left unread), and the kernel's readahead,
+    once the header read started it, would read the rest (measured: all of it).
+    Set before the first read; a whole-file read is still one request."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        with contextlib.suppress(OSError):  # advice only
+            advise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
 
 def _tails_of(

@@ -9,6 +9,7 @@ damaged row a restore uses is a miss, one it does not use is never read.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import struct
 from pathlib import Path
@@ -188,6 +189,48 @@ def _flip_full_row(cache: Path, start: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _needed_bytes(cache: Path) -> int:
+    """The bytes of the rows a restore of the snapshot lays out: every full-attention
+    row, and the sliding rows from the last block's window start."""
+    with SnapshotStore.open(cache) as store:
+        (snap,) = store.snapshots()
+        chain = store.chain_of(snap.tip)
+        blocks = store.read_blocks(chain)
+    first = int(blocks[-1].meta["window_first"])
+    needed = 0
+    for row, block in zip(chain, blocks, strict=True):
+        for name, arr in block.tensors.items():
+            if name.startswith("w."):
+                kept = max(0, row.end - max(first, row.end - arr.shape[0]))
+                needed += kept * arr.nbytes // arr.shape[0]
+            elif name[:2] in ("k.", "v."):
+                needed += arr.nbytes
+    return needed
+
+
+def _restore_reads(model: Path, cache: Path, doc: Document) -> tuple[int, int] | None:
+    """(bytes read from storage by a restore of ``doc`` with its block files out of
+    the page cache, the bytes of the rows it needs); None where reads are not counted."""
+    os.sync()
+    for path in (cache / "blocks").rglob("*.lkv"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    with Runtime(tiny_config(model, n_ctx=4096), cache_dir=cache) as rt:
+        before = _read_bytes()
+        answer = rt.ask([doc], QUESTION, system=SYSTEM, params=SamplingParams(max_tokens=1))
+        read = _read_bytes() - before
+    assert answer.cache.verified is True
+    return (read, _needed_bytes(cache)) if read else None
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io", encoding="ascii") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("read_bytes"))
+
+
 @pytest.mark.default_model
 def test_gemma3_270m_changed_shifted_and_damaged_documents_answer_as_uncached(
     gemma3_path: Path, tmp_path: Path
@@ -196,6 +239,11 @@ def test_gemma3_270m_changed_shifted_and_damaged_documents_answer_as_uncached(
     model, doc = gemma3_path, _doc()
     n_doc = _prefill(model, tmp_path, doc)
     assert n_doc > 3 * 512
+    # from storage, a restore reads the rows it lays out and little more
+    measured = _restore_reads(model, tmp_path, doc)
+    if measured is not None:  # None: reads from storage are not counted (tmpfs)
+        read, needed = measured
+        assert needed <= read <= 1.1 * needed, measured
     # a damaged row the restore needs (a sliding row in the window, a full row earlier)
     tip = (n_doc - 1) // 256 * 256
     _flip_sliding_row(tmp_path, tip, n_doc - 3)
