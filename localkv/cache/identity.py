@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from localkv.kv import codec, partial
 from localkv.model.memories import memory_refusal
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
-from localkv.model.snapshots import read_state_ext
+from localkv.model.snapshots import read_state_ext, snapshot_interval
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -153,7 +153,8 @@ def _show(value: Any) -> str:
 
 
 def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
-    """Decode one token on an empty sequence and parse its state (then empty it again).
+    """Decode one token on an empty sequence and parse its state (then empty it again);
+    for recurrent memory, set the session's ``snapshot_interval`` by its state's size.
 
     This shows the KV representation llama.cpp actually chose (types, row sizes,
     transposed V = flash attention off, the cell layout, checked against the
@@ -182,6 +183,9 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
         info = partial.check_partial(read_state_ext(session.ctx, partial.PARTIAL_ONLY), kind, 1)
         if kind == "swa":  # blocks keep their own sliding rows (``kv.windows``)
             return kv, "rows1:" + info.layout
+        # recurrent states are kept where they cost no more disk than the rows between
+        rows = sum(x.k_row_bytes + x.v_row_bytes for x in kv.layers) if kv is not None else 0
+        session.snapshot_interval = snapshot_interval(info.nbytes, rows, session.config.block_size)
         return kv, f"{info.layout}:{info.nbytes}"
     finally:
         session.reset()
