@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import click
 
-__all__ = ["COMMANDS", "cli", "main"]
+__all__ = ["COMMANDS", "SETTINGS", "cli", "main"]
 
 # name -> (module:attribute, the first line of its help, shown by ``localkv --help``;
 # a test checks they agree)
@@ -93,10 +93,16 @@ def cli(verbose: int) -> None:
         logging.getLogger("localkv.llama").setLevel(logging.CRITICAL)
 
 
+# the settings ``_settings`` checks (a test keeps them equal): none set, nothing is loaded
+SETTINGS = ("LOCALKV_BUDGET", "LOCALKV_MIN_FREE", "LOCALKV_FAULT")
+
+
 def _check_environment() -> None:
     """Refuse a malformed ``LOCALKV_*`` setting before any work, as a usage error (exit 2)."""
     import os
 
+    if not any(os.environ.get(name) for name in SETTINGS):
+        return  # the store's modules (sqlite-utils, numpy) load only when a command needs them
     for name, check in _settings().items():
         value = os.environ.get(name)
         if value:
