@@ -42,6 +42,8 @@ TextFn = Callable[[str], None]
 class Channel(Protocol):
     """Where a request's progress goes (``worker.Ticket``)."""
 
+    arrived: float  # when the request arrived (``time.perf_counter``)
+
     def started(self) -> None: ...
     def text(self, piece: str) -> None: ...
     def cancelled(self) -> bool: ...
@@ -65,6 +67,7 @@ class Outcome:
     total_s: float
     # this request's whole-state captures and tokenize calls (characters), counted
     work: tuple[int, int, int] = (0, 0, 0)
+    queued_s: float = 0.0  # from the request's arrival to the start of its work
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -76,6 +79,10 @@ class Outcome:
             "miss_reason": self.miss_reason,
             "diverged_at": self.diverged_at,
             "ttft_ms": round(self.ttft_s * 1000, 3),
+            # the first token as the client sees it: from the request's arrival
+            "arrival_ttft_ms": round((self.queued_s + self.ttft_s) * 1000, 3)
+            if self.generated
+            else None,
             "work": dict(zip(_WORK, self.work, strict=True)),
         }
 
@@ -87,13 +94,13 @@ class Engine:
         self.runtime = runtime
         self.memory = AnswerMemory()
         self.known = MessageMemory()  # tokens of user and system messages seen before
-        self._work_at = self._work()
+        self._work_at, self._queued = self._work(), 0.0
         self.model_id = Path(runtime.session.config.model_path).stem
 
     # ------------------------------------------------------------------ chat
     def chat(self, request: ChatRequest, channel: Channel) -> Outcome:
         t0 = time.perf_counter()
-        self._work_at = self._work()
+        self._work_at, self._queued = self._work(), t0 - channel.arrived
         template = self.runtime.template
         work = template.work()
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
@@ -155,7 +162,7 @@ class Engine:
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
         t0 = time.perf_counter()
-        self._work_at = self._work()
+        self._work_at, self._queued = self._work(), t0 - channel.arrived
         session, template = self.runtime.session, self.runtime.template
         budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
@@ -284,6 +291,7 @@ class Engine:
             ttft_s=ttft_s,
             total_s=time.perf_counter() - t0,
             work=self._work_since(),
+            queued_s=self._queued,
         )
 
     def _work(self) -> tuple[int, int, int]:

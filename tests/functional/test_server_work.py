@@ -50,6 +50,8 @@ def test_a_live_repeat_captures_nothing_and_tokenizes_no_message(server: ServerP
     first = chat(server, SYSTEM, QUESTION)
     assert first["work"]["state_captures"] == 1  # its blocks are saved: one capture
     assert first["work"]["tokenized_chars"] >= len(SYSTEM) + len(QUESTION)
+    # the first token as the client sees it includes the time before the engine began
+    assert first["arrival_ttft_ms"] >= first["ttft_ms"] > 0
 
     repeat = chat(server, SYSTEM, QUESTION)
     assert repeat["source"] == "live"
