@@ -103,7 +103,9 @@ def render(data: dict[str, object]) -> str:
         f"(default model, {data['cpus']} usable cores), {data['runs']} runs each, medians; "
         "`load` is the 1-minute load average when each run began (median), so a figure "
         "taken while other work ran on the machine says so. `first text` is the command's "
-        "`timing.since_start_s` (process start to the answer's first text).",
+        "`timing.since_start_s` (process start to the answer's first text). Where `load` "
+        "exceeds the cores in the rows without spinners, the machine was not idle: other "
+        "work was that load, and an idle machine needs its own run of the same command.",
         "",
         "| OpenMP setting | spinners | first text | engine ttft | decode tok/s | wall | load |",
         "|---|---|---|---|---|---|---|",
