@@ -8,14 +8,36 @@
         print(answer.text, answer.cache.line(answer.tokens.prompt))
 
 See ``localkv.runtime`` for the API and ``examples/rag_loop.py`` for a RAG loop.
+The names load on first use, so a command line that only shows ``--help``
+does not load llama.cpp.
 """
 
 from __future__ import annotations
 
-from localkv.model.sampling import SamplingParams
-from localkv.model.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
-from localkv.prompt.request import Document, DocumentError, TextError, read_document
-from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from localkv.model.sampling import SamplingParams
+    from localkv.model.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
+    from localkv.prompt.request import Document, DocumentError, TextError, read_document
+    from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
+
+_WHERE = {
+    "Answer": "localkv.runtime",
+    "CacheReport": "localkv.runtime",
+    "ContextFullError": "localkv.model.session",
+    "Document": "localkv.prompt.request",
+    "DocumentError": "localkv.prompt.request",
+    "LoraSpec": "localkv.model.session",
+    "ModelSession": "localkv.model.session",
+    "PrefillReport": "localkv.runtime",
+    "Runtime": "localkv.runtime",
+    "SamplingParams": "localkv.model.sampling",
+    "SessionConfig": "localkv.model.session",
+    "TextError": "localkv.prompt.request",
+    "read_document": "localkv.prompt.request",
+}
 
 __all__ = [
     "Answer",
@@ -33,3 +55,17 @@ __all__ = [
     "read_document",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """The API's names, imported when first used (PEP 562)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'localkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

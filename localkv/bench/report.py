@@ -279,6 +279,11 @@ METHOD = [
     "- **ask**: `Runtime.ask` about a document of about N tokens on an empty cache, with the "
     "cache on and with `use_cache=False`. With the cache on, new blocks are captured after "
     "the answer and written by a background thread, so they do not delay the first token.",
+    "- **the first token a person sees**: a fresh `localkv ask` process on a warm cache, "
+    "from the process's start to the answer's first text, per OpenMP wait setting, idle "
+    "and under a fixed load of CPU-bound processes, with the load average of every run: "
+    "`benchmarks/firsttoken.py --write-docs docs/FIRSTTOKEN.md` (one command), in "
+    "[FIRSTTOKEN.md](FIRSTTOKEN.md).",
     "- **get_data / set_data**: llama.cpp's state calls alone, on a buffer allocated beforehand.",
     "- **peak RSS**: the resident set size high-water mark during one restore, and how far "
     "it rose above the size before. Memory the allocator kept from earlier steps is reused "

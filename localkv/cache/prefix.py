@@ -113,6 +113,7 @@ class PrefixCache:
         self.root = chain_root(identity.digest, namespace)
         self.damaged: str | None = None  # why the index cannot be used (IndexDamaged's line)
         self._index_id = _file_id(store.layout.index)
+        self._writing: set[str] = set()  # prepared blocks whose write is queued
         if not store.read_only:
             store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
 
@@ -326,17 +327,24 @@ class PrefixCache:
         if not self.saving:
             return []
         try:
-            return prepare_blocks(self.scope, session, tips, prefill_seconds_per_token)
+            blocks = prepare_blocks(
+                self.scope, session, tips, prefill_seconds_per_token, self._writing
+            )
         except sqlite3.DatabaseError as exc:
             if not is_damage(exc):
                 raise
             self.damaged = str(IndexDamaged(self.store.layout.index, str(exc)))
             log.warning("%s; nothing is saved", self.damaged)
             return []
+        self._writing.update(b.hash for b in blocks if b.meta)
+        return blocks
 
     def write(self, blocks: Sequence[Block]) -> SaveResult:
         """Write the prepared blocks that are not stored yet (background-safe)."""
-        return write_blocks(self.store, blocks)
+        try:
+            return write_blocks(self.store, blocks)
+        finally:
+            self._writing.difference_update(b.hash for b in blocks if b.meta)
 
     def enforce_budget(self) -> int:
         """Evict down to the budget (after a write); returns the bytes freed."""

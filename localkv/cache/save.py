@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,14 +52,19 @@ class BlockScope:
 
 
 def prepare_blocks(
-    scope: BlockScope, session: ModelSession, tips: Sequence[int], seconds_per_token: float
+    scope: BlockScope,
+    session: ModelSession,
+    tips: Sequence[int],
+    seconds_per_token: float,
+    writing: Container[str] = (),
 ) -> list[Block]:
     """Blocks for the session's sequence up to its last tip (captured now, written later).
 
     Full blocks end at multiples of the block size; each tip that is not a
     block end gets a shorter block. Every block needs the probe of its last
     token; a chain stops where one is missing. The state is captured only if a
-    block is not stored yet (a repeat captures nothing).
+    block is neither stored nor in ``writing`` (prepared by an earlier save whose
+    write is still queued): a repeat captures nothing.
     """
     n_max = max((t for t in tips if 0 < t <= session.n_tokens), default=0)
     if n_max == 0:
@@ -90,7 +95,7 @@ def prepare_blocks(
             log.debug("no batch ends at token %d: not saved", end)
             continue
         block_hash = chain_next(parent, block_tokens, offsets)
-        if scope.store.has_block(block_hash):
+        if block_hash in writing or scope.store.has_block(block_hash):
             session.windows.take(end)
             if full:
                 full_hash_at[end] = block_hash

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections.abc import Callable
 
 import click
 
-__all__ = ["COMMANDS", "cli", "main"]
+__all__ = ["COMMANDS", "SETTINGS", "cli", "main", "process_age"]
+
+_LOADED = time.monotonic()  # the command line's first module: as early as it can record
 
 # name -> (module:attribute, the first line of its help, shown by ``localkv --help``;
 # a test checks they agree)
@@ -93,10 +96,16 @@ def cli(verbose: int) -> None:
         logging.getLogger("localkv.llama").setLevel(logging.CRITICAL)
 
 
+# the settings ``_settings`` checks (a test keeps them equal): none set, nothing is loaded
+SETTINGS = ("LOCALKV_BUDGET", "LOCALKV_MIN_FREE", "LOCALKV_FAULT")
+
+
 def _check_environment() -> None:
     """Refuse a malformed ``LOCALKV_*`` setting before any work, as a usage error (exit 2)."""
     import os
 
+    if not any(os.environ.get(name) for name in SETTINGS):
+        return  # the store's modules (sqlite-utils, numpy) load only when a command needs them
     for name, check in _settings().items():
         value = os.environ.get(name)
         if value:
@@ -119,3 +128,22 @@ def _settings() -> dict[str, Callable[[str], object]]:
 
 def main() -> None:
     cli(prog_name="localkv")
+
+
+def process_age() -> float:
+    """Seconds since this process started (the interpreter's start, not the CLI's).
+
+    Linux: the kernel's start time of the process (``/proc/self/stat``, in clock
+    ticks since boot: 10 ms) against ``CLOCK_BOOTTIME``; elsewhere, or where that
+    is not plausible, the time since this module was loaded.
+    """
+    loaded = time.monotonic() - _LOADED
+    try:
+        import os
+
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22: starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return loaded
+    return age if loaded <= age < loaded + 60 else loaded

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import click
 
 from localkv.cache.budgeting import human_size
+from localkv.cli import process_age
 from localkv.cli.jsonerrors import JsonErrors
 from localkv.cli.options import (
     cache_options,
@@ -284,8 +285,9 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     system_text = _system_text(system, opts["n_ctx"])
     params = sampling_params(opts)
     runtime = _open_runtime(opts)
+    first: list[float] = []  # seconds from the process's start to the answer's first text
     with runtime:
-        stream = None if as_json else (lambda piece: click.echo(piece, nl=False))
+        stream = _first_text(first, None if as_json else lambda p: click.echo(p, nl=False))
         try:
             answer = runtime.ask(docs, question, system=system_text, params=params, on_text=stream)
         except ContextFullError as exc:
@@ -294,7 +296,10 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
         note = _cache_note(runtime)
     note = None if note == answer.cache.miss_reason else note  # the cache line said it
     if as_json:
-        click.echo(json.dumps(answer.as_json()))
+        data = answer.as_json()
+        timing = cast(dict[str, object], data["timing"])
+        timing["since_start_s"] = round(first[0], 6) if first else None
+        click.echo(json.dumps(data))
     else:
         click.echo()
         click.echo(answer.cache.line(answer.tokens.prompt), err=True)
@@ -312,6 +317,18 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
         click.echo(f"warning: {last.over_budget}", err=True)
     if note:
         click.echo(f"warning: {note}", err=True)
+
+
+def _first_text(first: list[float], emit: Callable[[str], None] | None) -> Callable[[str], None]:
+    """``emit``, noting in ``first`` when the first piece came (``process_age``)."""
+
+    def on_text(piece: str) -> None:
+        if not first and piece:
+            first.append(process_age())
+        if emit is not None:
+            emit(piece)
+
+    return on_text
 
 
 def _cache_note(runtime: Runtime) -> str | None:

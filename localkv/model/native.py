@@ -10,17 +10,47 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import os
 import threading
 from typing import Any
 
-import llama_cpp
+# OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads
+# (its libgomp starts). Spinning threads (libgomp's default) decode fastest on
+# idle cores; on cores other processes use, every barrier of every decode waits
+# for a spinning thread's time slice (docs/BENCHMARKS.md, "Threads"). So a
+# machine already busier than its cores when llama.cpp loads gets passive waits.
+# A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def _choose_wait_policy() -> str:
+    """Set ``OMP_WAIT_POLICY`` from the load unless the user set it; how it was chosen."""
+    if any(os.environ.get(name) for name in WAIT_SETTINGS):
+        return "user"
+    try:
+        cpus = len(os.sched_getaffinity(0))
+        busy = os.getloadavg()[0] >= cpus
+    except (AttributeError, OSError):  # no load average here: libgomp's default
+        return "default"
+    if busy:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+        return "busy"
+    return "idle"
+
+
+WAIT_CHOICE = _choose_wait_policy()
+
+import llama_cpp  # noqa: E402  (after the wait policy: libgomp reads it when it loads)
 
 __all__ = [
     "GGML_TYPES",
+    "WAIT_CHOICE",
+    "WAIT_SETTINGS",
     "ggml_type_id",
     "ggml_type_name",
     "llama_cpp",
     "llama_cpp_version",
+    "openmp_settings",
     "recent_errors",
     "system_info",
 ]
@@ -102,6 +132,12 @@ def ggml_type_id(name: str) -> int:
 def ggml_type_name(type_id: int) -> str:
     """The name of a ggml type id, or ``"type<N>"`` for one localkv does not name."""
     return _TYPE_NAMES.get(type_id, f"type{type_id}")
+
+
+def openmp_settings() -> dict[str, str | None]:
+    """The OpenMP wait settings llama.cpp runs with, and why (``WAIT_CHOICE``)."""
+    found: dict[str, str | None] = {name: os.environ.get(name) for name in WAIT_SETTINGS}
+    return {**found, "chosen": WAIT_CHOICE}
 
 
 def llama_cpp_version() -> str:

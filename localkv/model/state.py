@@ -21,9 +21,11 @@ from localkv.kv.section import name_cell_tokens
 from localkv.model.native import llama_cpp
 
 __all__ = [
+    "STATE_WORK",
     "ContextFullError",
     "PrefillCancelled",
     "PrefillResult",
+    "StateWork",
     "cell_ext_of",
     "check_cells",
     "read_state",
@@ -61,9 +63,22 @@ def check_cells(state: codec.KVState, tokens: Sequence[int], cell_ext: bool) -> 
     return state
 
 
+@dataclass(slots=True)
+class StateWork:
+    """Whole-state captures in this process and their bytes (the server reports them)."""
+
+    captures: int = 0
+    captured_bytes: int = 0
+
+
+STATE_WORK = StateWork()
+
+
 def read_state(ctx: Any) -> np.ndarray:
     """The raw state of sequence 0, written straight into a new uint8 array."""
     size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+    STATE_WORK.captures += 1
+    STATE_WORK.captured_bytes += size
     arr = np.empty(size, dtype=np.uint8)
     ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     written = llama_cpp.llama_state_seq_get_data(ctx, ptr, size, 0)

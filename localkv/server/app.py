@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,11 +118,13 @@ class Routes:
 
     # ---------------------------------------------------------- generation
     async def chat(self, request: Request) -> Response:
+        request.state.arrived = time.perf_counter()  # before its body is read
         parsed = parse_chat(await self._body(request))
         reply = Reply.new(True, self._engine().model_id, parsed.include_usage)
         return await self._generate(request, reply, parsed.stream, lambda e, t: e.chat(parsed, t))
 
     async def completions(self, request: Request) -> Response:
+        request.state.arrived = time.perf_counter()
         parsed = parse_completion(await self._body(request))
         reply = Reply.new(False, self._engine().model_id, parsed.include_usage)
         return await self._generate(
@@ -132,6 +135,7 @@ class Routes:
         self, request: Request, reply: Reply, stream: bool, job: Callable[[Engine, Ticket], Outcome]
     ) -> Response:
         ticket = self._submit(job)
+        ticket.arrived = request.state.arrived
         request.state.ticket = ticket  # its outcome goes into the log line
         if not stream:
             outcome: Outcome = await self._result(request, ticket)

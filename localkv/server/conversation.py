@@ -9,6 +9,11 @@ generated itself is replayed as the token ids that were sampled (the
 server's, or from before a restart) is tokenized. Either way its tokens are
 decoded one by one, as sampled tokens are, so the schedule depends only on
 the request and a cached prefix stays exact.
+
+The tokens of a resent user or system message are kept (``MessageMemory``)
+under a digest of every message up to and including it, role and text, so a
+resent history is not tokenized again and any change to a message or to one
+before it is tokenized afresh.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from localkv.chat.session import ChatState
 from localkv.prompt.template import ChatTemplate, Message
 from localkv.server.limits import Budget
 
-__all__ = ["AnswerMemory", "TokenDigest", "build_history", "build_prompt", "common_prefix"]
+__all__ = [
+    "AnswerMemory",
+    "MessageMemory",
+    "TokenDigest",
+    "build_history",
+    "build_prompt",
+    "common_prefix",
+]
 
 
 class TokenDigest:
@@ -73,15 +85,67 @@ class AnswerMemory:
         return ids
 
 
+class MessageMemory:
+    """The tokens of recent user and system messages, by the messages up to each one.
+
+    A key is a running SHA-256 over every message so far (each message's every
+    field, length-prefixed): the same message after any other history is another key.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._tokens: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+
+    def tokens(
+        self, template: ChatTemplate, chain: MessageChain, message: Message, history: list[Message]
+    ) -> list[int]:
+        """``message``'s tokens after ``history`` (``chain`` has already taken ``message``)."""
+        key = chain.key()
+        found = self._tokens.get(key)
+        if found is not None:
+            self._tokens.move_to_end(key)
+            return list(found)
+        new = template.message_tokens(history, message)
+        self._tokens[key] = tuple(new)
+        while len(self._tokens) > self.capacity:
+            self._tokens.popitem(last=False)
+        return new
+
+
+class MessageChain:
+    """A running digest of the messages of a conversation, in order."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(b"localkv-messages-1")
+
+    def add(self, message: Message) -> None:
+        data = repr(message).encode("utf-8", "surrogatepass")  # every field of the value
+        self._hash.update(len(data).to_bytes(8, "little"))
+        self._hash.update(data)
+
+    def key(self) -> bytes:
+        return self._hash.digest()
+
+
 def build_prompt(
-    template: ChatTemplate, messages: Sequence[Message], memory: AnswerMemory, budget: Budget
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    memory: AnswerMemory,
+    budget: Budget,
+    known: MessageMemory | None = None,
 ) -> ChatState:
-    """The chat state of a request: its history, its last (user) message, the opener."""
+    """The chat state of a request: its history, its last (user) message, the opener.
+
+    ``known``: the tokens of messages seen before (none: every message is tokenized).
+    """
     *history, last = messages
-    state = build_history(template, history, memory, budget)
+    chain = MessageChain()
+    state = build_history(template, history, memory, budget, (known, chain))
     user = Message("user", last.content)
     budget.before_text(len(state.tokens), user.content)
-    state.tokens.extend(template.message_tokens(state.messages, user))
+    chain.add(user)
+    known = known or MessageMemory(0)
+    state.tokens.extend(known.tokens(template, chain, user, state.messages))
     state.messages.append(user)
     state.tokens.extend(template.assistant_start_tokens(state.messages))
     state.boundaries.append(len(state.tokens))
@@ -94,6 +158,7 @@ def build_history(
     messages: Sequence[Message],
     memory: AnswerMemory,
     budget: Budget | None = None,
+    known: tuple[MessageMemory | None, MessageChain] | None = None,
 ) -> ChatState:
     """The chat state of ``messages`` (everything before the new user message).
 
@@ -103,19 +168,23 @@ def build_history(
     one by one, followed by the template's closing tokens. Each message costs
     the same whatever the history's length (``ChatTemplate`` renders a bounded
     window); ``budget`` refuses a prompt that cannot fit as soon as that is
-    known, and stops when the client has gone.
+    known, and stops when the client has gone. ``known``: the tokens of
+    messages seen before, and the running digest of these messages.
     """
     budget = budget or Budget(2**62)
+    seen, chain = known or (None, MessageChain())
+    seen = seen or MessageMemory(0)
     system = messages[0].content if messages and messages[0].role == "system" else None
     state = ChatState(system=system, tokens=template.start_tokens())
     digest = TokenDigest(state.tokens)
     for message in messages:
         start = len(state.tokens)
+        chain.add(message)
         if message.role == "assistant":
             _add_answer(template, state, message.content, memory, (digest, budget))
         else:
             budget.before_text(start, message.content)
-            new = template.message_tokens(state.messages, message)
+            new = seen.tokens(template, chain, message, state.messages)
             state.messages.append(message)
             state.tokens.extend(new)
             state.boundaries.append(len(state.tokens))

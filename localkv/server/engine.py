@@ -19,17 +19,20 @@ from typing import Any, Protocol
 from localkv.chat.session import ChatSession, ChatState, SyncReport
 from localkv.model.sampling import SamplingParams
 from localkv.model.schedule import shared_end
+from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
-from localkv.server.conversation import AnswerMemory, build_prompt, common_prefix
+from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.stops import StopText
 
 __all__ = ["Engine", "Outcome"]
+
+_WORK = ("state_captures", "tokenize_calls", "tokenized_chars")  # ``Outcome.work``
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,8 @@ TextFn = Callable[[str], None]
 
 class Channel(Protocol):
     """Where a request's progress goes (``worker.Ticket``)."""
+
+    arrived: float  # when the request arrived (``time.perf_counter``)
 
     def started(self) -> None: ...
     def text(self, piece: str) -> None: ...
@@ -60,6 +65,9 @@ class Outcome:
     diverged_at: int | None
     ttft_s: float
     total_s: float
+    # this request's whole-state captures and tokenize calls (characters), counted
+    work: tuple[int, int, int] = (0, 0, 0)
+    queued_s: float = 0.0  # from the request's arrival to the start of its work
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -71,6 +79,11 @@ class Outcome:
             "miss_reason": self.miss_reason,
             "diverged_at": self.diverged_at,
             "ttft_ms": round(self.ttft_s * 1000, 3),
+            # the first token as the client sees it: from the request's arrival
+            "arrival_ttft_ms": round((self.queued_s + self.ttft_s) * 1000, 3)
+            if self.generated
+            else None,
+            "work": dict(zip(_WORK, self.work, strict=True)),
         }
 
 
@@ -80,16 +93,19 @@ class Engine:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.memory = AnswerMemory()
+        self.known = MessageMemory()  # tokens of user and system messages seen before
+        self._work_at, self._queued = self._work(), 0.0
         self.model_id = Path(runtime.session.config.model_path).stem
 
     # ------------------------------------------------------------------ chat
     def chat(self, request: ChatRequest, channel: Channel) -> Outcome:
         t0 = time.perf_counter()
+        self._work_at, self._queued = self._work(), t0 - channel.arrived
         template = self.runtime.template
         work = template.work()
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
-            state = build_prompt(template, request.messages, self.memory, budget)
+            state = build_prompt(template, request.messages, self.memory, budget, self.known)
         finally:
             _log_work(template.work(), work, len(request.messages))
         prompt = list(state.tokens)
@@ -146,6 +162,7 @@ class Engine:
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
         t0 = time.perf_counter()
+        self._work_at, self._queued = self._work(), t0 - channel.arrived
         session, template = self.runtime.session, self.runtime.template
         budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
@@ -273,7 +290,18 @@ class Engine:
             diverged_at=diverged,
             ttft_s=ttft_s,
             total_s=time.perf_counter() - t0,
+            work=self._work_since(),
+            queued_s=self._queued,
         )
+
+    def _work(self) -> tuple[int, int, int]:
+        """Whole-state captures, tokenize calls and characters tokenized so far."""
+        tokenizer = self.runtime.template.tokenizer
+        return STATE_WORK.captures, tokenizer.calls, tokenizer.tokenized_chars
+
+    def _work_since(self) -> tuple[int, int, int]:
+        (c, k, n), (c0, k0, n0) = self._work(), self._work_at
+        return c - c0, k - k0, n - n0
 
     # --------------------------------------------------------- pre-warm, list
     def prefill(self, body: dict[str, Any]) -> dict[str, object]:

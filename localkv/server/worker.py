@@ -56,6 +56,7 @@ class Ticket:
         self._finished = False
         self.result: Any = None  # what the job returned (None: it failed or never ran)
         self._callbacks: list[Callable[[Any], None]] = []
+        self.arrived = time.perf_counter()  # the request's arrival (the route sets it earlier)
 
     def when_done(self, callback: Callable[[Any], None]) -> None:
         """Call ``callback(result)`` once the job has ended (now, if it has)."""

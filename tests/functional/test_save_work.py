@@ -46,3 +46,22 @@ def test_a_repeat_captures_no_state_and_new_tokens_one(
         rt.ask([doc], question, params=params)
         rt.wait_for_saves()
     assert len(calls) == (1 if question == "What?" else 2)
+
+
+def test_a_repeat_before_the_first_save_is_written_captures_nothing(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """The first answer's blocks are still queued for writing: the repeat does not
+    capture them again, and they are on disk once the queue is done."""
+    doc = Document.from_text(" ".join(f"Chapter {i}. {TEXT}" for i in range(40)), "d.txt")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with Runtime(tiny_config(tiny_models.base, n_ctx=4096), cache_dir=tmp_path) as rt:
+        calls = _counting(rt)
+        first = rt.ask([doc], "What?", params=params)
+        rt.ask([doc], "What?", params=params)  # no wait_for_saves in between
+        assert len(calls) == 1
+        rt.wait_for_saves()
+    with Runtime(tiny_config(tiny_models.base, n_ctx=4096), cache_dir=tmp_path) as rt:
+        again = rt.ask([doc], "What?", params=params)
+    assert again.cache.verified and again.tokens.reused == first.tokens.prompt
+    assert again.text == first.text

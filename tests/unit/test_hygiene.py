@@ -123,3 +123,26 @@ def test_a_command_missing_its_extra_says_how_to_install_it() -> None:
     assert done.returncode == 1
     assert "`localkv bench` needs zstandard: pip install 'localkv[bench]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+NATIVE = ("llama_cpp", "numpy", "sqlite_utils")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"]], ids=" ".join)
+def test_the_command_list_loads_neither_llama_cpp_nor_numpy_nor_the_store(args: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    modules = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [m for m in modules if m.split(".")[0] in NATIVE] == []
+
+
+def test_the_settings_checked_before_a_command_are_the_ones_listed() -> None:
+    from localkv.cli import SETTINGS, _settings
+
+    assert sorted(SETTINGS) == sorted(_settings())
