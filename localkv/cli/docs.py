@@ -20,6 +20,7 @@ from localkv.cli.options import (
     sampling_options,
     sampling_params,
     system_option,
+    system_text,
     text_value,
 )
 from localkv.model.session import ContextFullError, ModelLoadError
@@ -34,16 +35,6 @@ from localkv.prompt.request import (
 from localkv.runtime import PrefillReport, Runtime
 
 __all__ = ["ask", "prefill"]
-
-
-def _system_text(value: str | None, n_ctx: int) -> str | None:
-    """``--system TEXT`` or ``--system @FILE`` (read as a document is, within the context)."""
-    if value is None or not value.startswith("@"):
-        return value
-    try:
-        return read_document(value[1:], max_bytes=byte_limit(n_ctx)).text
-    except DocumentError as exc:
-        raise click.BadParameter(f"cannot read the system prompt file: {exc}") from None
 
 
 def _documents(files: tuple[str, ...], n_ctx: int) -> list[Document]:
@@ -188,7 +179,7 @@ def prefill(
     to (read-only) is an error with the reason, exit 1.
     """
     docs = _documents(files, opts["n_ctx"])
-    system_text = _system_text(system, opts["n_ctx"])
+    system_prompt = system_text(system, opts["n_ctx"])
     runtime = _open_runtime(opts)
     with runtime:
         unsaved = _why_unsaved(runtime, opts["no_cache"])
@@ -199,7 +190,7 @@ def prefill(
             with _signals_stop() as flag, _Progress("prefill", show) as progress:
                 report = runtime.prefill(
                     docs,
-                    system=system_text,
+                    system=system_prompt,
                     label=label,
                     pin=pin,
                     progress=progress,
@@ -281,13 +272,15 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
         raise click.BadParameter("the question is empty")
     text_value(question, "the question")
     docs = _documents(tuple(paths), opts["n_ctx"])
-    system_text = _system_text(system, opts["n_ctx"])
+    system_prompt = system_text(system, opts["n_ctx"])
     params = sampling_params(opts)
     runtime = _open_runtime(opts)
     with runtime:
         stream = None if as_json else (lambda piece: click.echo(piece, nl=False))
         try:
-            answer = runtime.ask(docs, question, system=system_text, params=params, on_text=stream)
+            answer = runtime.ask(
+                docs, question, system=system_prompt, params=params, on_text=stream
+            )
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
         saves = runtime.wait_for_saves()  # the prompt's blocks, then the budget's eviction

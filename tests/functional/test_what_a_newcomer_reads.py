@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import sqlite_utils
 from click.testing import CliRunner, Result
 from support.tinymodels import TinyModels
 
@@ -63,3 +64,37 @@ def test_a_first_run_in_another_namespace_names_it(
     args = ("--max-tokens", "2", "--namespace", "alpha", "--json", str(docs[0]), "What?")
     out = json.loads(localkv("ask", *model(tiny_models), *args).stdout.splitlines()[-1])
     assert out["cache"]["miss_reason"] == "not cached yet in namespace 'alpha'"
+
+
+def test_chat_system_at_file_reads_the_file_as_ask_does(
+    tiny_models: TinyModels, home: Path, tmp_path: Path
+) -> None:
+    garden = tmp_path / "garden.txt"
+    garden.write_text("You are a gardener. Answer briefly.\n", encoding="utf-8")
+    options = [*model(tiny_models), "--temperature", "0", "--max-tokens", "4", "--plain"]
+    result = CliRunner().invoke(
+        cli, ["chat", *options, "--system", f"@{garden}"], input="Hello\n/system\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert "system prompt: You are a gardener." in result.output
+    rows = list(sqlite_utils.Database(home / "conversations.db")["conversations"].rows)
+    messages = json.loads(str(rows[0]["messages"]))
+    assert messages[0] == ["system", "You are a gardener. Answer briefly.\n"]
+
+
+@pytest.mark.parametrize("content", [None, b"a\x00b"], ids=["missing", "nul"])
+def test_chat_system_at_file_refuses_what_ask_refuses(
+    tiny_models: TinyModels, home: Path, tmp_path: Path, content: bytes | None
+) -> None:
+    path, doc = tmp_path / "system.txt", tmp_path / "doc.txt"
+    doc.write_text("A short document.", encoding="utf-8")
+    if content is not None:
+        path.write_bytes(content)
+    for command in (["ask", str(doc), "Q?"], ["chat", "--plain"]):
+        args = [command[0], *model(tiny_models), "--system", f"@{path}", *command[1:]]
+        result = CliRunner().invoke(cli, args, input="Hello\n")
+        assert result.exit_code == 2, result.output
+        assert "cannot read the system prompt file" in result.output
+    assert not (home / "conversations.db").exists() or not list(
+        sqlite_utils.Database(home / "conversations.db")["conversations"].rows
+    )
