@@ -134,7 +134,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
         return
     parts = info.pop("partial_state", None)
     for key, value in info.items():
-        click.echo(f"{key:>14}: {printable(str(value))}")
+        click.echo(f"{key:>14}: {printable(_shown(key, value))}")
     if parts is not None:  # the window / recurrent state kept with each block
         n = len(parts["blocks"])
         click.echo(f" partial state: {human_size(parts['bytes'])} in {n} blocks")
@@ -143,6 +143,21 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     click.echo("      identity fields:")
     for key, value in identity.items():
         click.echo(f"  {key:>20}: {printable(json.dumps(value))}")
+
+
+_SIZES = ("bytes_on_disk", "raw_bytes")
+_DATES = ("created", "last_used")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A field as ``cache ls`` shows it: sizes in binary units, dates in local time."""
+    if key in _SIZES:
+        return f"{human_size(value)} ({value:,} bytes)"
+    if key in _DATES:
+        return _when(value)
+    if key == "tokens":
+        return f"{value:,}"
+    return str(value)
 
 
 def _partial_state(store: SnapshotStore, chain: list[Any]) -> dict[str, Any]:
@@ -293,7 +308,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, namespace: str) -> None:
     with _store(cache_dir) as store:
         stats = namespace_stats(store, namespace)
         _warn(budget_warning(store))
-    click.echo(json.dumps(stats) if as_json else "\n".join(stats_lines(stats)))
+    click.echo(json.dumps(stats) if as_json else "\n".join(map(printable, stats_lines(stats))))
 
 
 def _warn(warning: str | None) -> None:

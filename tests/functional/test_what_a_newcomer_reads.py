@@ -98,3 +98,20 @@ def test_chat_system_at_file_refuses_what_ask_refuses(
     assert not (home / "conversations.db").exists() or not list(
         sqlite_utils.Database(home / "conversations.db")["conversations"].rows
     )
+
+
+def test_cache_show_and_stats_print_sizes_and_dates_as_ls_does(
+    tiny_models: TinyModels, home: Path, docs: list[Path]
+) -> None:
+    localkv("prefill", *model(tiny_models), str(docs[0]))
+    listing = json.loads(localkv("cache", "ls", "--json").stdout)
+    ident, size = listing[0]["id"], listing[0]["bytes_on_disk"]
+    shown = localkv("cache", "show", ident).stdout
+    assert re.search(rf"bytes_on_disk: [\d.]+ [KM]iB \({size:,} bytes\)", shown), shown
+    assert re.search(r"created: \d{4}-\d\d-\d\d \d\d:\d\d$", shown, re.M), shown
+    assert not re.search(r"\d{10}\.\d", shown)  # no raw timestamps
+    raw = json.loads(localkv("cache", "show", ident, "--json").stdout)
+    assert raw["bytes_on_disk"] == size and isinstance(raw["created"], float)
+    stats = localkv("cache", "stats").stdout
+    assert re.search(r"stored_bytes: [\d.]+ [KM]iB \([\d,]+ bytes\)", stats), stats
+    assert json.loads(localkv("cache", "stats", "--json").stdout)["stored_bytes"] > 0
