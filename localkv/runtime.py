@@ -151,10 +151,11 @@ class Runtime:
         return self.session.flash_attn_setting()
 
     def snapshots(self) -> list[dict[str, object]]:
-        """This namespace's snapshots (label, tokens, bytes, hits, last used, pinned)."""
+        """This namespace's snapshots, of every model (label, model, this_model, tokens,
+        bytes, hits, last used, pinned)."""
         if self.cache is None:
             return []
-        return snapshot_listing(self.cache.store, self.namespace)
+        return snapshot_listing(self.cache.store, self.namespace, self.cache.identity.digest)
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         if self.cache is None:

@@ -1,4 +1,5 @@
-"""Which snapshot a restore is counted under: the longest one its reused prefix covers.
+"""Which snapshot a restore is counted under: the longest one its reused prefix covers;
+and which model a snapshot is of (``model_names``).
 
 The CLI's reports (``cache.snapshot``), the hit recorded in the index and the
 hits ``cache ls`` shows all use this one rule, so they name the same snapshot.
@@ -6,13 +7,15 @@ hits ``cache ls`` shows all use this one rule, so they name the same snapshot.
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from localkv.storage.filehash import recorded_paths
 from localkv.storage.store import SnapshotStore
 
-__all__ = ["covering"]
+__all__ = ["covering", "model_names"]
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +56,20 @@ def _covering(
         if parent_ok and list(tip.tokens) == list(tokens[tip.start : tip.end]):
             best = (snap.n_tokens, snap.id)
     return best[1] if best else None
+
+
+def model_names(store: SnapshotStore, identities: Iterable[str]) -> dict[str, str]:
+    """Each identity digest's model, named as ``localkv models`` and ``--model`` name it:
+    the stem of the GGUF file the cache hashed with that content (``filehashes.db``),
+    else the architecture and the first 12 hex digits of the model's SHA-256."""
+    out: dict[str, str] = {}
+    for digest in dict.fromkeys(identities):
+        try:
+            fields = json.loads(store.get_identity(digest) or "{}")
+        except (ValueError, OSError, sqlite3.Error):
+            fields = {}
+        sha = str(fields.get("model_sha256") or "")
+        paths = recorded_paths(store.root / "filehashes.db", [sha]) if sha else []
+        arch = str(fields.get("architecture") or "?")
+        out[digest] = paths[-1].stem if paths else f"{arch} {sha[:12] or '?'}"
+    return out

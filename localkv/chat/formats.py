@@ -10,12 +10,18 @@ from localkv.chat.session import SyncReport, TurnReport
 __all__ = [
     "ago",
     "cache_parts",
+    "counted",
     "finish_line",
     "human_bytes",
     "sync_line",
     "sync_summary",
     "turn_line",
 ]
+
+
+def counted(n: int, word: str) -> str:
+    """``1 hit``, ``2 hits``, ``0 hits``: a count and its noun, singular for one."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
 def human_bytes(n: int) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
+from localkv.cache.naming import model_names
 from localkv.cli.deepverify import deep_verify
 from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
 from localkv.cli.jsonerrors import JsonErrors
@@ -38,11 +39,12 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
-def _snapshot_json(store: SnapshotStore, s: SnapshotRow) -> dict[str, Any]:
+def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str, Any]:
     chain = store.chain_of(s.tip)
     return {
         "id": s.id,
         "label": s.label,
+        "model": model,
         "tokens": s.n_tokens,
         "blocks": len(chain),
         "bytes_on_disk": sum(r.stored_bytes for r in chain),
@@ -86,7 +88,9 @@ def _short_ids(store: SnapshotStore) -> int:
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     """List snapshots (and warn when pinned ones hold more than the budget)."""
     with _store(cache_dir) as store:
-        rows = [_snapshot_json(store, s) for s in store.snapshots(namespace)]
+        snaps = store.snapshots(namespace)
+        names = model_names(store, (s.identity for s in snaps))
+        rows = [_snapshot_json(store, s, names[s.identity]) for s in snaps]
         width = _short_ids(store)
         _warn(budget_warning(store))
     if as_json:
@@ -103,12 +107,15 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     table = Table(box=None, pad_edge=False)
     table.add_column("id", no_wrap=True, min_width=width)  # a unique start: paste it back
     table.add_column("label", overflow="fold", min_width=12)
+    longest = max(len(printable(r["model"])) for r in rows)  # a name --model takes: whole
+    table.add_column("model", overflow="fold", min_width=min(longest, 28))
     for name in ("tokens", "size", "hits", "used", "pin"):
         table.add_column(name, no_wrap=True)
     if spaces:
         table.add_column("namespace", overflow="fold", min_width=9)
     for r in rows:
-        cells = [r["id"][:width], r["label"], f"{r['tokens']:,}", human_size(r["bytes_on_disk"])]
+        cells = [r["id"][:width], r["label"], r["model"], f"{r['tokens']:,}"]
+        cells += [human_size(r["bytes_on_disk"])]
         cells += [str(r["hits"]), _when(r["last_used"])[5:], "yes" if r["pinned"] else ""]
         cells += [r["namespace"]] if spaces else []
         table.add_row(*(escape(printable(c)) for c in cells))  # no markup either
@@ -123,7 +130,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     """Show a snapshot with every identity field."""
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
-        info = _snapshot_json(store, s)
+        info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity])
         text = store.get_identity(s.identity)
     identity = json.loads(text) if text else {}
     if identity.get("memory_kind", "kv") != "kv":

@@ -30,12 +30,13 @@ from support.tinymodels import TinyModels, tiny_config
 from textual import events
 from textual.message import Message
 from textual.pilot import Pilot
-from textual.widgets import ProgressBar
+from textual.widgets import Label, ProgressBar, Static
 
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import turn_line
 from localkv.chat.history import ConversationStore
 from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import read_document
 from localkv.runtime import Runtime
 
 M = TypeVar("M", bound=Message)
@@ -235,11 +236,38 @@ def test_doc_option_attaches_at_start_and_the_cache_screen_pins_and_deletes(
         await pilot.press("p")
         await wait_for(pilot, lambda: len(seen.of(CacheScreen.SnapshotsLoaded)) == 2)
         assert screen.snapshots[0].pinned
+        await pilot.press("d")  # asks first
+        await pilot.pause(0.2)
+        assert "press d again" in str(screen.query_one("#cache-note", Static).render())
+        assert len(seen.of(CacheScreen.SnapshotsLoaded)) == 2 and screen.snapshots
         await pilot.press("d")
         await wait_for(pilot, lambda: len(seen.of(CacheScreen.SnapshotsLoaded)) == 3)
         assert screen.snapshots == []
         await pilot.press("escape")
         assert isinstance(app.screen, ChatScreen)
+
+    run(app, seen, scenario)
+
+
+def test_the_cache_screen_lists_the_running_models_snapshots_and_counts_the_others(
+    open_runtime: Callable[..., Runtime], document: Path, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    with Runtime(tiny_config(tiny_models.other_weights), cache_dir=tmp_path / "home") as other:
+        assert other.prefill([read_document(document)]).snapshot
+    app = build_app(open_runtime(), params=SHORT, documents=[str(document)])
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: seen.of(ChatScreen.DocumentAttached))
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: seen.of(CacheScreen.SnapshotsLoaded))
+        screen = app.screen
+        assert isinstance(screen, CacheScreen)
+        assert [(s.label, s.model) for s in screen.snapshots] == [("notes.txt", "tiny-base")]
+        assert seen.of(CacheScreen.SnapshotsLoaded)[-1].others == 1
+        note = str(screen.query_one("#cache-note", Static).render())
+        assert "1 snapshot of other models not listed" in note
+        assert "tiny-base" in str(screen.query_one(".heading", Label).render())
 
     run(app, seen, scenario)
 

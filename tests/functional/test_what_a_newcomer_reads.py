@@ -115,3 +115,24 @@ def test_cache_show_and_stats_print_sizes_and_dates_as_ls_does(
     stats = localkv("cache", "stats").stdout
     assert re.search(r"stored_bytes: [\d.]+ [KM]iB \([\d,]+ bytes\)", stats), stats
     assert json.loads(localkv("cache", "stats", "--json").stdout)["stored_bytes"] > 0
+
+
+def test_cache_ls_and_the_chats_cache_list_name_each_snapshots_model(
+    tiny_models: TinyModels, home: Path, docs: list[Path]
+) -> None:
+    localkv("prefill", *model(tiny_models), str(docs[0]))
+    other = ["--model", str(tiny_models.other_weights), "--threads", "1"]
+    localkv("prefill", *other, str(docs[0]))
+    listing = json.loads(localkv("cache", "ls", "--json").stdout)
+    assert sorted(r["model"] for r in listing) == ["tiny-base", "tiny-other-weights"]
+    table = localkv("cache", "ls").stdout.splitlines()
+    assert table[0].split()[:3] == ["id", "label", "model"]
+    assert {line.split()[2] for line in table[1:]} == {"tiny-base", "tiny-other-weights"}
+    shown = localkv("cache", "show", listing[0]["id"]).stdout
+    assert re.search(r"model: tiny-(base|other-weights)$", shown, re.M)
+    options = [*model(tiny_models), "--temperature", "0", "--max-tokens", "2", "--plain"]
+    chat = CliRunner().invoke(cli, ["chat", *options], input="/cache\n")
+    assert chat.exit_code == 0, chat.output
+    assert "apple.txt · tiny-base · " in chat.output and "0 hits" in chat.output
+    assert "tiny-other-weights" not in chat.output
+    assert "1 snapshot of other models not listed" in chat.output
