@@ -27,10 +27,14 @@ def covering(
     reused: int,
     tokens: Sequence[int],
 ) -> str | None:
-    """The longest snapshot of ``namespace`` inside the ``reused`` tokens restored from ``chain``.
+    """The longest snapshot of ``namespace`` that the ``reused`` tokens restored from
+    ``chain`` reach into the last block of (or cover whole).
 
-    Of equally long ones, the oldest. None as well when the index cannot be
-    read: naming is never worth a failure.
+    A restore may end inside a snapshot's last block: at a segment end before
+    it (memory restored only where a snapshot point is), or one token before
+    the end when the request is the snapshot's own tokens. It used that
+    snapshot all the same. Of equally long ones, the oldest. None as well when
+    the index cannot be read: naming is never worth a failure.
     """
     if not chain or reused <= 0:
         return None
@@ -44,16 +48,20 @@ def covering(
 def _covering(
     store: SnapshotStore, namespace: str, on_chain: set[str], reused: int, tokens: Sequence[int]
 ) -> str | None:
+    used = store.match_chain([next(iter(on_chain))])
+    if not used:
+        return None
     best: tuple[int, str] | None = None
     for snap in store.snapshots(namespace):
-        if snap.n_tokens > reused or (best and snap.n_tokens <= best[0]):
+        if (best and snap.n_tokens <= best[0]) or snap.identity != used[0].identity:
             continue
         rows = store.match_chain([snap.tip])
-        if not rows:
+        if not rows or rows[0].start >= reused:
             continue
         tip = rows[0]
+        end = min(tip.end, reused)  # the restore reaches into the tip block up to here
         parent_ok = tip.parent is None or tip.parent in on_chain
-        if parent_ok and list(tip.tokens) == list(tokens[tip.start : tip.end]):
+        if parent_ok and list(tip.tokens[: end - tip.start]) == list(tokens[tip.start : end]):
             best = (snap.n_tokens, snap.id)
     return best[1] if best else None
 

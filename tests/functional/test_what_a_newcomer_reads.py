@@ -136,3 +136,22 @@ def test_cache_ls_and_the_chats_cache_list_name_each_snapshots_model(
     assert "apple.txt · tiny-base · " in chat.output and "0 hits" in chat.output
     assert "tiny-other-weights" not in chat.output
     assert "1 snapshot of other models not listed" in chat.output
+
+
+def test_a_resumed_chats_hit_survives_its_snapshots_replacement(
+    tiny_models: TinyModels, home: Path, docs: list[Path]
+) -> None:
+    options = [*model(tiny_models), "--temperature", "0", "--max-tokens", "8", "--plain"]
+    first = CliRunner().invoke(cli, ["chat", *options, "--doc", str(docs[0])], input="Hi\n")
+    assert first.exit_code == 0, first.output
+    before = json.loads(localkv("cache", "stats", "--json").stdout)
+    again = CliRunner().invoke(cli, ["chat", *options, "--resume"], input="More\n")
+    assert again.exit_code == 0, again.output
+    assert re.search(r"resumed “Hi”: restored [\d,]+ tokens", again.stderr), again.stderr
+    stats = json.loads(localkv("cache", "stats", "--json").stdout)
+    assert stats["hits"] == before["hits"] + 1
+    assert stats["hits_without_snapshot"] == before["hits_without_snapshot"] == 0
+    listing = json.loads(localkv("cache", "ls", "--json").stdout)
+    chats = [s for s in listing if s["label"] == "Hi"]
+    assert len(chats) == 1 and chats[0]["hits"] >= 1  # the resume's, on the newer tip
+    assert sum(s["hits"] for s in listing) == stats["hits"]
