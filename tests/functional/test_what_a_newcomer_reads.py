@@ -155,3 +155,22 @@ def test_a_resumed_chats_hit_survives_its_snapshots_replacement(
     chats = [s for s in listing if s["label"] == "Hi"]
     assert len(chats) == 1 and chats[0]["hits"] >= 1  # the resume's, on the newer tip
     assert sum(s["hits"] for s in listing) == stats["hits"]
+
+
+@pytest.mark.default_model
+def test_gemma3_270m_kept_is_the_next_reused_and_the_snapshot_counts_each_restore(
+    gemma3_path: Path, home: Path, tmp_path: Path, long_text: str
+) -> None:
+    doc = tmp_path / "gemma.txt"
+    doc.write_text(long_text[:6000], encoding="utf-8")
+    args = ["--model", str(gemma3_path), "--threads", "2", "--ctx", "4096", "--json"]
+    pre = json.loads(localkv("prefill", *args, str(doc)).stdout.splitlines()[-1])
+    assert pre["kept"] == pre["tokens"] > 1000
+    for question in ("Who?", "Where?"):
+        ask = ["ask", *args, "--max-tokens", "2", str(doc), question]
+        out = json.loads(localkv(*ask).stdout.splitlines()[-1])
+        assert out["tokens"]["reused"] == pre["kept"] and out["cache"]["verified"] is True
+        assert out["cache"]["snapshot"] == pre["snapshot"], out
+    (snap,) = json.loads(localkv("cache", "ls", "--json").stdout)
+    stats = json.loads(localkv("cache", "stats", "--json").stdout)
+    assert snap["hits"] == stats["hits"] == 2 and stats["hits_without_snapshot"] == 0
