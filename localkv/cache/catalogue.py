@@ -3,6 +3,7 @@ which one a restore used."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import sqlite3
@@ -129,6 +130,8 @@ def save_prefill(
     tip = saved.tip if saved.error is None else _stored_tip(cache, blocks)
     chain = cache.store.chain_of(tip) if tip is not None else []
     kept = chain[-1].end if chain and not saved.not_kept else 0
+    if chain:  # the chain's blocks, as `cache show` counts them (not a segment end's beside it)
+        saved = dataclasses.replace(saved, blocks=len(chain))
     return saved, snapshot, sum(r.stored_bytes for r in chain), kept
 
 

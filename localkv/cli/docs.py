@@ -51,10 +51,27 @@ def _documents(files: tuple[str, ...], n_ctx: int) -> list[Document]:
 
 
 def _open_runtime(opts: dict[str, Any]) -> Runtime:
+    """The runtime; in a terminal a ``loading MODEL …`` line shows while the model loads."""
     try:
-        return open_runtime(opts)
+        with _loading(opts):
+            return open_runtime(opts)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@contextmanager
+def _loading(opts: dict[str, Any]) -> Iterator[None]:
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.markup import escape
+
+    from localkv.reports import printable
+
+    name = escape(printable(str(opts.get("model") or "the default model")))
+    with Console(stderr=True).status(f"loading {name} …"):
+        yield
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
@@ -89,13 +106,7 @@ def _signals_stop() -> Iterator[list[int]]:
 
 def _progress_bar(total_hint: str) -> Any:
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     return Progress(
         TextColumn(total_hint),
@@ -103,10 +114,20 @@ def _progress_bar(total_hint: str) -> Any:
         MofNCompleteColumn(),
         TextColumn("tokens"),
         TextColumn("{task.fields[rate]}"),
-        TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
     )
+
+
+def progress_rate(done: int, total: int, first: int, elapsed: float) -> str:
+    """``1,261 tok/s, 0:00:04 left``: the tokens prefilled since the first report (not those
+    restored before it) over the time since, and the time left at that rate; "" until
+    a block is done."""
+    if done <= first or elapsed <= 0:
+        return ""
+    rate = (done - first) / elapsed
+    left = round((total - done) / rate)
+    return f"{rate:,.0f} tok/s, {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left"
 
 
 class _Progress:
@@ -116,6 +137,7 @@ class _Progress:
         self.bar = _progress_bar(label) if enabled else None
         self.task: Any = None
         self.start = 0.0
+        self.first = 0  # tokens done at the first report (restored, not prefilled here)
 
     def __enter__(self) -> _Progress:
         if self.bar is not None:
@@ -132,10 +154,9 @@ class _Progress:
         if self.bar is None:
             return
         if self.task is None:
-            self.start = time.perf_counter()
+            self.start, self.first = time.perf_counter(), done
             self.task = self.bar.add_task("prefill", total=total, rate="")
-        elapsed = time.perf_counter() - self.start
-        rate = f"{done / elapsed:,.0f} tok/s" if elapsed > 0 else ""
+        rate = progress_rate(done, total, self.first, time.perf_counter() - self.start)
         self.bar.update(self.task, completed=done, rate=rate)
 
 
@@ -234,10 +255,12 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
     done = report.kept
     if report.not_kept or not (done or report.cancelled):  # --no-cache: nothing kept
         state, done = "prefilled", report.reused + report.prefilled
+    new, beside = min(report.new_blocks, report.blocks), report.new_blocks - report.blocks
+    extra = f", and {beside} shorter block(s) where a segment ends" if beside > 0 else ""
     click.echo(
         f"{state} {done:,} of {report.tokens:,} tokens "
         f"({report.reused:,} reused, {report.prefilled:,} prefilled) in {report.seconds:.2f} s; "
-        f"{report.blocks} blocks ({report.new_blocks} new), "
+        f"{report.blocks} blocks ({new} new){extra}, "
         f"{human_size(report.bytes_on_disk)} on disk"
     )
     if report.snapshot:

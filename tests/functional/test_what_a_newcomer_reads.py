@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,3 +178,40 @@ def test_gemma3_270m_kept_is_the_next_reused_and_the_snapshot_counts_each_restor
     (snap,) = json.loads(localkv("cache", "ls", "--json").stdout)
     stats = json.loads(localkv("cache", "stats", "--json").stdout)
     assert snap["hits"] == stats["hits"] == 2 and stats["hits_without_snapshot"] == 0
+
+
+def test_prefill_in_a_terminal_says_it_is_loading_the_model(
+    tiny_models: TinyModels, home: Path, docs: list[Path]
+) -> None:
+    main, other = os.openpty()  # stderr is a terminal, as a user's is
+    env = {**os.environ, "LOCALKV_HOME": str(home), "COLUMNS": "100"}
+    args = [sys.executable, "-m", "localkv", "prefill", *model(tiny_models), str(docs[0])]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=other, env=env) as proc:
+        os.close(other)
+        seen = b""
+        with contextlib.suppress(OSError):  # EIO once the process has closed it
+            while chunk := os.read(main, 4096):
+                seen += chunk
+        assert proc.wait(timeout=600) == 0
+    os.close(main)
+    assert f"loading {tiny_models.base}".encode() in seen.replace(b"\r\n", b""), seen
+
+
+def test_the_prefill_rate_counts_only_prefilled_tokens_and_its_time_left_agrees() -> None:
+    from localkv.cli.docs import progress_rate
+
+    assert progress_rate(1000, 3000, 1000, 0.0) == ""  # the first report: restored tokens
+    assert progress_rate(1256, 3000, 1000, 0.2) == "1,280 tok/s, 0:00:01 left"
+    assert progress_rate(2000, 3000, 0, 100.0) == "20 tok/s, 0:00:50 left"
+
+
+def test_prefill_counts_the_blocks_cache_show_counts(
+    tiny_models: TinyModels, home: Path, docs: list[Path]
+) -> None:
+    args = [*model(tiny_models), "--system", "Answer from the document.", str(docs[0])]
+    text = localkv("prefill", *args).stdout
+    listing = json.loads(localkv("cache", "ls", "--json").stdout)
+    shown = json.loads(localkv("cache", "show", "--json", listing[0]["id"]).stdout)
+    assert f"; {shown['blocks']} blocks (" in text, text
+    again = json.loads(localkv("prefill", *args, "--json").stdout.splitlines()[-1])
+    assert again["blocks"] == shown["blocks"]
