@@ -71,7 +71,8 @@ def cache_parts(sync: SyncReport, *, in_turn: bool = False) -> list[str]:
     if cache is not None and cache.recomputed:
         parts.append(cache.exactness())
     timed = "" if in_turn else f" in {sync.prefill_s:.2f} s"
-    parts.append(f"prefilled {sync.prefilled:,}{timed}")
+    if sync.prefilled or in_turn:  # nothing prefilled: nothing to say
+        parts.append(f"prefilled {sync.prefilled:,}{timed}")
     if cache is not None and cache.hit:
         parts.append(f"saved ≈ {cache.saved_s:.1f} s")
     if sync.cancelled:

@@ -215,3 +215,23 @@ def test_prefill_counts_the_blocks_cache_show_counts(
     assert f"; {shown['blocks']} blocks (" in text, text
     again = json.loads(localkv("prefill", *args, "--json").stdout.splitlines()[-1])
     assert again["blocks"] == shown["blocks"]
+
+
+def test_models_help_names_the_json_values_the_columns_shorten() -> None:
+    text = " ".join(localkv("models", "--help").stdout.split())
+    for short, long in (("dir", "LOCALKV_MODELS"), ("hf", "huggingface")):
+        assert f'{short} is "{long}"' in text
+    assert 'sliding is "sliding-window"' in text
+
+
+def test_the_side_panel_describes_the_model_as_localkv_models_does(
+    tiny_models: TinyModels, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from support.tinymodels import tiny_config
+
+    from localkv.model.discovery import FoundModel, describe
+    from localkv.runtime import Runtime
+
+    listed = describe(FoundModel("tiny-base", "path", tiny_models.base))
+    with Runtime(tiny_config(tiny_models.base), cache_dir=home) as rt:
+        assert rt.model_info()["description"] == listed.label() == "llama 6.59M F32"
