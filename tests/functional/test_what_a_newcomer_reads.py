@@ -235,3 +235,16 @@ def test_the_side_panel_describes_the_model_as_localkv_models_does(
     listed = describe(FoundModel("tiny-base", "path", tiny_models.base))
     with Runtime(tiny_config(tiny_models.base), cache_dir=home) as rt:
         assert rt.model_info()["description"] == listed.label() == "llama 6.59M F32"
+
+
+def test_history_export_json_marks_an_attached_document(
+    tiny_models: TinyModels, home: Path, docs: list[Path]
+) -> None:
+    options = [*model(tiny_models), "--temperature", "0", "--max-tokens", "4", "--plain"]
+    chat = CliRunner().invoke(cli, ["chat", *options, "--doc", str(docs[0])], input="Hi\n")
+    assert chat.exit_code == 0, chat.output
+    (row,) = json.loads(localkv("history", "ls", "--json").stdout)
+    exported = json.loads(localkv("history", "export", row["id"]).stdout)
+    roles = [(m["role"], m.get("document")) for m in exported["messages"]]
+    assert roles == [("user", "apple.txt"), ("user", None), ("assistant", None)]
+    assert exported["messages"][0]["content"].startswith("Document apple.")
