@@ -421,7 +421,7 @@ def test_a_bad_path_is_an_error_on_screen(open_runtime: Callable[..., Runtime]) 
         assert "no such file" in failed.error and not failed.context_full
         notes = [n.content.plain for n in app.screen.query(".note.error")]
         assert notes == [failed.error]
-        assert status(app) == failed.error
+        assert status(app) == "could not attach notes.txt"  # the error is shown once
         assert app.screen.query_one(StatusLine).has_class("error")
         assert isinstance(app.screen, ChatScreen) and app.is_running
 
@@ -481,5 +481,22 @@ def test_a_model_that_fails_to_load_is_shown_not_raised() -> None:
         await pilot.press("q")
         await pilot.pause()
         assert not app.is_running
+
+    run(app, seen, scenario)
+
+
+def test_tab_at_once_completes_the_path_before_its_suggestion_came(
+    open_runtime: Callable[..., Runtime], document: Path
+) -> None:
+    app = build_app(open_runtime(), params=SHORT)
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        box = app.screen.query_one(PromptInput)
+        box.load_text(f"/attach {document.parent}/note")
+        box.move_cursor(box.document.end)
+        box.suggestion = ""  # as if the suggestion's worker had not answered yet
+        await pilot.press("tab")
+        assert box.text == f"/attach {document}"
 
     run(app, seen, scenario)

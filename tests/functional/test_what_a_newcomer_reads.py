@@ -248,3 +248,11 @@ def test_history_export_json_marks_an_attached_document(
     roles = [(m["role"], m.get("document")) for m in exported["messages"]]
     assert roles == [("user", "apple.txt"), ("user", None), ("assistant", None)]
     assert exported["messages"][0]["content"].startswith("Document apple.")
+
+
+def test_the_apps_help_table_has_a_header_row() -> None:
+    from localkv.chat.commands import HELP
+
+    rows = [line for line in HELP.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert header == ["Command", "What it does"] and set(rows[1]) <= set("|-")
