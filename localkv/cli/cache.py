@@ -86,7 +86,11 @@ def _short_ids(store: SnapshotStore) -> int:
 @_json_option
 @namespace_option()
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
-    """List snapshots (and warn when pinned ones hold more than the budget)."""
+    """List snapshots with their model (and warn when pinned ones hold more than the budget).
+
+    Sizes are in binary units and dates in local time; --json gives bytes and Unix
+    seconds. The server's saved prefixes are snapshots too, labelled `server: ...`.
+    """
     with _store(cache_dir) as store:
         snaps = store.snapshots(namespace)
         names = model_names(store, (s.identity for s in snaps))
@@ -127,7 +131,10 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
 @_dir_option
 @_json_option
 def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
-    """Show a snapshot with every identity field."""
+    """Show a snapshot with every identity field.
+
+    Sizes and dates print as `cache ls` prints them; --json keeps raw numbers.
+    """
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
         info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity])
@@ -311,7 +318,11 @@ def gc_cmd(cache_dir: str | None, as_json: bool) -> None:
 @namespace_option("default")
 def stats_cmd(cache_dir: str | None, as_json: bool, namespace: str) -> None:
     """One namespace's hits, misses by reason, bytes (pinned too) and prefill seconds
-    saved; and the whole cache's budget with its use (bytes stored, bytes pinned)."""
+    saved; and the whole cache's budget with its use (bytes stored, bytes pinned).
+
+    A first run with nothing stored for it counts as not_cached_yet, not as a miss.
+    Sizes print in binary units; --json keeps raw numbers.
+    """
     with _store(cache_dir) as store:
         stats = namespace_stats(store, namespace)
         _warn(budget_warning(store))

@@ -256,3 +256,20 @@ def test_the_apps_help_table_has_a_header_row() -> None:
     rows = [line for line in HELP.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert header == ["Command", "What it does"] and set(rows[1]) <= set("|-")
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["cache", "ls"], "with their model"),
+        (["cache", "ls"], "labelled `server: ...`"),
+        (["cache", "show"], "as `cache ls` prints them; --json keeps raw numbers"),
+        (["cache", "stats"], "counts as not_cached_yet, not as a miss"),
+        (["chat"], "System prompt: TEXT, or @FILE to read it."),
+        (["serve"], "labelled `server: <first words>`"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_every_help_says_what_the_command_now_does(command: list[str], says: str) -> None:
+    text = " ".join(localkv(*command, "--help").stdout.split())
+    assert says in text, text
