@@ -500,3 +500,23 @@ def test_tab_at_once_completes_the_path_before_its_suggestion_came(
         assert box.text == f"/attach {document}"
 
     run(app, seen, scenario)
+
+
+def test_the_prefill_bar_shows_no_percentage_before_it_has_a_total(
+    open_runtime: Callable[..., Runtime],
+) -> None:
+    app = build_app(open_runtime(), params=SHORT)
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        progress = app.screen.query_one(PrefillProgress)
+        progress.begin("restoring the conversation")  # a restore reports no total
+        await pilot.pause()
+        percentage = progress.query_one("#percentage")
+        assert not percentage.display
+        progress.advance(256, 1024)
+        await pilot.pause()
+        assert percentage.display and "25%" in str(percentage.render())
+        progress.end()
+
+    run(app, seen, scenario)
