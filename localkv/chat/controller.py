@@ -194,6 +194,16 @@ class ChatController:
         """What happened to the saved history since the last call, for the faces to show."""
         return self.keeper.notices()
 
+    def template_notice(self) -> str | None:
+        """What the log said of a model without a usable chat template (None: it has one)."""
+        choice = self.runtime.template.choice
+        if choice.source != "architecture":
+            return None
+        return (
+            f"the model has no chat template it can use: the {choice.name!r} format is used "
+            "(override with --chat-template)"
+        )
+
     @property
     def cache_status(self) -> str:
         if self.runtime.cache is not None:

@@ -520,3 +520,19 @@ def test_the_prefill_bar_shows_no_percentage_before_it_has_a_total(
         progress.end()
 
     run(app, seen, scenario)
+
+
+@pytest.mark.default_model
+def test_a_model_without_a_chat_template_is_said_inside_the_app(
+    gemma3_path: Path, tmp_path: Path
+) -> None:
+    with Runtime(tiny_config(gemma3_path, n_ctx=512), cache_dir=tmp_path / "home") as runtime:
+        app = build_app(runtime, params=SHORT)
+        seen = Seen()
+
+        async def scenario(pilot: Pilot[None]) -> None:
+            await pilot.pause()
+            notes = [n.content.plain for n in app.screen.query(".note")]
+            assert any("no chat template" in n and "'gemma'" in n for n in notes), notes
+
+        run(app, seen, scenario)
