@@ -103,22 +103,31 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     if not rows:
         click.echo("no snapshots")
         return
+    _print_table(rows, width)
+
+
+def _print_table(rows: list[dict[str, Any]], width: int) -> None:
+    """The snapshots as a table; the model and namespace columns only when they tell
+    rows apart (one model is named on the line above, whole: it is what --model takes)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    spaces = len({r["namespace"] for r in rows}) > 1  # the column only when it tells apart
+    spaces = len({r["namespace"] for r in rows}) > 1
+    models = {r["model"] for r in rows}
+    if len(models) == 1:
+        click.echo(f"snapshots of {printable(models.pop())}")
     table = Table(box=None, pad_edge=False)
     table.add_column("id", no_wrap=True, min_width=width)  # a unique start: paste it back
     table.add_column("label", overflow="fold", min_width=12)
-    longest = max(len(printable(r["model"])) for r in rows)  # a name --model takes: whole
-    table.add_column("model", overflow="fold", min_width=min(longest, 28))
+    if models:
+        table.add_column("model", overflow="fold", min_width=12)
     for name in ("tokens", "size", "hits", "used", "pin"):
         table.add_column(name, no_wrap=True)
     if spaces:
         table.add_column("namespace", overflow="fold", min_width=9)
     for r in rows:
-        cells = [r["id"][:width], r["label"], r["model"], f"{r['tokens']:,}"]
+        cells = [r["id"][:width], r["label"], *([r["model"]] if models else []), f"{r['tokens']:,}"]
         cells += [human_size(r["bytes_on_disk"])]
         cells += [str(r["hits"]), _when(r["last_used"])[5:], "yes" if r["pinned"] else ""]
         cells += [r["namespace"]] if spaces else []
