@@ -46,6 +46,11 @@ class CacheReport:
     common: int = 0
 
     @property
+    def first_run(self) -> bool:
+        """Nothing was stored for this request ("not cached yet"): no fault, no miss."""
+        return (self.miss_reason or "").startswith("not cached yet")
+
+    @property
     def recomputed(self) -> int:
         """Common tokens prefilled again because the stored batches differ from ours."""
         return max(0, self.common - self.reused)
@@ -59,6 +64,8 @@ class CacheReport:
     def line(self, prompt_tokens: int) -> str:
         """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in 41 ms``."""
         exact = self.exactness()
+        if not self.hit and self.first_run:  # the template's first tokens are no news
+            return f"{self.miss_reason}; prefilled {prompt_tokens:,} tokens"
         if not self.hit:
             tail = f"; {exact}" if exact else ""
             return f"cache miss ({self.miss_reason}); prefilled {prompt_tokens:,} tokens{tail}"

@@ -29,6 +29,7 @@ from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import covering_snapshot, has_room, save_prefill, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
+from localkv.model.discovery import FoundModel, describe
 from localkv.model.native import llama_cpp
 from localkv.model.resolve import resolve_model
 from localkv.model.sampling import SamplingParams
@@ -133,7 +134,7 @@ class Runtime:
         path = Path(cfg.model_path)
         return {
             "name": self.session.meta("general.name") or path.stem,
-            "description": self.session.describe(),
+            "description": _model_label(path) or self.session.describe(),
             "path": str(path),
             "file_bytes": path.stat().st_size,
             # 0 on a CPU-only build, whatever was asked for
@@ -151,10 +152,11 @@ class Runtime:
         return self.session.flash_attn_setting()
 
     def snapshots(self) -> list[dict[str, object]]:
-        """This namespace's snapshots (label, tokens, bytes, hits, last used, pinned)."""
+        """This namespace's snapshots, of every model (label, model, this_model, tokens,
+        bytes, hits, last used, pinned)."""
         if self.cache is None:
             return []
-        return snapshot_listing(self.cache.store, self.namespace)
+        return snapshot_listing(self.cache.store, self.namespace, self.cache.identity.digest)
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         if self.cache is None:
@@ -385,3 +387,9 @@ class Runtime:
                 return result
 
             self._work.submit(write_then_evict)
+
+
+def _model_label(path: Path) -> str | None:
+    """``llama 135M Q4_1``, as ``localkv models`` shows the file (None: unreadable)."""
+    info = describe(FoundModel(path.stem, "path", path))
+    return None if info.error is not None else info.label()

@@ -8,14 +8,18 @@ keyed by what changes when the file does.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from .paths import ensure_private_db
 
-__all__ = ["FileHasher", "sha256_file"]
+__all__ = ["FileHasher", "recorded_paths", "sha256_file"]
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 4 << 20
 
@@ -98,3 +102,25 @@ class FileHasher:
                 raise
         finally:
             db.close()
+
+
+def recorded_paths(file_hashes: Path, sha256: Iterable[str]) -> list[Path]:
+    """Files recorded in ``file_hashes`` (a ``FileHasher`` database, read-only) with one
+    of these content hashes that still exist, in the order recorded."""
+    wanted = set(sha256)
+    if not wanted or not file_hashes.is_file():
+        return []
+    try:
+        db = sqlite3.connect(f"file:{file_hashes}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error as exc:
+        log.warning("cannot read %s: %s", file_hashes, exc)
+        return []
+    try:
+        rows = db.execute("SELECT path, sha256 FROM file_hashes ORDER BY rowid").fetchall()
+    except sqlite3.Error as exc:
+        log.warning("cannot read %s: %s", file_hashes, exc)
+        return []
+    finally:
+        db.close()
+    paths = [Path(str(p)) for p, sha in rows if sha in wanted]
+    return [p for p in dict.fromkeys(paths) if p.is_file()]

@@ -133,10 +133,20 @@ class SnapshotCatalogue:
             db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snap.id))
         self.write_manifest(snap.id)
 
-    def remove(self, snapshot_id: str) -> int:
-        """Delete a snapshot and the blocks only it needed; return the bytes freed."""
+    def remove(self, snapshot_id: str, heir: str | None = None) -> int:
+        """Delete a snapshot and the blocks only it needed; return the bytes freed.
+
+        ``heir``, the snapshot replacing it (a conversation's newer tip), takes over
+        its hits and the hit events that named it, so no restore's count is lost.
+        """
         snap = self.get(snapshot_id)
         with self._index.write() as db:
+            if heir is not None and heir != snap.id:
+                found = db.execute(
+                    "UPDATE snapshots SET hits = hits + ? WHERE id = ?", (snap.hits, heir)
+                )
+                if found.rowcount:
+                    db.execute("UPDATE events SET snapshot = ? WHERE snapshot = ?", (heir, snap.id))
             db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
             needed = self._index.protected(db, pinned_only=False)
             own = [r.hash for r in self._index.chain_of(snap.tip) if r.hash not in needed]
@@ -148,5 +158,7 @@ class SnapshotCatalogue:
         except OSError as exc:
             logger.warning("could not remove the manifest of snapshot %s: %s", snap.id, exc)
         remove_files(self._index, self._layout, files)
+        if heir is not None:
+            self.write_manifest(heir)
         logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
         return freed

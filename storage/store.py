@@ -344,9 +344,9 @@ class SnapshotStore:
     def unpin(self, snapshot_id: str) -> None:
         self._catalogue.set_pinned(snapshot_id, False)
 
-    def remove_snapshot(self, snapshot_id: str) -> int:
-        """Delete a snapshot and the blocks only it needed; return the bytes freed."""
-        return self._catalogue.remove(snapshot_id)
+    def remove_snapshot(self, snapshot_id: str, heir: str | None = None) -> int:
+        """Delete a snapshot and the blocks only it needed (its hits go to ``heir``)."""
+        return self._catalogue.remove(snapshot_id, heir)
 
     def forget(
         self, source_path: str | None, source_sha256: str | None, runs: forget.Runs = ()

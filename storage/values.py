@@ -281,6 +281,7 @@ class StoreStats(TypedDict):
     hits_without_snapshot: int
     misses: int
     misses_by_reason: dict[str, int]
+    not_cached_yet: int  # first runs: nothing was stored for the request, no miss
     blocks: int
     snapshots: int
     stored_bytes: int

@@ -63,6 +63,9 @@ def build_app(
     if runtime is None:
         return LocalKVApp(None, LoadErrorScreen(load_error or "no model"))
     controller = ChatController(runtime, history, system=system, history_error=history_error)
+    notice = controller.template_notice()  # logged before the app covered the terminal
+    if notice is not None:
+        controller.keeper.note(notice)
     screen = ChatScreen(
         controller,
         params or SamplingParams(),

@@ -1,4 +1,5 @@
-"""The cache screen: this namespace's snapshots, with pin, unpin and delete."""
+"""The cache screen: this namespace's snapshots of the running model, with pin, unpin
+and delete (``d`` twice: the first asks)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class CacheScreen(Screen[None]):
     class SnapshotsLoaded(Message):
         snapshots: list[SnapshotInfo]
         note: str | None = None
+        others: int = 0  # snapshots of other models, not listed
 
     @dataclass
     class ActionFailed(Message):
@@ -47,9 +49,10 @@ class CacheScreen(Screen[None]):
         super().__init__()
         self.controller = controller
         self.snapshots: list[SnapshotInfo] = []
+        self._armed: str | None = None  # the snapshot the next ``d`` deletes
 
     def compose(self) -> ComposeResult:
-        yield Label("Cache snapshots", classes="heading")
+        yield Label("Cache snapshots of this model", classes="heading")
         yield Static(Content(f"cache: {self.controller.cache_status}"), id="cache-status")
         yield DataTable(cursor_type="row", zebra_stripes=True, id="snapshots")
         yield Static(id="cache-note")
@@ -65,13 +68,13 @@ class CacheScreen(Screen[None]):
     @work(thread=True, exclusive=True, exit_on_error=False, group="cache")
     def _load(self, controller: ChatController, note: str | None) -> None:
         try:
-            self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
+            self.post_message(_loaded(self, controller, note))
         except Exception as exc:
             log.warning("listing snapshots failed", exc_info=True)
             self.post_message(self.ActionFailed(str(exc)))
 
     def on_cache_screen_snapshots_loaded(self, message: SnapshotsLoaded) -> None:
-        self.snapshots = message.snapshots
+        self.snapshots, self._armed = message.snapshots, None
         table = self.query_one(DataTable)
         row = table.cursor_row
         table.clear()
@@ -88,7 +91,18 @@ class CacheScreen(Screen[None]):
         if self.snapshots:
             table.move_cursor(row=min(row, len(self.snapshots) - 1))
         empty = "No snapshots yet: /attach a document to cache it. " if not self.snapshots else ""
-        self.query_one("#cache-note", Static).update(Content(empty + (message.note or "")))
+        others = message.others
+        hidden = (
+            f"{others} snapshot{'s' * (others != 1)} of other models not listed "
+            "(`localkv cache ls` lists them). "
+            if others
+            else ""
+        )
+        model = self.snapshots[0].model if self.snapshots else ""
+        heading = f"Cache snapshots of {printable(model)}" if model else "Cache snapshots"
+        self.query_one(".heading", Label).update(Content(heading))
+        note = Content(empty + hidden + (message.note or ""))
+        self.query_one("#cache-note", Static).update(note)
 
     def on_cache_screen_action_failed(self, message: ActionFailed) -> None:
         self.query_one("#cache-note", Static).update(Content(message.error))
@@ -108,20 +122,38 @@ class CacheScreen(Screen[None]):
         try:
             controller.set_pinned(snap.id, pinned)
             note = f"{'pinned' if pinned else 'unpinned'} {printable(snap.label)}"
-            self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
+            self.post_message(_loaded(self, controller, note))
         except Exception as exc:
             self.post_message(self.ActionFailed(str(exc)))
 
     def action_delete(self) -> None:
         snap = self._selected()
-        if snap is not None:
-            self._delete(self.controller, snap)
+        if snap is None:
+            return
+        if self._armed != snap.id:  # the first press asks
+            self._armed = snap.id
+            ask = f"delete {printable(snap.label)}? press d again to delete it"
+            self.query_one("#cache-note", Static).update(Content(ask))
+            return
+        self._armed = None
+        self._delete(self.controller, snap)
+
+    def on_data_table_row_highlighted(self) -> None:
+        self._armed = None  # another row: ask again
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="cache")
     def _delete(self, controller: ChatController, snap: SnapshotInfo) -> None:
         try:
             freed = controller.remove_snapshot(snap.id)
             note = f"deleted {printable(snap.label)}, freed {human_bytes(freed)}"
-            self.post_message(self.SnapshotsLoaded(controller.snapshots(), note))
+            self.post_message(_loaded(self, controller, note))
         except Exception as exc:
             self.post_message(self.ActionFailed(str(exc)))
+
+
+def _loaded(
+    screen: CacheScreen, controller: ChatController, note: str | None
+) -> CacheScreen.SnapshotsLoaded:
+    """The running model's snapshots, and how many of other models are not listed."""
+    rows = controller.snapshots()
+    return screen.SnapshotsLoaded(rows, note, controller.other_models_snapshots())

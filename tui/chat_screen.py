@@ -297,8 +297,9 @@ class ChatScreen(Screen[None]):
         self._note_history_error()
 
     def on_chat_screen_attach_failed(self, message: AttachFailed) -> None:
-        self.conversation.add_note(message.error, "error")
-        self.status.show(message.error, "error")
+        self.conversation.add_note(message.error, "error")  # the status line names it only
+        name = printable(message.path.rstrip("/").rsplit("/", 1)[-1])
+        self.status.show(f"could not attach {name}", "error")
         if message.context_full:
             self.app.push_screen(ContextFullScreen(message.error), self._after_context_full)
 

@@ -54,8 +54,20 @@ class PromptInput(TextArea):
             # the message box keeps the focus: Tab completes a path, or does nothing
             event.stop()
             event.prevent_default()
-            if event.key == "tab" and self.suggestion:
-                self.insert(self.suggestion)
+            if event.key == "tab":
+                await self._complete()
+
+    async def _complete(self) -> None:
+        """Insert the suggestion; when it has not come yet, look it up now (a Tab
+        pressed at once still completes the path, never leaves the partial one)."""
+        at_end = self.cursor_location == self.document.end
+        if not self.suggestion and self.suggester is not None and at_end:
+            value = self.text
+            found = await self.suggester.get_suggestion(value) if value.startswith("/") else None
+            if found and self.text == value and found.startswith(value):
+                self.suggestion = found[len(value) :]
+        if self.suggestion:
+            self.insert(self.suggestion)
 
     def action_newline(self) -> None:
         self.insert("\n")

@@ -11,7 +11,6 @@ hold more than the budget. ``namespace_stats`` is what ``cache stats`` shows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sqlite3
 
@@ -80,7 +79,7 @@ def namespace_stats(store: SnapshotStore, namespace: str) -> dict[str, object]:
 
 def stats_lines(stats: dict[str, object]) -> list[str]:
     """``namespace_stats`` as text: one ``key: value`` line each, the budget in words."""
-    lines = [f"{k:>22}: {json.dumps(v)}" for k, v in stats.items() if k != "budget"]
+    lines = [f"{k:>22}: {_stat(k, v)}" for k, v in stats.items() if k != "budget"]
     budget = stats["budget"]
     if isinstance(budget, dict):
         lines.append(
@@ -89,6 +88,17 @@ def stats_lines(stats: dict[str, object]) -> list[str]:
             f"{human_size(budget['pinned_bytes'])} pinned"
         )
     return lines
+
+
+def _stat(key: str, value: object) -> str:
+    """One ``cache stats`` value in words: sizes in binary units, seconds as seconds."""
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{human_size(value)} ({value:,} bytes)"
+    if key.endswith("_seconds") and isinstance(value, float):
+        return f"{value:,.1f} s"
+    if isinstance(value, dict):
+        return ", ".join(f"{reason}: {n}" for reason, n in value.items()) or "none"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
 def budget_warning(store: SnapshotStore, budget: int | None = None) -> str | None:

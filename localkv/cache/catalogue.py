@@ -3,13 +3,14 @@ which one a restore used."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import sqlite3
 from collections.abc import Callable, Sequence
 
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.naming import covering
+from localkv.cache.naming import covering, model_names
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document, path_text
@@ -29,15 +30,23 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def snapshot_listing(store: SnapshotStore, namespace: str) -> list[dict[str, object]]:
-    """The namespace's snapshots: id, label, tokens, bytes on disk, hits, last used, pinned."""
+def snapshot_listing(
+    store: SnapshotStore, namespace: str, identity: str | None = None
+) -> list[dict[str, object]]:
+    """The namespace's snapshots: id, label, model (``naming.model_names``), whether it
+    is of ``identity`` (``this_model``: a session restores only those), tokens, bytes on
+    disk, hits, last used, pinned."""
     out: list[dict[str, object]] = []
-    for snap in store.snapshots(namespace):
+    snaps = store.snapshots(namespace)
+    names = model_names(store, (snap.identity for snap in snaps))
+    for snap in snaps:
         chain = store.chain_of(snap.tip)
         out.append(
             {
                 "id": snap.id,
                 "label": snap.label,
+                "model": names[snap.identity],
+                "this_model": snap.identity == identity,
                 "tokens": snap.n_tokens,
                 "bytes_on_disk": sum(r.stored_bytes for r in chain),
                 "hits": snap.hits,
@@ -121,6 +130,8 @@ def save_prefill(
     tip = saved.tip if saved.error is None else _stored_tip(cache, blocks)
     chain = cache.store.chain_of(tip) if tip is not None else []
     kept = chain[-1].end if chain and not saved.not_kept else 0
+    if chain:  # the chain's blocks, as `cache show` counts them (not a segment end's beside it)
+        saved = dataclasses.replace(saved, blocks=len(chain))
     return saved, snapshot, sum(r.stored_bytes for r in chain), kept
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +23,10 @@ import numpy as np
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.vocab import tokenize
+from localkv.storage.filehash import recorded_paths
 from localkv.storage.store import SnapshotStore
 
-__all__ = ["cached_model_paths", "document_runs", "tokenizer_models"]
+__all__ = ["document_runs", "tokenizer_models"]
 
 log = logging.getLogger(__name__)
 
@@ -45,30 +45,8 @@ def tokenizer_models(store: SnapshotStore, explicit: str | None) -> list[Path]:
         found.append(resolve_model(explicit))
     except ModelNotFoundError as exc:
         log.info("no model from the model options: %s", exc)
-    found.extend(cached_model_paths(store.root / _FILE_HASHES, _identity_models(store)))
+    found.extend(recorded_paths(store.root / _FILE_HASHES, _identity_models(store)))
     return list(dict.fromkeys(p.resolve() for p in found))
-
-
-def cached_model_paths(file_hashes: Path, model_sha256: Iterable[str]) -> list[Path]:
-    """Files recorded in ``file_hashes`` (a ``FileHasher`` database) with one of these
-    content hashes that still exist, in the order recorded."""
-    wanted = set(model_sha256)
-    if not wanted or not file_hashes.is_file():
-        return []
-    try:
-        db = sqlite3.connect(f"file:{file_hashes}?mode=ro", uri=True, timeout=30)
-    except sqlite3.Error as exc:
-        log.warning("cannot read %s: %s", file_hashes, exc)
-        return []
-    try:
-        rows = db.execute("SELECT path, sha256 FROM file_hashes ORDER BY rowid").fetchall()
-    except sqlite3.Error as exc:
-        log.warning("cannot read %s: %s", file_hashes, exc)
-        return []
-    finally:
-        db.close()
-    paths = [Path(str(p)) for p, sha in rows if sha in wanted]
-    return [p for p in dict.fromkeys(paths) if p.is_file()]
 
 
 def _identity_models(store: SnapshotStore) -> set[str]:

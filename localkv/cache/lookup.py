@@ -23,7 +23,15 @@ from localkv.storage.chain import chain_hashes, tokens_sha
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import BlockRow
 
-__all__ = ["Plan", "miss_reason", "plan_chain"]
+__all__ = ["NOT_CACHED", "Plan", "is_not_cached", "miss_reason", "plan_chain"]
+
+# a request whose first block nothing stored shares, under any identity: a first run
+NOT_CACHED = "not cached yet"
+
+
+def is_not_cached(reason: str | None) -> bool:
+    """Whether a miss's ``reason`` is a first run (nothing stored for it), not a fault."""
+    return reason is not None and reason.startswith(NOT_CACHED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,8 @@ def plan_chain(
 def miss_reason(
     store: SnapshotStore, identity: Identity, namespace: str, first_block: Sequence[int]
 ) -> str:
-    """Why nothing was found: the identity field that differs, or no stored prefix."""
+    """Why nothing was found: the identity field that differs, or ``NOT_CACHED``
+    (naming the namespace when it is not the default one)."""
     first = tokens_sha(list(first_block))
     for digest in store.same_first_block_elsewhere(first, identity.digest, namespace):
         text = store.get_identity(digest)
@@ -94,4 +103,4 @@ def miss_reason(
         if diff:
             return "identity differs: " + "; ".join(diff)
     # other namespaces are never looked at: not even their existence leaks
-    return f"no stored prefix in namespace {namespace!r}"
+    return NOT_CACHED if namespace == "default" else f"{NOT_CACHED} in namespace {namespace!r}"

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from localkv.cache.identity import Identity, identity_of
-from localkv.cache.lookup import Plan, miss_reason, plan_chain
+from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
 from localkv.cache.partials import snapshot_cut
 from localkv.cache.restore import load_chain, probe_matches
@@ -240,13 +240,15 @@ class PrefixCache:
         self, plan: Plan, tokens: Sequence[int], n_ctx: int, reasons: list[str]
     ) -> tuple[int, str | None]:
         """The tokens to reuse from ``plan``, or why none can be."""
-        if plan.reuse == 0 and plan.common > 0 and not reasons:
+        if not plan.chain or plan.reuse == 0:
+            if reasons:
+                return 0, reasons[0]
+            if plan.common < self.block_size:  # the template's first tokens at most
+                return 0, self.miss_reason(tokens)
             return 0, (
                 f"no batch end shared in the {plan.common:,} common tokens: "
                 "they were computed in other batches than this request's"
             )
-        if not plan.chain or plan.reuse == 0:
-            return 0, reasons[0] if reasons else self.miss_reason(tokens)
         reuse, end = plan.reuse, plan.chain[-1].end
         if reuse == len(tokens) and reuse < end:
             # the last token's logits are needed: prefill it (n-1 is a batch end of both)
@@ -289,7 +291,8 @@ class PrefixCache:
         self, tokens: Sequence[int], reason: str, t0: float, common: int = 0
     ) -> RestoreResult:
         n = len(tokens)
-        self.defer(lambda: self.store.record_event("miss", reason, n, 0.0, self.namespace))
+        counted = None if is_not_cached(reason) else reason  # a first run has no reason
+        self.defer(lambda: self.store.record_event("miss", counted, n, 0.0, self.namespace))
         log.info("cache miss: %s", reason)
         return RestoreResult(0, None, reason, time.perf_counter() - t0, common=common)
 

@@ -56,7 +56,7 @@ HELP = "\n".join(  # the chat app's (Markdown)
     [
         "**Commands**",
         "",
-        "| | |",
+        "| Command | What it does |",
         "|---|---|",
         *(f"| `{c.usage}` | {c.does}{c.in_app} |" for c in TABLE),
         "",

@@ -144,6 +144,7 @@ class SnapshotInfo:
     hits: int
     last_used: float
     pinned: bool
+    model: str = ""  # as ``localkv models`` names it
 
 
 class NoHistory(RuntimeError):
@@ -192,6 +193,16 @@ class ChatController:
     def notices(self) -> list[str]:
         """What happened to the saved history since the last call, for the faces to show."""
         return self.keeper.notices()
+
+    def template_notice(self) -> str | None:
+        """What the log said of a model without a usable chat template (None: it has one)."""
+        choice = self.runtime.template.choice
+        if choice.source != "architecture":
+            return None
+        return (
+            f"the model has no chat template it can use: the {choice.name!r} format is used "
+            "(override with --chat-template)"
+        )
 
     @property
     def cache_status(self) -> str:
@@ -346,7 +357,8 @@ class ChatController:
 
     # ----------------------------------------------------------------- cache
     def snapshots(self) -> list[SnapshotInfo]:
-        """The namespace's snapshots, the conversations' among them, once saves are done."""
+        """The namespace's snapshots of the running model (the only ones a chat can
+        restore), the conversations' among them, once saves are done."""
         self.runtime.wait_for_saves()
         return [
             SnapshotInfo(
@@ -357,9 +369,15 @@ class ChatController:
                 hits=cast(int, row["hits"]),
                 last_used=cast(float, row["last_used"]),
                 pinned=bool(row["pinned"]),
+                model=str(row["model"]),
             )
             for row in self.runtime.snapshots()
+            if row["this_model"]
         ]
+
+    def other_models_snapshots(self) -> int:
+        """How many of the namespace's snapshots are of other models (``cache ls`` lists them)."""
+        return sum(1 for row in self.runtime.snapshots() if not row["this_model"])
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         self.runtime.set_pinned(snapshot_id, pinned)

@@ -10,12 +10,18 @@ from localkv.chat.session import SyncReport, TurnReport
 __all__ = [
     "ago",
     "cache_parts",
+    "counted",
     "finish_line",
     "human_bytes",
     "sync_line",
     "sync_summary",
     "turn_line",
 ]
+
+
+def counted(n: int, word: str) -> str:
+    """``1 hit``, ``2 hits``, ``0 hits``: a count and its noun, singular for one."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
 def human_bytes(n: int) -> str:
@@ -65,7 +71,8 @@ def cache_parts(sync: SyncReport, *, in_turn: bool = False) -> list[str]:
     if cache is not None and cache.recomputed:
         parts.append(cache.exactness())
     timed = "" if in_turn else f" in {sync.prefill_s:.2f} s"
-    parts.append(f"prefilled {sync.prefilled:,}{timed}")
+    if sync.prefilled or in_turn:  # nothing prefilled: nothing to say
+        parts.append(f"prefilled {sync.prefilled:,}{timed}")
     if cache is not None and cache.hit:
         parts.append(f"saved ≈ {cache.saved_s:.1f} s")
     if sync.cancelled:

@@ -23,7 +23,7 @@ from typing import TextIO
 
 from localkv.chat.commands import PLAIN_HELP, PLAIN_INTRO, Command, message_text, parse_command
 from localkv.chat.controller import ChatController, ModelMismatch
-from localkv.chat.formats import ago, human_bytes, sync_line, sync_summary, turn_line
+from localkv.chat.formats import ago, counted, human_bytes, sync_line, sync_summary, turn_line
 from localkv.chat.history import ConversationStore, MalformedConversation
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
@@ -326,7 +326,13 @@ class _PlainChat:
         for snap in rows:
             pinned = " · pinned" if snap.pinned else ""
             self.say(
-                f"{printable(snap.label)} · {snap.tokens:,} tokens · "
-                f"{human_bytes(snap.bytes_on_disk)} · {snap.hits} hits · "
+                f"{printable(snap.label)} · {printable(snap.model)} · {snap.tokens:,} tokens · "
+                f"{human_bytes(snap.bytes_on_disk)} · {counted(snap.hits, 'hit')} · "
                 f"used {ago(snap.last_used)}{pinned}"
+            )
+        others = self.controller.other_models_snapshots()
+        if others:
+            self.note(
+                f"{counted(others, 'snapshot')} of other models not listed "
+                "(`localkv cache ls` lists them)"
             )

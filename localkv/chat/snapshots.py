@@ -3,7 +3,7 @@
 After every turn (and attach) the chat saves its prefix; the chain's tip is
 then named as a snapshot labelled with the conversation's title, like the
 snapshots ``localkv prefill`` names after its documents. One snapshot per
-conversation: the newer tip replaces the older one (its pin carries over),
+conversation: the newer tip replaces the older one (its pin and hits carry over),
 also the one an earlier process named before ``--resume`` (the same title,
 its tokens the start of the new chain's), and removing it on the cache screen frees the
 blocks only it needs. Naming runs on the save's worker thread, after the blocks
@@ -61,7 +61,7 @@ class ConversationSnapshot:
         self.id = snapshot
         if previous is not None and previous != snapshot:
             try:
-                cache.store.remove_snapshot(previous)
+                cache.store.remove_snapshot(previous, heir=snapshot)  # its hits carry over
             except (KeyError, OSError, sqlite3.Error) as exc:
                 log.warning("could not drop the conversation's older snapshot: %s", exc)
 

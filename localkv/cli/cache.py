@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
+from localkv.cache.naming import model_names
 from localkv.cli.deepverify import deep_verify
 from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
 from localkv.cli.jsonerrors import JsonErrors
@@ -38,11 +39,12 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
-def _snapshot_json(store: SnapshotStore, s: SnapshotRow) -> dict[str, Any]:
+def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str, Any]:
     chain = store.chain_of(s.tip)
     return {
         "id": s.id,
         "label": s.label,
+        "model": model,
         "tokens": s.n_tokens,
         "blocks": len(chain),
         "bytes_on_disk": sum(r.stored_bytes for r in chain),
@@ -84,9 +86,15 @@ def _short_ids(store: SnapshotStore) -> int:
 @_json_option
 @namespace_option()
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
-    """List snapshots (and warn when pinned ones hold more than the budget)."""
+    """List snapshots with their model (and warn when pinned ones hold more than the budget).
+
+    Sizes are in binary units and dates in local time; --json gives bytes and Unix
+    seconds. The server's saved prefixes are snapshots too, labelled `server: ...`.
+    """
     with _store(cache_dir) as store:
-        rows = [_snapshot_json(store, s) for s in store.snapshots(namespace)]
+        snaps = store.snapshots(namespace)
+        names = model_names(store, (s.identity for s in snaps))
+        rows = [_snapshot_json(store, s, names[s.identity]) for s in snaps]
         width = _short_ids(store)
         _warn(budget_warning(store))
     if as_json:
@@ -95,20 +103,32 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     if not rows:
         click.echo("no snapshots")
         return
+    _print_table(rows, width)
+
+
+def _print_table(rows: list[dict[str, Any]], width: int) -> None:
+    """The snapshots as a table; the model and namespace columns only when they tell
+    rows apart (one model is named on the line above, whole: it is what --model takes)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    spaces = len({r["namespace"] for r in rows}) > 1  # the column only when it tells apart
+    spaces = len({r["namespace"] for r in rows}) > 1
+    models = {r["model"] for r in rows}
+    if len(models) == 1:
+        click.echo(f"snapshots of {printable(models.pop())}")
     table = Table(box=None, pad_edge=False)
     table.add_column("id", no_wrap=True, min_width=width)  # a unique start: paste it back
     table.add_column("label", overflow="fold", min_width=12)
+    if models:
+        table.add_column("model", overflow="fold", min_width=12)
     for name in ("tokens", "size", "hits", "used", "pin"):
         table.add_column(name, no_wrap=True)
     if spaces:
         table.add_column("namespace", overflow="fold", min_width=9)
     for r in rows:
-        cells = [r["id"][:width], r["label"], f"{r['tokens']:,}", human_size(r["bytes_on_disk"])]
+        cells = [r["id"][:width], r["label"], *([r["model"]] if models else []), f"{r['tokens']:,}"]
+        cells += [human_size(r["bytes_on_disk"])]
         cells += [str(r["hits"]), _when(r["last_used"])[5:], "yes" if r["pinned"] else ""]
         cells += [r["namespace"]] if spaces else []
         table.add_row(*(escape(printable(c)) for c in cells))  # no markup either
@@ -120,10 +140,13 @@ def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
 @_dir_option
 @_json_option
 def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
-    """Show a snapshot with every identity field."""
+    """Show a snapshot with every identity field.
+
+    Sizes and dates print as `cache ls` prints them; --json keeps raw numbers.
+    """
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
-        info = _snapshot_json(store, s)
+        info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity])
         text = store.get_identity(s.identity)
     identity = json.loads(text) if text else {}
     if identity.get("memory_kind", "kv") != "kv":
@@ -134,7 +157,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
         return
     parts = info.pop("partial_state", None)
     for key, value in info.items():
-        click.echo(f"{key:>14}: {printable(str(value))}")
+        click.echo(f"{key:>14}: {printable(_shown(key, value))}")
     if parts is not None:  # the window / recurrent state kept with each block
         n = len(parts["blocks"])
         click.echo(f" partial state: {human_size(parts['bytes'])} in {n} blocks")
@@ -143,6 +166,21 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     click.echo("      identity fields:")
     for key, value in identity.items():
         click.echo(f"  {key:>20}: {printable(json.dumps(value))}")
+
+
+_SIZES = ("bytes_on_disk", "raw_bytes")
+_DATES = ("created", "last_used")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A field as ``cache ls`` shows it: sizes in binary units, dates in local time."""
+    if key in _SIZES:
+        return f"{human_size(value)} ({value:,} bytes)"
+    if key in _DATES:
+        return _when(value)
+    if key == "tokens":
+        return f"{value:,}"
+    return str(value)
 
 
 def _partial_state(store: SnapshotStore, chain: list[Any]) -> dict[str, Any]:
@@ -289,11 +327,15 @@ def gc_cmd(cache_dir: str | None, as_json: bool) -> None:
 @namespace_option("default")
 def stats_cmd(cache_dir: str | None, as_json: bool, namespace: str) -> None:
     """One namespace's hits, misses by reason, bytes (pinned too) and prefill seconds
-    saved; and the whole cache's budget with its use (bytes stored, bytes pinned)."""
+    saved; and the whole cache's budget with its use (bytes stored, bytes pinned).
+
+    A first run with nothing stored for it counts as not_cached_yet, not as a miss.
+    Sizes print in binary units; --json keeps raw numbers.
+    """
     with _store(cache_dir) as store:
         stats = namespace_stats(store, namespace)
         _warn(budget_warning(store))
-    click.echo(json.dumps(stats) if as_json else "\n".join(stats_lines(stats)))
+    click.echo(json.dumps(stats) if as_json else "\n".join(map(printable, stats_lines(stats))))
 
 
 def _warn(warning: str | None) -> None:

@@ -18,6 +18,7 @@ from localkv.cli.options import (
     sampling_options,
     sampling_params,
     system_option,
+    system_text,
 )
 from localkv.model.session import ModelLoadError
 
@@ -33,7 +34,7 @@ __all__ = ["chat"]
 @model_options
 @sampling_options
 @cache_options
-@system_option("System prompt.")
+@system_option("System prompt: TEXT, or @FILE to read it.")
 @click.option(
     "--doc",
     "docs",
@@ -61,6 +62,7 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
     """
     plain = plain or not (sys.stdin.isatty() and sys.stdout.isatty())
     params = sampling_params(opts)
+    system = system_text(system, opts["n_ctx"])
     history, history_error = _chat_history(opts)
     if resume and history_error is not None:  # both faces warn of it otherwise
         raise click.ClickException(

@@ -21,6 +21,7 @@ from localkv.cli.options import (
     sampling_options,
     sampling_params,
     system_option,
+    system_text,
     text_value,
 )
 from localkv.model.session import ContextFullError, ModelLoadError
@@ -37,16 +38,6 @@ from localkv.runtime import PrefillReport, Runtime
 __all__ = ["ask", "prefill"]
 
 
-def _system_text(value: str | None, n_ctx: int) -> str | None:
-    """``--system TEXT`` or ``--system @FILE`` (read as a document is, within the context)."""
-    if value is None or not value.startswith("@"):
-        return value
-    try:
-        return read_document(value[1:], max_bytes=byte_limit(n_ctx)).text
-    except DocumentError as exc:
-        raise click.BadParameter(f"cannot read the system prompt file: {exc}") from None
-
-
 def _documents(files: tuple[str, ...], n_ctx: int) -> list[Document]:
     if list(files).count("-") > 1:
         raise click.BadParameter("standard input (-) can be given once")
@@ -61,10 +52,27 @@ def _documents(files: tuple[str, ...], n_ctx: int) -> list[Document]:
 
 
 def _open_runtime(opts: dict[str, Any]) -> Runtime:
+    """The runtime; in a terminal a ``loading MODEL …`` line shows while the model loads."""
     try:
-        return open_runtime(opts)
+        with _loading(opts):
+            return open_runtime(opts)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@contextmanager
+def _loading(opts: dict[str, Any]) -> Iterator[None]:
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.markup import escape
+
+    from localkv.reports import printable
+
+    name = escape(printable(str(opts.get("model") or "the default model")))
+    with Console(stderr=True).status(f"loading {name} …"):
+        yield
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
@@ -99,13 +107,7 @@ def _signals_stop() -> Iterator[list[int]]:
 
 def _progress_bar(total_hint: str) -> Any:
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     return Progress(
         TextColumn(total_hint),
@@ -113,10 +115,20 @@ def _progress_bar(total_hint: str) -> Any:
         MofNCompleteColumn(),
         TextColumn("tokens"),
         TextColumn("{task.fields[rate]}"),
-        TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
     )
+
+
+def progress_rate(done: int, total: int, first: int, elapsed: float) -> str:
+    """``1,261 tok/s, 0:00:04 left``: the tokens prefilled since the first report (not those
+    restored before it) over the time since, and the time left at that rate; "" until
+    a block is done."""
+    if done <= first or elapsed <= 0:
+        return ""
+    rate = (done - first) / elapsed
+    left = round((total - done) / rate)
+    return f"{rate:,.0f} tok/s, {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left"
 
 
 class _Progress:
@@ -126,6 +138,7 @@ class _Progress:
         self.bar = _progress_bar(label) if enabled else None
         self.task: Any = None
         self.start = 0.0
+        self.first = 0  # tokens done at the first report (restored, not prefilled here)
 
     def __enter__(self) -> _Progress:
         if self.bar is not None:
@@ -142,10 +155,9 @@ class _Progress:
         if self.bar is None:
             return
         if self.task is None:
-            self.start = time.perf_counter()
+            self.start, self.first = time.perf_counter(), done
             self.task = self.bar.add_task("prefill", total=total, rate="")
-        elapsed = time.perf_counter() - self.start
-        rate = f"{done / elapsed:,.0f} tok/s" if elapsed > 0 else ""
+        rate = progress_rate(done, total, self.first, time.perf_counter() - self.start)
         self.bar.update(self.task, completed=done, rate=rate)
 
 
@@ -189,7 +201,7 @@ def prefill(
     to (read-only) is an error with the reason, exit 1.
     """
     docs = _documents(files, opts["n_ctx"])
-    system_text = _system_text(system, opts["n_ctx"])
+    system_prompt = system_text(system, opts["n_ctx"])
     runtime = _open_runtime(opts)
     with runtime:
         unsaved = _why_unsaved(runtime, opts["no_cache"])
@@ -200,7 +212,7 @@ def prefill(
             with _signals_stop() as flag, _Progress("prefill", show) as progress:
                 report = runtime.prefill(
                     docs,
-                    system=system_text,
+                    system=system_prompt,
                     label=label,
                     pin=pin,
                     progress=progress,
@@ -244,10 +256,12 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
     done = report.kept
     if report.not_kept or not (done or report.cancelled):  # --no-cache: nothing kept
         state, done = "prefilled", report.reused + report.prefilled
+    new, beside = min(report.new_blocks, report.blocks), report.new_blocks - report.blocks
+    extra = f", and {beside} shorter block(s) where a segment ends" if beside > 0 else ""
     click.echo(
         f"{state} {done:,} of {report.tokens:,} tokens "
         f"({report.reused:,} reused, {report.prefilled:,} prefilled) in {report.seconds:.2f} s; "
-        f"{report.blocks} blocks ({report.new_blocks} new), "
+        f"{report.blocks} blocks ({new} new){extra}, "
         f"{human_size(report.bytes_on_disk)} on disk"
     )
     if report.snapshot:
@@ -282,14 +296,16 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
         raise click.BadParameter("the question is empty")
     text_value(question, "the question")
     docs = _documents(tuple(paths), opts["n_ctx"])
-    system_text = _system_text(system, opts["n_ctx"])
+    system_prompt = system_text(system, opts["n_ctx"])
     params = sampling_params(opts)
     runtime = _open_runtime(opts)
     first: list[float] = []  # seconds from the process's start to the answer's first text
     with runtime:
         stream = _first_text(first, None if as_json else lambda p: click.echo(p, nl=False))
         try:
-            answer = runtime.ask(docs, question, system=system_text, params=params, on_text=stream)
+            answer = runtime.ask(
+                docs, question, system=system_prompt, params=params, on_text=stream
+            )
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
         saves = runtime.wait_for_saves()  # the prompt's blocks, then the budget's eviction

@@ -157,7 +157,14 @@ def _json(info: ConversationInfo, state: ChatState) -> str:
         {
             **_info_json(info),
             "system": state.system,
-            "messages": [{"role": m.role, "content": m.content} for m in state.messages],
+            "messages": [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    **({"document": name} if kind == "document" else {}),
+                }
+                for m, (kind, name, _) in zip(state.messages, parts_of(state), strict=True)
+            ],
             "documents": [{"name": name, "tokens": n} for name, n in state.documents],
         },
         ensure_ascii=False,

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from localkv.model.discovery import ModelInfo, describe, find_models
+from localkv.model.discovery import ModelInfo, count_label, describe, find_models
 from localkv.reports import printable
 
 __all__ = ["models"]
@@ -41,7 +41,8 @@ sliding window or recurrent state is kept at snapshot points; M-RoPE models too)
 except a hybrid with sliding-window layers and architectures whose memory is of
 another kind (a sparse-attention indexer cache, no KV memory, a draft model).
 --model NAME loads a model by the name listed here; --json gives every field
-and the file paths."""
+and the file paths, with the long names the columns shorten: SOURCE dir is
+"LOCALKV_MODELS", hf is "huggingface"; MEMORY sliding is "sliding-window"."""
 
 
 @click.command(epilog=_EPILOG)
@@ -69,7 +70,7 @@ def _cells(info: ModelInfo) -> list[str]:
         info.found.name,
         _source(info),
         info.architecture or "?",
-        _count(info.parameters),
+        count_label(info.parameters),
         info.quantization or "?",
         _bytes(info.size),
         _MEMORY.get(info.memory, info.memory),
@@ -98,15 +99,6 @@ def _error_row(info: ModelInfo) -> str:
     head = _row([info.found.name, _source(info)] + [""] * (len(_COLUMNS) - 2))
     start = sum(width + 1 for _, width in _COLUMNS[:2])
     return head.ljust(start) + _fit(printable(f"unreadable: {info.error}"), 80 - start)
-
-
-def _count(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return str(n)
 
 
 def _bytes(n: int) -> str:

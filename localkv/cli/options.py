@@ -13,7 +13,7 @@ from localkv.model.native import GGML_TYPES
 from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import LoraSpec, SessionConfig
-from localkv.prompt.request import TextError, check_text
+from localkv.prompt.request import DocumentError, TextError, byte_limit, check_text, read_document
 from localkv.prompt.templatechoice import ChatTemplateError, parse_template_option
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ __all__ = [
     "sampling_params",
     "session_config",
     "system_option",
+    "system_text",
     "text_value",
 ]
 
@@ -137,6 +138,16 @@ def _system(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     if value is not None and value.startswith("@"):
         return value
     return text_value(value, "the system prompt")
+
+
+def system_text(value: str | None, n_ctx: int) -> str | None:
+    """``--system TEXT`` or ``--system @FILE`` (read as a document is, within the context)."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return read_document(value[1:], max_bytes=byte_limit(n_ctx)).text
+    except DocumentError as exc:
+        raise click.BadParameter(f"cannot read the system prompt file: {exc}") from None
 
 
 def system_option(help: str) -> Callable[[F], F]:

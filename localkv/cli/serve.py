@@ -100,9 +100,11 @@ def serve(
     at http://HOST:PORT/v1. A system prompt or document computed once is
     restored from disk on later requests, across restarts; every response
     reports usage.prompt_tokens_details.cached_tokens and a `localkv` object
-    (verified, restore_ms, miss_reason). One line per request is logged to
-    stderr. SIGTERM or Ctrl-C finishes the admitted requests and the
-    background saves, then exits 0.
+    (verified, restore_ms, miss_reason). Each saved prefix is a snapshot
+    labelled `server: <first words>`: `localkv cache ls` and GET
+    /v1/localkv/cache list it, `cache pin`/`rm` pin and remove it. One line per
+    request is logged to stderr. SIGTERM or Ctrl-C finishes the admitted
+    requests and the background saves, then exits 0.
     """
     if not _is_loopback(host) and not api_key:
         raise click.UsageError(

@@ -90,6 +90,12 @@ class ModelInfo:
             return f"unreadable: {self.error}"
         return self.refusal or f"{self.architecture}: {self.memory} memory is not cached"
 
+    def label(self) -> str:
+        """``llama 135M Q4_1``: architecture, parameters and quantization, as ``localkv
+        models`` lists them."""
+        parts = (self.architecture or "?", count_label(self.parameters), self.quantization or "?")
+        return " ".join(parts)
+
     def as_json(self) -> dict[str, object]:
         return {
             "name": self.found.name,
@@ -235,6 +241,16 @@ def describe(model: FoundModel) -> ModelInfo:
         memory_kind(meta),
         refusal=cache_refusal(meta),
     )
+
+
+def count_label(n: int | None) -> str:
+    """``135M``, ``1.24B``: a parameter count in three significant digits (``?``: unknown)."""
+    if n is None:
+        return "?"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 def _size(path: Path) -> int:

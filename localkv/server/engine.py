@@ -28,6 +28,7 @@ from localkv.server.conversation import AnswerMemory, MessageMemory, build_promp
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
+from localkv.server.prefixes import prefix_label, snapshot_namer
 from localkv.server.stops import StopText
 
 __all__ = ["Engine", "Outcome"]
@@ -157,7 +158,10 @@ class Engine:
         pending = state.tokens[session.n_tokens :]
         if pending and session.n_tokens == start + len(ids):
             session.prefill(pending, ends=chat.schedule())
-        self.runtime.save_prefix(state.boundaries)
+        label = prefix_label(history)
+        self.runtime.save_prefix(
+            state.boundaries, snapshot_namer(chat.snapshot, label, state.boundaries[-1])
+        )
 
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
@@ -191,7 +195,10 @@ class Engine:
             lambda: stops.hit or channel.cancelled(),
         )
         channel.text(stops.flush())
-        self.runtime.save_prefix(state.boundaries)
+        label = prefix_label(request.prompt)
+        self.runtime.save_prefix(
+            state.boundaries, snapshot_namer(chat.snapshot, label, state.boundaries[-1])
+        )
         return self._outcome(
             t0,
             prompt,

@@ -5,7 +5,8 @@ prefill seconds it saved (the estimate the restore reported) and the
 snapshot it is counted under (the longest snapshot the reused prefix covers,
 or none); that snapshot's ``hits`` grows in the same transaction, so the
 hits ``cache ls`` shows plus the hits no listed snapshot names are the
-``hits`` of ``cache stats``. A ``miss`` records its reason.
+``hits`` of ``cache stats``. A ``miss`` records its reason; a miss without one is a
+first run (nothing was stored for the request): ``not_cached_yet``, no miss.
 
 ``prefill_rates`` sums the measured prefill seconds and tokens per identity
 and context length: one rate for every writer's blocks and every hit.
@@ -64,16 +65,18 @@ def stats(index: BlockIndex, namespace: str | None = None) -> StoreStats:
     misses = {
         str(r[0]): int(r[1])
         for r in q(
-            "SELECT COALESCE(reason, 'unknown'), COUNT(*) FROM events WHERE kind = 'miss' "
+            "SELECT reason, COUNT(*) FROM events WHERE kind = 'miss' AND reason IS NOT NULL "
             f"{also} GROUP BY 1 ORDER BY 2 DESC",
             params,
         )
     }
+    first = q(f"SELECT COUNT(*) FROM events WHERE kind = 'miss' AND reason IS NULL {also}", params)
     return StoreStats(
         hits=int(hits),
         hits_without_snapshot=max(0, int(hits) - int(named)),
         misses=sum(misses.values()),
         misses_by_reason=misses,
+        not_cached_yet=int(first[0][0]),
         blocks=int(blocks),
         snapshots=int(q(f"SELECT COUNT(*) FROM snapshots {where}", params)[0][0]),
         stored_bytes=int(stored),

@@ -186,9 +186,9 @@ def test_one_cache_report_formatter_for_turns_attaches_and_resumes() -> None:
         _cache(hit=False, miss_reason="no stored prefix", reused=0, common=0), 9, 0.2
     )
     assert sync_line(missed) == "cache miss: no stored prefix · prefilled 9 in 0.20 s"
-    assert sync_line(SyncReport(None, 0, 0.0, cancelled=True)) == (
-        "already in memory · prefilled 0 in 0.00 s · cancelled"
-    )
+    assert sync_line(SyncReport(None, 0, 0.0, cancelled=True)) == ("already in memory · cancelled")
+    restored = SyncReport(_cache(), 0, 0.0)  # a resume that restored every token
+    assert "prefilled" not in sync_line(restored) and "restored 1,820 tokens" in sync_line(restored)
     assert turn_line(dataclasses.replace(turn, sync=SyncReport(None, 4, 0.0), stopped=False)) == (
         "TTFT 0.05 s · 31 tok/s · prefilled 4"
     )

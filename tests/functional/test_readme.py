@@ -6,9 +6,13 @@ runs here, in a fresh ``LOCALKV_HOME`` from the repository root, with the
 venv activated as the README says, and every command exits 0; or the line
 before it is ``<!-- not run: REASON -->``, saying why a test cannot run it
 (it opens the chat app, it builds everything again, it needs a GPU, it runs
-a server until stopped). A ```console block shows what a command prints: its
-``$ `` lines are run, and every line it shows after one must be printed by
-that command, numbers, sizes, times and ids aside (they differ from run to run).
+a server until stopped). A block after ``<!-- run against a server: ... -->``
+is a client's: it runs against a real ``localkv serve`` on the tiny model,
+its ``http://127.0.0.1:8000`` that server's address. A ```console block shows
+what a command prints: its ``$ `` lines are run, and every line it shows after
+one must be printed by that command, numbers, sizes, times and ids aside (they
+differ from run to run). A ```python block whose last line is a comment shows
+the last line it prints, numbers aside.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.server import ServerProcess
+from support.tinymodels import TinyModels
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 SKIP = re.compile(r"<!-- not run: (.+?) -->")
+SERVED = re.compile(r"<!-- run against a server: (.+?) -->")
+README_SERVER = "http://127.0.0.1:8000"
 COMMAND_LANGS = ("sh", "console", "python")
 WAIT_S = 600  # liveness only
 
@@ -35,6 +43,7 @@ class Block:
     lang: str
     text: str
     skip: str | None  # the reason a test does not run it
+    served: bool = False  # a client's: it runs against a real server
 
 
 def blocks(markdown: str) -> list[Block]:
@@ -52,7 +61,9 @@ def blocks(markdown: str) -> list[Block]:
         skip = SKIP.search(before)
         if fence.group(1) in COMMAND_LANGS:
             text = "\n".join(lines[i + 1 : end])
-            found.append(Block(i + 1, fence.group(1), text, skip.group(1) if skip else None))
+            reason = skip.group(1) if skip else None
+            served = SERVED.search(before) is not None
+            found.append(Block(i + 1, fence.group(1), text, reason, served))
         i = end + 1
     return found
 
@@ -100,14 +111,29 @@ def test_the_readme_has_command_blocks_and_every_skip_says_why() -> None:
         assert block.skip is None or len(block.skip.split()) >= 3, block
 
 
+def _run_script(block: Block, home: Path, text: str | None = None) -> None:
+    """Run a sh or python block; a python block ending in a comment prints that line last."""
+    text = block.text if text is None else text
+    script = text if block.lang == "sh" else f"python - <<'PY'\n{text}\nPY"
+    done = _shell(script, home)
+    assert done.returncode == 0, f"README line {block.line}:\n{done.stdout}\n{done.stderr}"
+    last = text.rstrip().splitlines()[-1].strip()
+    if block.lang == "python" and last.startswith("# "):
+        printed = done.stdout.rstrip().splitlines()
+        assert printed and _normal(printed[-1]) == _normal(last[2:]), (
+            f"README line {block.line}: the last line printed is not `{last[2:]}`:\n{done.stdout}"
+        )
+
+
+RUN_HERE = [b for b in ALL if b.skip is None and not b.served]
+
+
 @pytest.mark.default_model
-@pytest.mark.parametrize("block", [b for b in ALL if b.skip is None], ids=lambda b: f"L{b.line}")
+@pytest.mark.parametrize("block", RUN_HERE, ids=lambda b: f"L{b.line}")
 def test_a_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
     home = tmp_path / "home"
     if block.lang in ("sh", "python"):
-        script = block.text if block.lang == "sh" else f"python - <<'PY'\n{block.text}\nPY"
-        done = _shell(script, home)
-        assert done.returncode == 0, f"README line {block.line}:\n{done.stdout}\n{done.stderr}"
+        _run_script(block, home)
         return
     runs = _console(block.text)
     assert runs, f"README line {block.line}: a console block without a `$ ` command"
@@ -122,3 +148,15 @@ def test_a_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
             + "\n".join(missing)
             + (f"\n--- it printed:\n{done.stdout}{done.stderr}")
         )
+
+
+def test_the_readme_client_examples_run_against_a_real_server(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    clients = [b for b in ALL if b.served]
+    assert {b.lang for b in clients} == {"python", "sh"}
+    assert all(README_SERVER in b.text for b in clients)
+    args = ["--model", str(tiny_models.base), "--threads", "1", "--ctx", "4096"]
+    with ServerProcess(args, tmp_path / "server.log") as proc:
+        for block in clients:
+            _run_script(block, tmp_path / "home", block.text.replace(README_SERVER, proc.base_url))

@@ -430,3 +430,31 @@ def test_serve_without_its_extra_says_how_to_install_it() -> None:
     assert done.returncode == 1
     assert "`localkv serve` needs uvicorn: pip install 'localkv[serve]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_prefixes_a_server_saves_are_listed_pinned_and_removed(
+    tmp_path: Path, tiny_models: TinyModels, long_text: str
+) -> None:
+    system = "Alice's notes. " + long_text[:3000]
+    body = chat_body("Summarize.", max_tokens=4)
+    body["messages"][0]["content"] = system
+    with ServerProcess(tiny_args(tiny_models), tmp_path / "server.log") as proc:
+        client(proc).chat.completions.create(**body)
+        with urllib.request.urlopen(proc.base_url + "/v1/localkv/cache", timeout=60) as r:
+            served = json.loads(r.read())["data"]
+    label = "server: Alice's notes. Chapter 0. Alice was…"
+    assert [(s["label"], s["model"], s["hits"]) for s in served] == [(label, "tiny-base", 0)]
+    with ServerProcess(tiny_args(tiny_models), tmp_path / "server.log") as proc:
+        again = client(proc).chat.completions.create(**body)
+        assert localkv_of(again)["source"] == "disk" and localkv_of(again)["cached_tokens"] > 500
+        answer = {"role": "assistant", "content": again.choices[0].message.content or ""}
+        body["messages"] += [answer, {"role": "user", "content": "And then?"}]
+        client(proc).chat.completions.create(**body)  # the conversation goes on
+    listed = json.loads(CliRunner().invoke(cli, ["cache", "ls", "--json"]).stdout)
+    (snap,) = listed  # the longer prefix replaced the earlier one, with its hit
+    assert snap["label"] == label and snap["hits"] == 1 and snap["tokens"] > served[0]["tokens"]
+    assert CliRunner().invoke(cli, ["cache", "pin", snap["id"]]).exit_code == 0
+    listed = json.loads(CliRunner().invoke(cli, ["cache", "ls", "--json"]).stdout)
+    assert listed[0]["pinned"] is True
+    assert CliRunner().invoke(cli, ["cache", "rm", snap["id"]]).exit_code == 0
+    assert json.loads(CliRunner().invoke(cli, ["cache", "ls", "--json"]).stdout) == []

@@ -30,12 +30,13 @@ from support.tinymodels import TinyModels, tiny_config
 from textual import events
 from textual.message import Message
 from textual.pilot import Pilot
-from textual.widgets import ProgressBar
+from textual.widgets import Label, ProgressBar, Static
 
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import turn_line
 from localkv.chat.history import ConversationStore
 from localkv.model.sampling import SamplingParams
+from localkv.prompt.request import read_document
 from localkv.runtime import Runtime
 
 M = TypeVar("M", bound=Message)
@@ -235,11 +236,38 @@ def test_doc_option_attaches_at_start_and_the_cache_screen_pins_and_deletes(
         await pilot.press("p")
         await wait_for(pilot, lambda: len(seen.of(CacheScreen.SnapshotsLoaded)) == 2)
         assert screen.snapshots[0].pinned
+        await pilot.press("d")  # asks first
+        await pilot.pause(0.2)
+        assert "press d again" in str(screen.query_one("#cache-note", Static).render())
+        assert len(seen.of(CacheScreen.SnapshotsLoaded)) == 2 and screen.snapshots
         await pilot.press("d")
         await wait_for(pilot, lambda: len(seen.of(CacheScreen.SnapshotsLoaded)) == 3)
         assert screen.snapshots == []
         await pilot.press("escape")
         assert isinstance(app.screen, ChatScreen)
+
+    run(app, seen, scenario)
+
+
+def test_the_cache_screen_lists_the_running_models_snapshots_and_counts_the_others(
+    open_runtime: Callable[..., Runtime], document: Path, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    with Runtime(tiny_config(tiny_models.other_weights), cache_dir=tmp_path / "home") as other:
+        assert other.prefill([read_document(document)]).snapshot
+    app = build_app(open_runtime(), params=SHORT, documents=[str(document)])
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: seen.of(ChatScreen.DocumentAttached))
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: seen.of(CacheScreen.SnapshotsLoaded))
+        screen = app.screen
+        assert isinstance(screen, CacheScreen)
+        assert [(s.label, s.model) for s in screen.snapshots] == [("notes.txt", "tiny-base")]
+        assert seen.of(CacheScreen.SnapshotsLoaded)[-1].others == 1
+        note = str(screen.query_one("#cache-note", Static).render())
+        assert "1 snapshot of other models not listed" in note
+        assert "tiny-base" in str(screen.query_one(".heading", Label).render())
 
     run(app, seen, scenario)
 
@@ -393,7 +421,7 @@ def test_a_bad_path_is_an_error_on_screen(open_runtime: Callable[..., Runtime]) 
         assert "no such file" in failed.error and not failed.context_full
         notes = [n.content.plain for n in app.screen.query(".note.error")]
         assert notes == [failed.error]
-        assert status(app) == failed.error
+        assert status(app) == "could not attach notes.txt"  # the error is shown once
         assert app.screen.query_one(StatusLine).has_class("error")
         assert isinstance(app.screen, ChatScreen) and app.is_running
 
@@ -455,3 +483,56 @@ def test_a_model_that_fails_to_load_is_shown_not_raised() -> None:
         assert not app.is_running
 
     run(app, seen, scenario)
+
+
+def test_tab_at_once_completes_the_path_before_its_suggestion_came(
+    open_runtime: Callable[..., Runtime], document: Path
+) -> None:
+    app = build_app(open_runtime(), params=SHORT)
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        box = app.screen.query_one(PromptInput)
+        box.load_text(f"/attach {document.parent}/note")
+        box.move_cursor(box.document.end)
+        box.suggestion = ""  # as if the suggestion's worker had not answered yet
+        await pilot.press("tab")
+        assert box.text == f"/attach {document}"
+
+    run(app, seen, scenario)
+
+
+def test_the_prefill_bar_shows_no_percentage_before_it_has_a_total(
+    open_runtime: Callable[..., Runtime],
+) -> None:
+    app = build_app(open_runtime(), params=SHORT)
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        progress = app.screen.query_one(PrefillProgress)
+        progress.begin("restoring the conversation")  # a restore reports no total
+        await pilot.pause()
+        percentage = progress.query_one("#percentage")
+        assert not percentage.display
+        progress.advance(256, 1024)
+        await pilot.pause()
+        assert percentage.display and "25%" in str(percentage.render())
+        progress.end()
+
+    run(app, seen, scenario)
+
+
+@pytest.mark.default_model
+def test_a_model_without_a_chat_template_is_said_inside_the_app(
+    gemma3_path: Path, tmp_path: Path
+) -> None:
+    with Runtime(tiny_config(gemma3_path, n_ctx=512), cache_dir=tmp_path / "home") as runtime:
+        app = build_app(runtime, params=SHORT)
+        seen = Seen()
+
+        async def scenario(pilot: Pilot[None]) -> None:
+            await pilot.pause()
+            notes = [n.content.plain for n in app.screen.query(".note")]
+            assert any("no chat template" in n and "'gemma'" in n for n in notes), notes
+
+        run(app, seen, scenario)
