@@ -12,7 +12,12 @@ See ``localkv.runtime`` for the API and ``examples/rag_loop.py`` for a RAG loop.
 
 from __future__ import annotations
 
-from localkv.model.sampling import SamplingParams
+from localkv.model.sampling import (
+    GrammarError,
+    SamplingParams,
+    json_object_grammar,
+    json_schema_grammar,
+)
 from localkv.model.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
 from localkv.prompt.request import Document, DocumentError, TextError, read_document
 from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
@@ -23,6 +28,7 @@ __all__ = [
     "ContextFullError",
     "Document",
     "DocumentError",
+    "GrammarError",
     "LoraSpec",
     "ModelSession",
     "PrefillReport",
@@ -30,6 +36,8 @@ __all__ = [
     "SamplingParams",
     "SessionConfig",
     "TextError",
+    "json_object_grammar",
+    "json_schema_grammar",
     "read_document",
 ]
 __version__ = "0.1.0"
