@@ -18,7 +18,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from localkv.model.sampling import SamplingParams
+    from localkv.model.sampling import (
+        GrammarError,
+        SamplingParams,
+        json_object_grammar,
+        json_schema_grammar,
+    )
     from localkv.model.session import ContextFullError, LoraSpec, ModelSession, SessionConfig
     from localkv.prompt.request import Document, DocumentError, TextError, read_document
     from localkv.runtime import Answer, CacheReport, PrefillReport, Runtime
@@ -29,6 +34,7 @@ _WHERE = {
     "ContextFullError": "localkv.model.session",
     "Document": "localkv.prompt.request",
     "DocumentError": "localkv.prompt.request",
+    "GrammarError": "localkv.model.sampling",
     "LoraSpec": "localkv.model.session",
     "ModelSession": "localkv.model.session",
     "PrefillReport": "localkv.runtime",
@@ -36,6 +42,8 @@ _WHERE = {
     "SamplingParams": "localkv.model.sampling",
     "SessionConfig": "localkv.model.session",
     "TextError": "localkv.prompt.request",
+    "json_object_grammar": "localkv.model.sampling",
+    "json_schema_grammar": "localkv.model.sampling",
     "read_document": "localkv.prompt.request",
 }
 
@@ -45,6 +53,7 @@ __all__ = [
     "ContextFullError",
     "Document",
     "DocumentError",
+    "GrammarError",
     "LoraSpec",
     "ModelSession",
     "PrefillReport",
@@ -52,6 +61,8 @@ __all__ = [
     "SamplingParams",
     "SessionConfig",
     "TextError",
+    "json_object_grammar",
+    "json_schema_grammar",
     "read_document",
 ]
 __version__ = "0.1.0"

@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
@@ -32,7 +33,7 @@ from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_pr
 from localkv.model.discovery import FoundModel, describe
 from localkv.model.native import llama_cpp
 from localkv.model.resolve import resolve_model
-from localkv.model.sampling import SamplingParams
+from localkv.model.sampling import SamplingParams, check_grammar, json_schema_grammar
 from localkv.model.session import (
     CancelFn,
     ContextFullError,
@@ -326,6 +327,7 @@ class Runtime:
         *,
         system: str | None = None,
         params: SamplingParams | None = None,
+        json_schema: Mapping[str, Any] | str | None = None,
         on_text: TextFn | None = None,
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
@@ -333,9 +335,16 @@ class Runtime:
         """Answer ``question`` about ``documents``, restoring what the cache holds.
 
         Text pieces stream to ``on_text``; the prompt's new blocks are saved in the
-        background after the answer, never before its first token.
+        background after the answer, never before its first token. ``json_schema``
+        (an object or its JSON text) makes the answer JSON that it describes, as a
+        grammar in ``params`` does; a schema or grammar that cannot constrain the
+        answer raises ``GrammarError`` before anything is computed.
         """
         params = params or SamplingParams()
+        if json_schema is not None:
+            params = dataclasses.replace(params, grammar=json_schema_grammar(json_schema))
+        if params.grammar is not None:
+            check_grammar(self.session.vocab, params.grammar)
         t0 = time.perf_counter()
         request = self.build(documents, system=system, question=question)
         self._check_fits(request, 1)

@@ -16,6 +16,7 @@ from localkv.cli import process_age
 from localkv.cli.jsonerrors import JsonErrors
 from localkv.cli.options import (
     cache_options,
+    grammar_options,
     model_options,
     open_runtime,
     sampling_options,
@@ -24,6 +25,7 @@ from localkv.cli.options import (
     system_text,
     text_value,
 )
+from localkv.model.sampling import GrammarError
 from localkv.model.session import ContextFullError, ModelLoadError
 from localkv.prompt.request import (
     ENCODING_POLICY,
@@ -278,6 +280,7 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
 @model_options
 @sampling_options
+@grammar_options
 @cache_options
 def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) -> None:
     """Ask a question about documents; the answer streams to stdout.
@@ -287,7 +290,9 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     when the answer stopped because the context was full or at --max-tokens.
     With --json,
     finish_reason says why the answer ended: stop (the model ended it),
-    length (--max-tokens) or context (the context is full).
+    length (--max-tokens) or context (the context is full). With --json-schema
+    or --grammar the answer is sampled under that grammar: JSON the schema
+    describes, unless it stopped at --max-tokens first.
     """
     if len(files) < 2:
         raise click.UsageError("give at least one FILE and then the QUESTION")
@@ -308,6 +313,8 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
             )
         except ContextFullError as exc:
             raise click.ClickException(_too_long(exc)) from None
+        except GrammarError as exc:  # llama.cpp refused --grammar
+            raise click.BadParameter(str(exc), param_hint="'--grammar'") from None
         saves = runtime.wait_for_saves()  # the prompt's blocks, then the budget's eviction
         note = _cache_note(runtime)
     note = None if note == answer.cache.miss_reason else note  # the cache line said it

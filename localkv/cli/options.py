@@ -11,7 +11,8 @@ import click
 from localkv.model.config import MAX_THREADS
 from localkv.model.native import GGML_TYPES
 from localkv.model.resolve import ModelNotFoundError, resolve_model
-from localkv.model.sampling import SamplingParams
+from localkv.model.sampling import GrammarError, SamplingParams, json_schema_grammar
+from localkv.model.sampling.grammar import MAX_GRAMMAR_CHARS, check_gbnf
 from localkv.model.session import LoraSpec, SessionConfig
 from localkv.prompt.request import DocumentError, TextError, byte_limit, check_text, read_document
 from localkv.prompt.templatechoice import ChatTemplateError, parse_template_option
@@ -24,6 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 __all__ = [
     "cache_dir_option",
     "cache_options",
+    "grammar_options",
     "model_options",
     "namespace_option",
     "open_runtime",
@@ -271,6 +273,9 @@ def open_runtime(opts: dict[str, Any]) -> Runtime:
 
 
 def sampling_params(opts: dict[str, Any]) -> SamplingParams:
+    """The sampling options as values; ``--json-schema`` and ``--grammar`` as GBNF."""
+    if opts.get("json_schema") is not None and opts.get("grammar") is not None:
+        raise click.UsageError("give --json-schema or --grammar, not both")
     return SamplingParams(
         temperature=opts["temperature"],
         top_p=opts["top_p"],
@@ -279,7 +284,56 @@ def sampling_params(opts: dict[str, Any]) -> SamplingParams:
         max_tokens=opts["max_tokens"],
         min_p=opts["min_p"],
         repeat_penalty=opts["repeat_penalty"],
+        grammar=opts.get("json_schema") or opts.get("grammar"),
     )
+
+
+def _read_text(param: click.Parameter, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(MAX_GRAMMAR_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}", param=param) from None
+
+
+def _schema_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return json_schema_grammar(_read_text(param, path))
+    except GrammarError as exc:
+        raise click.BadParameter(f"{path}: {exc}", param=param) from None
+
+
+def _grammar_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return check_gbnf(_read_text(param, path))
+    except GrammarError as exc:
+        raise click.BadParameter(f"{path}: {exc}", param=param) from None
+
+
+def grammar_options(func: F) -> F:
+    """``--json-schema FILE`` and ``--grammar FILE``: what the answer must look like."""
+    path = click.Path(exists=True, dir_okay=False)
+    opts = [
+        click.option(
+            "--json-schema",
+            type=path,
+            callback=_schema_file,
+            help="Answer with JSON valid against the JSON schema in FILE (by grammar).",
+        ),
+        click.option(
+            "--grammar",
+            type=path,
+            callback=_grammar_file,
+            help="Answer in the GBNF grammar in FILE (llama.cpp's grammar format).",
+        ),
+    ]
+    for opt in reversed(opts):
+        func = opt(func)
+    return func
 
 
 def namespace_option(default: str | None = None) -> Callable[[F], F]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from localkv.chat.session import ChatSession, ChatState, SyncReport
-from localkv.model.sampling import SamplingParams
+from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
 from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
@@ -103,6 +103,7 @@ class Engine:
         t0 = time.perf_counter()
         self._work_at, self._queued = self._work(), t0 - channel.arrived
         template = self.runtime.template
+        self._check_grammar(request.sampling)
         work = template.work()
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
@@ -168,6 +169,7 @@ class Engine:
         t0 = time.perf_counter()
         self._work_at, self._queued = self._work(), t0 - channel.arrived
         session, template = self.runtime.session, self.runtime.template
+        self._check_grammar(request.sampling)
         budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
             prompt = template.start_tokens()
@@ -257,7 +259,16 @@ class Engine:
             max_tokens=max(1, min(wanted, room)),
             min_p=0.0,  # the OpenAI API samples with neither: a request gets what it asks
             repeat_penalty=1.0,
+            grammar=sampling.grammar,
         )
+
+    def _check_grammar(self, sampling: Sampling) -> None:
+        """A 400 before any work when llama.cpp refuses the request's grammar."""
+        if sampling.grammar is not None:
+            try:
+                check_grammar(self.runtime.session.vocab, sampling.grammar)
+            except GrammarError as exc:
+                raise bad_request(f"response_format: {exc}", "response_format") from None
 
     def _outcome(
         self,

@@ -1,8 +1,10 @@
 """OpenAI request bodies as validated values, and the response shapes built from results.
 
-Only what the server honours is accepted: ``n`` other than 1, tools, logprobs,
-penalties and JSON modes are refused with a 400 naming the field, never
-silently ignored. Unknown fields (``user``, ``metadata``, ...) are ignored.
+Only what the server honours is accepted: ``n`` other than 1, tools, logprobs
+and penalties are refused with a 400 naming the field, never silently ignored.
+``response_format`` ``json_object`` and ``json_schema`` become a grammar the
+answer is sampled under; a schema the converter cannot handle is a 400 naming why.
+Unknown fields (``user``, ``metadata``, ...) are ignored.
 Every string of a body, wherever it is, is checked first: a NUL character or
 a lone surrogate (``\ud800``, not Unicode) is a 400 naming where it is, never
 cut or passed on; so is a body nested deeper than ``MAX_DEPTH``.
@@ -16,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from localkv.model.sampling import GrammarError, json_object_grammar, json_schema_grammar
 from localkv.prompt.template import Message
 from localkv.server.errors import ApiError, bad_request
 
@@ -37,6 +40,7 @@ class Sampling:
     seed: int | None
     max_tokens: int | None
     stop: tuple[str, ...]
+    grammar: str | None = None  # GBNF from ``response_format`` (None: any text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +193,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
         raise bad_request("logprobs are not supported", "logprobs")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    grammar = _response_format(body.get("response_format"))
     temperature = _opt_float(body, "temperature", 0.0, 2.0)
     top_p = _opt_float(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
@@ -204,7 +206,44 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
         seed=None if seed is None else seed & (2**63 - 1),
         max_tokens=max_tokens,
         stop=_stops(body.get("stop")),
+        grammar=grammar,
     )
+
+
+def _response_format(fmt: object) -> str | None:
+    """The grammar a ``response_format`` asks for: None for text, else JSON's (GBNF)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict) or kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(
+            "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+            "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+            "response_format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_grammar()
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request(
+            "response_format.json_schema must be an object with 'name' and 'schema'",
+            "response_format",
+        )
+    for name, kinds in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(name) is not None and not isinstance(spec[name], kinds):
+            raise bad_request(
+                f"response_format.json_schema.{name} must be a {kinds.__name__}",
+                "response_format",
+            )
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's schema is optional: then any JSON object
+        return json_object_grammar()
+    try:  # strict or not, the answer is held to the schema
+        return json_schema_grammar(schema)
+    except GrammarError as exc:
+        raise bad_request(f"response_format.json_schema.schema: {exc}", "response_format") from None
 
 
 def _stops(value: object) -> tuple[str, ...]:
