@@ -21,13 +21,14 @@ from localkv.model.sampling import SamplingParams
 from localkv.model.schedule import shared_end
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, DocumentError
-from localkv.prompt.template import Message
+from localkv.prompt.template import Message, ToolCall
 from localkv.runtime import Runtime
 from localkv.server.conversation import AnswerMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.stops import StopText
+from localkv.server.tools import answer_text, with_answer
 
 __all__ = ["Engine", "Outcome"]
 
@@ -41,6 +42,7 @@ class Channel(Protocol):
 
     def started(self) -> None: ...
     def text(self, piece: str) -> None: ...
+    def reasoning(self, piece: str) -> None: ...
     def cancelled(self) -> bool: ...
 
 
@@ -60,6 +62,8 @@ class Outcome:
     diverged_at: int | None
     ttft_s: float
     total_s: float
+    reasoning: str | None = None  # the answer's thinking (``reasoning_content``)
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -89,7 +93,7 @@ class Engine:
         work = template.work()
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
-            state = build_prompt(template, request.messages, self.memory, budget)
+            state = build_prompt(template, request.messages, self.memory, budget, request.tools)
         finally:
             _log_work(template.work(), work, len(request.messages))
         prompt = list(state.tokens)
@@ -99,16 +103,18 @@ class Engine:
         params = self._params(request.sampling, len(prompt))
         if sync.cancelled:  # the client went away during the prefill
             return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
+        split = answer_text(request, self.runtime.session, prompt, channel)
         answer = stream_answer(
             self.runtime.session,
             params,
             t0,
-            _sender(stops, channel.text),
+            _sender(stops, split.push),
             lambda: stops.hit or channel.cancelled(),
         )
-        channel.text(stops.flush())
+        split.push(stops.flush())
+        split.finish()
         self._close_turn(chat, answer.ids, answer.text, stops.text)
-        return self._outcome(
+        outcome = self._outcome(
             t0,
             prompt,
             sync,
@@ -119,6 +125,7 @@ class Engine:
             params,
             channel.cancelled(),
         )
+        return with_answer(outcome, split)
 
     def _close_turn(self, chat: ChatSession, ids: list[int], full: str, shown: str) -> None:
         """Keep the answer in the live context with the turn's closing tokens, then save.
@@ -149,7 +156,7 @@ class Engine:
         session, template = self.runtime.session, self.runtime.template
         budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
-            prompt = template.start_tokens()
+            prompt = template.prompt_start_tokens()
             budget.before_text(len(prompt), request.prompt)
             prompt += template.text_tokens(request.prompt)
         else:

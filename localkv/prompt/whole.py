@@ -1,0 +1,139 @@
+"""A conversation rendered whole, as its Jinja template renders it, then tokenized.
+
+A Jinja template may change earlier text when a message is added (drop earlier
+reasoning, move the system prompt, date the first turn), so a request is not
+built by appending deltas: the whole conversation is rendered once, with the
+assistant's opening after it, and its pieces are tokenized (``markup``: the
+template's markup may hold special tokens, the messages' text never does).
+Reuse is then the longest exact common prefix of these tokens with what is
+cached, whatever the template did.
+
+The segment ends the batch schedule relies on come from the rendering: after
+the special token that closes each message's text (where one does), and after
+each assistant opening. An assistant's text is tokenized on its own, between
+its opening and its closing, as it was when it was generated: ``recall`` gives
+the ids that were sampled for it (after the same tokens), else it is tokenized;
+either way it is a span decoded one token at a time, as sampled tokens are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from localkv.prompt.rendering import Piece, pieces
+
+if TYPE_CHECKING:
+    from localkv.prompt.template import ChatTemplate, Message
+
+__all__ = ["Rendered", "Room", "render_whole"]
+
+Recall = Callable[[Sequence[int], str], Sequence[int] | None]
+
+
+class Room(Protocol):
+    """What a prompt may cost (``localkv.server.limits.Budget``)."""
+
+    def before_chars(self, n_tokens: int, n_chars: int) -> None: ...
+    def after(self, n_tokens: int) -> None: ...
+
+
+@dataclass
+class Rendered:
+    """A whole conversation's tokens, its segment ends and its assistants' spans."""
+
+    tokens: list[int] = field(default_factory=list)
+    boundaries: list[int] = field(default_factory=list)
+    generated: list[tuple[int, int]] = field(default_factory=list)
+    thinking: bool = False  # the assistant's opening opens its reasoning (``<think>``)
+
+
+def render_whole(
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+    recall: Recall | None = None,
+    room: Room | None = None,
+) -> Rendered:
+    """``messages`` and the assistant's opening as ``template`` renders them, as tokens."""
+    renderer = template.jinja
+    if renderer is None:
+        raise ValueError("a whole rendering needs a Jinja template")
+    marked = renderer.marked(messages, True, tools)
+    parts = pieces(marked, messages, renderer.literals)
+    if room is not None:
+        room.before_chars(0, sum(len(p.text) for p in parts if p.content))
+    out = Rendered()
+    _Tokens(template, messages, out, recall, room).run(parts)
+    out.boundaries = sorted(set(out.boundaries))
+    think = renderer.think
+    out.thinking = think is not None and marked.rstrip().endswith(think[0])
+    return out
+
+
+class _Tokens:
+    def __init__(
+        self,
+        template: ChatTemplate,
+        messages: Sequence[Message],
+        out: Rendered,
+        recall: Recall | None,
+        room: Room | None,
+    ) -> None:
+        self.tokenizer = template.tokenizer
+        self.messages = messages
+        self.out = out
+        self.recall = recall
+        self.room = room
+        self.group: list[Piece] = []
+
+    def flush(self) -> None:
+        tokens = self.out.tokens
+        tokens.extend(self.tokenizer.tokenize(self.group))
+        self.group = []
+        if self.room is not None:
+            self.room.after(len(tokens))
+
+    def run(self, parts: Sequence[Piece]) -> None:
+        out, after_text = self.out, False
+        for piece in parts:
+            if piece.content and self._is_answer(piece):
+                self.flush()
+                out.boundaries.append(len(out.tokens))  # the end of the assistant's opening
+                self._answer(piece.text)
+                after_text = True
+                continue
+            if not piece.content and after_text:
+                head = self.tokenizer.leading_special(piece.text)
+                if head:  # the token that closes the message's text ends its segment
+                    self.group.append(Piece(piece.text[:head]))
+                    self.flush()
+                    out.boundaries.append(len(out.tokens))
+                    piece = Piece(piece.text[head:])
+            after_text = piece.content and piece.source is not None and piece.source >= 0
+            if piece.text:
+                self.group.append(piece)
+        self.flush()
+        out.boundaries.append(len(out.tokens))
+
+    def _is_answer(self, piece: Piece) -> bool:
+        source = piece.source
+        return (
+            source is not None
+            and source >= 0
+            and not piece.reasoning
+            and self.messages[source].role == "assistant"
+        )
+
+    def _answer(self, text: str) -> None:
+        tokens = self.out.tokens
+        ids = self.recall(tokens, text) if self.recall is not None else None
+        if ids is None:
+            ids = self.tokenizer.text(text)
+        if ids:
+            self.out.generated.append((len(tokens), len(tokens) + len(ids)))
+            tokens.extend(ids)
+        if self.room is not None:
+            self.room.after(len(tokens))
