@@ -34,7 +34,13 @@ import jinja2.sandbox
 
 from localkv.prompt.rendering import Deltas, Message
 
-__all__ = ["JinjaRenderer", "TemplateRenderError", "compile_template", "literal_marker"]
+__all__ = [
+    "JinjaRenderer",
+    "JsonObject",
+    "TemplateRenderError",
+    "compile_template",
+    "literal_marker",
+]
 
 THINK = ("<think>", "</think>")
 
@@ -75,6 +81,27 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
         raise TemplateRenderError(f"the chat template does not compile: {exc}") from None
+
+
+class JsonObject(dict[str, Any]):
+    """A tool call's arguments: an object to ``tojson`` (Qwen's, Llama's templates), the
+    JSON text when a template adds it to a string (DeepSeek's, which expect text)."""
+
+    def _text(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return self._text() + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self._text()
+        return NotImplemented
+
+    def __str__(self) -> str:
+        return self._text()
 
 
 def literal_marker(index: int) -> str:
@@ -155,7 +182,8 @@ class JinjaRenderer(Deltas):
                 return value
             return self._control.sub(self._literal, value)
         if isinstance(value, dict):
-            return {self._safe(k): self._safe(v) for k, v in value.items()}
+            safe = {self._safe(k): self._safe(v) for k, v in value.items()}
+            return JsonObject(safe) if isinstance(value, JsonObject) else safe
         if isinstance(value, list | tuple):
             return [self._safe(v) for v in value]
         return value

@@ -22,6 +22,7 @@ built-in format.
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,12 @@ WINDOW = 4
 # vertical tabs so that a format that trims the text shows it by dropping them
 # (a reasoning placeholder has an "r" before the index); a literal: the text of a
 # control token found in a request's other strings (``jinja``), which stays text
-_PLACEHOLDER = re.compile("(\v?)\ue000(r?)([0-9]+)\ue001(\v?)|\ue002([0-9]+)\ue003")
+# control token found in a request's other strings (``jinja``), which stays text; a
+# placeholder a template wrote as JSON (``tojson``): the text JSON-escaped
+_PLACEHOLDER = re.compile(
+    "(\v?)\ue000(r?)([0-9]+)\ue001(\v?)|\ue002([0-9]+)\ue003"
+    "|\\\\u000b\ue000(r?)([0-9]+)\ue001\\\\u000b"
+)
 
 
 class Message(Protocol):
@@ -155,9 +161,13 @@ def pieces(rendered: str, messages: Sequence[Message], literals: Sequence[str] =
         if match.group(5) is not None:
             out.append(Piece(literals[int(match.group(5))], -1))
             continue
+        if match.group(7) is not None:  # written as JSON
+            index, reasoning = int(match.group(7)), bool(match.group(6))
+            text = _text(messages[index], reasoning)
+            out.append(Piece(json.dumps(text, ensure_ascii=False)[1:-1], index, reasoning))
+            continue
         index = int(match.group(3))
-        message = messages[index]
-        text = (getattr(message, "reasoning", None) or "") if match.group(2) else message.content
+        text = _text(messages[index], bool(match.group(2)))
         if not match.group(1):
             text = text.lstrip(WHITESPACE)
         if not match.group(4):
@@ -166,6 +176,10 @@ def pieces(rendered: str, messages: Sequence[Message], literals: Sequence[str] =
     if pos < len(rendered):
         out.append(Piece(rendered[pos:]))
     return out
+
+
+def _text(message: Message, reasoning: bool) -> str:
+    return (getattr(message, "reasoning", None) or "") if reasoning else message.content
 
 
 def _common_prefix(a: str, b: str) -> int:

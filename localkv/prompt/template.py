@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from localkv.model.native import llama_cpp
-from localkv.prompt.jinja import JinjaRenderer
+from localkv.prompt.jinja import JinjaRenderer, JsonObject
 from localkv.prompt.markup import MarkupTokenizer, control_texts, special_texts
 from localkv.prompt.rendering import Deltas, Piece, Renderer, pieces, window
 from localkv.prompt.templatechoice import TemplateChoice, choose_template
@@ -53,6 +53,8 @@ class ToolCall:
             arguments: Any = json.loads(self.arguments)
         except ValueError:
             arguments = self.arguments
+        if isinstance(arguments, dict):
+            arguments = JsonObject(arguments)
         return {
             "id": self.id,
             "type": "function",

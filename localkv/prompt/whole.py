@@ -10,10 +10,11 @@ cached, whatever the template did.
 
 The segment ends the batch schedule relies on come from the rendering: after
 the special token that closes each message's text (where one does), and after
-each assistant opening. An assistant's text is tokenized on its own, between
-its opening and its closing, as it was when it was generated: ``recall`` gives
-the ids that were sampled for it (after the same tokens), else it is tokenized;
-either way it is a span decoded one token at a time, as sampled tokens are.
+each assistant opening. An assistant's text follows its opening as it did when
+it was generated: ``recall`` gives the ids that were sampled for it (after the
+same tokens), else it is tokenized (with the markup after it, unless that opens
+with a special token); either way it is a span decoded one token at a time, as
+sampled tokens are.
 """
 
 from __future__ import annotations
@@ -88,11 +89,15 @@ class _Tokens:
         self.recall = recall
         self.room = room
         self.group: list[Piece] = []
+        self.answer_at: int | None = None  # where an answer tokenized from its text starts
 
     def flush(self) -> None:
         tokens = self.out.tokens
         tokens.extend(self.tokenizer.tokenize(self.group))
         self.group = []
+        if self.answer_at is not None:  # an answer's text ends in this group
+            self.out.generated.append((self.answer_at, len(tokens)))
+            self.answer_at = None
         if self.room is not None:
             self.room.after(len(tokens))
 
@@ -100,23 +105,32 @@ class _Tokens:
         out, after_text = self.out, False
         for piece in parts:
             if piece.content and self._is_answer(piece):
-                self.flush()
-                out.boundaries.append(len(out.tokens))  # the end of the assistant's opening
-                self._answer(piece.text)
+                self._answer(piece)
                 after_text = True
                 continue
             if not piece.content and after_text:
-                head = self.tokenizer.leading_special(piece.text)
-                if head:  # the token that closes the message's text ends its segment
-                    self.group.append(Piece(piece.text[:head]))
-                    self.flush()
-                    out.boundaries.append(len(out.tokens))
-                    piece = Piece(piece.text[head:])
+                piece = self._close(piece)
             after_text = piece.content and piece.source is not None and piece.source >= 0
             if piece.text:
                 self.group.append(piece)
         self.flush()
         out.boundaries.append(len(out.tokens))
+
+    def _close(self, markup: Piece) -> Piece:
+        """After a message's text: its segment ends after the special token closing it.
+
+        An answer tokenized from its text is tokenized with the text around it up to
+        the next special token, as the whole rendering is.
+        """
+        out = self.out
+        head = self.tokenizer.leading_special(markup.text)
+        if head:
+            self.flush()  # the answer's span, if one is open, ends here
+            self.group.append(Piece(markup.text[:head]))
+            self.flush()
+            out.boundaries.append(len(out.tokens))
+            markup = Piece(markup.text[head:])
+        return markup
 
     def _is_answer(self, piece: Piece) -> bool:
         source = piece.source
@@ -127,13 +141,30 @@ class _Tokens:
             and self.messages[source].role == "assistant"
         )
 
-    def _answer(self, text: str) -> None:
+    def _answer(self, piece: Piece) -> None:
+        """An assistant's text: its sampled ids after its opening, when they are known;
+        else tokenized with the text before it (as the whole rendering would be)."""
+        out, group = self.out, self.group
+        start = len(out.tokens)
+        if self.recall is not None:
+            self.flush()
+            opened = len(out.tokens)
+            if self._recalled(piece.text):
+                out.boundaries.append(opened)
+                return
+            del out.tokens[start:]
+        self.group = [*group, piece]
+        self.answer_at = start
+
+    def _recalled(self, text: str) -> bool:
+        """Whether the ids sampled for the answer ``text`` here are known (then added)."""
         tokens = self.out.tokens
         ids = self.recall(tokens, text) if self.recall is not None else None
         if ids is None:
-            ids = self.tokenizer.text(text)
+            return False
         if ids:
             self.out.generated.append((len(tokens), len(tokens) + len(ids)))
             tokens.extend(ids)
         if self.room is not None:
             self.room.after(len(tokens))
+        return True
