@@ -4,11 +4,11 @@ The session owns its native handles (model, context, batch, LoRA adapters)
 through an ``ExitStack``; ``close()`` frees them once and is safe to repeat.
 
 Prefill follows the request's canonical batch schedule (``localkv.model.schedule``):
-positions are 0..n-1 of sequence 0; the last token of every block, segment and
-request is decoded alone. The logits of a token decoded alone are that
-position's probe: restoring the state of the tokens before it and decoding it
-alone reproduces them bit for bit. ``batch_ends`` records how the sequence was
-actually batched; the cache keys blocks by it.
+positions are 0..n-1 of sequence 0; the last token of every block, segment and request
+is decoded alone. The logits of a token decoded alone are that position's probe:
+restoring the state of the tokens before it and decoding it alone reproduces them bit
+for bit. ``batch_ends`` records how the sequence was actually batched; the cache keys
+blocks by it. ``generate`` samples with llama.cpp's sampler chain (``model.sampling``).
 """
 
 from __future__ import annotations
@@ -198,10 +198,9 @@ class ModelSession:
         return logits
 
     def decode_one(self, token: int, *, probe: bool = False) -> np.ndarray:
-        """Decode one token alone at the next position and return its logits.
+        """Decode one token alone next and return its logits.
 
-        The logits are kept as a probe when ``probe`` is set or the token ends a block.
-        """
+        They are kept as a probe when ``probe`` is set or the token ends a block."""
         pos = len(self.tokens)
         partial_before(self, pos)
         logits = self._decode([token], want_last=True)
@@ -295,17 +294,18 @@ class ModelSession:
         logits = self._last_logits
         if logits is None:
             raise RuntimeError("generate needs the logits of the last token: prefill first")
-        sampler = Sampler(params)
-        for _ in range(params.max_tokens):
-            if cancel is not None and cancel():
-                return "cancelled"
-            token = sampler.sample(logits, self.tokens)
-            if token in self.stop_tokens or self.is_end_of_generation(token):
-                return "stop"
-            yield token
-            if len(self.tokens) >= self.n_ctx:
-                return "context"
-            logits = self.decode_one(token)
+        with Sampler(params, self.vocab, self.n_vocab, self.tokens) as sampler:
+            for _ in range(params.max_tokens):
+                if cancel is not None and cancel():
+                    return "cancelled"
+                token = sampler.sample(logits)  # None: the grammar allows nothing more
+                if token is None or token in self.stop_tokens or self.is_end_of_generation(token):
+                    return "stop"
+                sampler.accept(token)
+                yield token
+                if len(self.tokens) >= self.n_ctx:
+                    return "context"
+                logits = self.decode_one(token)
         return "length"
 
     # ------------------------------------------------------------------ state
