@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CALL_OPENERS", "ParsedCall", "parse_tool_calls"]
+from localkv.model.sampling import json_schema_grammar
+
+__all__ = ["CALL_OPENERS", "ParsedCall", "call_grammar", "call_style", "parse_tool_calls"]
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 MISTRAL = "[TOOL_CALLS]"
@@ -114,3 +116,35 @@ def _call(value: Any, names: Collection[str]) -> ParsedCall | None:
     if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
         return None
     return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def call_style(template_source: str | None) -> str:
+    """How a template asks for calls: "llama3" (a bare JSON object with ``parameters``),
+    else "hermes" (``<tool_call>`` blocks; the preamble asks for these too)."""
+    source = template_source or "<tool_call>"
+    if "<tool_call>" not in source and '"parameters"' in source and "<|eot_id|>" in source:
+        return "llama3"
+    return "hermes"
+
+
+def call_grammar(tools: Sequence[dict[str, Any]], name: str | None, style: str) -> str:
+    """GBNF for one call of ``name`` (None: of any of ``tools``), its arguments valid
+    against the function's JSON schema, in ``style`` (see ``call_style``)."""
+    key = "parameters" if style == "llama3" else "arguments"
+    alternatives = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, key: function["parameters"]},
+                "required": ["name", key],
+            }
+        )
+    grammar = json_schema_grammar({"anyOf": alternatives})
+    if style == "llama3":
+        return grammar
+    renamed = re.sub(r"^root ::=", "tool-call ::=", grammar, flags=re.MULTILINE)
+    return renamed + '\nroot ::= "<tool_call>\\n" tool-call "\\n</tool_call>"\n'

@@ -28,7 +28,7 @@ from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.stops import StopText
-from localkv.server.tools import answer_text, with_answer
+from localkv.server.tools import answer_text, tool_params, with_answer
 
 __all__ = ["Engine", "Outcome"]
 
@@ -100,7 +100,7 @@ class Engine:
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
-        params = self._params(request.sampling, len(prompt))
+        params = tool_params(self._params(request.sampling, len(prompt)), request, template)
         if sync.cancelled:  # the client went away during the prefill
             return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
         split = answer_text(request, self.runtime.session, prompt, channel)

@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from localkv.model.sampling import GrammarError, SamplingParams, json_schema_grammar
 from localkv.prompt.reasoning import ReasoningSplit
-from localkv.prompt.template import ToolCall
-from localkv.prompt.toolcalls import CALL_OPENERS, parse_tool_calls
+from localkv.prompt.template import ChatTemplate, ToolCall
+from localkv.prompt.toolcalls import CALL_OPENERS, call_grammar, call_style, parse_tool_calls
+from localkv.prompt.tools import renders_tools
 from localkv.server.errors import bad_request
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ __all__ = [
     "answer_text",
     "parse_message_calls",
     "parse_tools",
+    "tool_params",
     "with_answer",
 ]
 
@@ -62,6 +65,8 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolC
     if len(set(names)) != len(names):
         raise bad_request("each tool needs a name of its own", "tools")
     if choice is None or choice in ("auto", "none", "required"):
+        if choice == "required":
+            _check_schemas(tools, None)
         return tools, ToolChoice(str(choice or "auto"))
     name = None
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -75,7 +80,35 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolC
         )
     if name not in names:
         raise bad_request(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
+    _check_schemas(tools, name)
     return tools, ToolChoice("function", name)
+
+
+def _check_schemas(tools: tuple[dict[str, Any], ...], name: str | None) -> None:
+    """A call that must be made is sampled by its schema's grammar: one that cannot
+    become a grammar is a 400 naming the tool and the reason."""
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        try:
+            json_schema_grammar(function["parameters"])
+        except GrammarError as exc:
+            where = f"tools[{i}].function.parameters"
+            raise bad_request(f"{where} cannot constrain a call: {exc}", where) from None
+
+
+def tool_params(
+    params: SamplingParams, request: ChatRequest, template: ChatTemplate
+) -> SamplingParams:
+    """``params`` with the grammar of the call ``tool_choice`` requires (``required``: one
+    of the tools, or the named one), in the call format the template asks for."""
+    choice = request.tool_choice
+    if choice is None or choice.mode not in ("required", "function"):
+        return params
+    source = template.jinja.source if template.jinja is not None else None
+    style = call_style(source if renders_tools(template) else None)
+    return dataclasses.replace(params, grammar=call_grammar(request.tools, choice.name, style))
 
 
 def _tool(raw: object, where: str) -> dict[str, Any]:
