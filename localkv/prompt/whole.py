@@ -8,17 +8,20 @@ template's markup may hold special tokens, the messages' text never does).
 Reuse is then the longest exact common prefix of these tokens with what is
 cached, whatever the template did.
 
-The segment ends the batch schedule relies on come from the rendering: after
-the special token that closes each message's text (where one does), and after
-each assistant opening. An assistant's text follows its opening as it did when
-it was generated: ``recall`` gives the ids that were sampled for it (after the
-same tokens), else it is tokenized (with the markup after it, unless that opens
-with a special token); either way it is a span decoded one token at a time, as
-sampled tokens are.
+The segment ends the batch schedule relies on come from the rendering: where
+each message's own rendering ends inside the whole one (found by rendering the
+conversation up to it; so a prefilled system prompt and document end where a
+chat's do), where a special token follows, and after an assistant's opening. An
+assistant's text follows its opening as it did when it was generated: ``recall``
+gives the ids that were sampled for it (after the same tokens), else it is
+tokenized with the text around it up to the next special token, as the whole
+rendering is; either way it is a span decoded one token at a time, as sampled
+tokens are.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -63,15 +66,53 @@ def render_whole(
     if renderer is None:
         raise ValueError("a whole rendering needs a Jinja template")
     marked = renderer.marked(messages, True, tools)
-    parts = pieces(marked, messages, renderer.literals)
+    literals = list(renderer.literals)
+    cuts = _segments(template, messages, marked, tools)
+    segments = [pieces(marked[a:b], messages, literals) for a, b in cuts]
     if room is not None:
-        room.before_chars(0, sum(len(p.text) for p in parts if p.content))
+        n_chars = sum(len(p.text) for parts in segments for p in parts if p.content)
+        room.before_chars(0, n_chars)
     out = Rendered()
-    _Tokens(template, messages, out, recall, room).run(parts)
+    tokens = _Tokens(template, messages, out, recall, room)
+    for parts in segments:
+        tokens.run(parts)
     out.boundaries = sorted(set(out.boundaries))
     think = renderer.think
     out.thinking = think is not None and marked.rstrip().endswith(think[0])
     return out
+
+
+def _segments(
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    marked: str,
+    tools: Sequence[dict[str, Any]] | None,
+) -> list[tuple[int, int]]:
+    """Where the whole rendering is cut into segments: where each message's own
+    rendering ends (as ``ChatTemplate.message_tokens`` builds a conversation, so a
+    prefilled prefix and a chat share their schedule), except before an assistant's
+    answer (its opening ends that segment) and where the template changed what it
+    had rendered; only before a special token, where a cut changes no token."""
+    renderer = template.jinja
+    if renderer is None:
+        raise ValueError("a whole rendering needs a Jinja template")
+    cuts = [0]
+    for i in range(len(messages) - 1):
+        if messages[i + 1].role == "assistant":
+            continue
+        try:
+            prefix = renderer.marked(messages[: i + 1], False, tools)
+        except ValueError:  # a template that refuses a part of the conversation
+            continue
+        at = len(prefix)
+        if cuts[-1] < at < len(marked) and marked.startswith(prefix):
+            following = pieces(marked[at:], messages, ())
+            head = following[0] if following else None
+            special = head is not None and not head.content
+            if special and head is not None and template.tokenizer.leading_special(head.text):
+                cuts.append(at)
+    cuts.append(len(marked))
+    return list(itertools.pairwise(cuts))
 
 
 class _Tokens:
@@ -117,19 +158,14 @@ class _Tokens:
         out.boundaries.append(len(out.tokens))
 
     def _close(self, markup: Piece) -> Piece:
-        """After a message's text: its segment ends after the special token closing it.
+        """After a message's text: an answer's span ends at the special token closing it.
 
         An answer tokenized from its text is tokenized with the text around it up to
         the next special token, as the whole rendering is.
         """
-        out = self.out
         head = self.tokenizer.leading_special(markup.text)
         if head:
             self.flush()  # the answer's span, if one is open, ends here
-            self.group.append(Piece(markup.text[:head]))
-            self.flush()
-            out.boundaries.append(len(out.tokens))
-            markup = Piece(markup.text[head:])
         return markup
 
     def _is_answer(self, piece: Piece) -> bool:

@@ -171,9 +171,9 @@ def test_a_bad_chat_template_is_a_one_line_usage_error(
 ) -> None:
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC, encoding="utf-8")
-    if value == "@jinja":  # a Jinja template with no markers llama.cpp knows
+    if value == "@jinja":  # a Jinja template that does not compile
         value = str(tmp_path / "mine.jinja")
-        Path(value).write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+        Path(value).write_text("{% for m in messages %}{{ m.content }}")
     command = [sys.executable, "-m", "localkv", "ask", "--chat-template", value]
     done = subprocess.run(
         [*command, str(doc), QUESTION], capture_output=True, text=True, timeout=120
