@@ -7,6 +7,7 @@ that closes the marker without opening it began inside it) goes to a collapsed
 
 from __future__ import annotations
 
+from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -43,8 +44,9 @@ class AssistantMessage(Markdown):
         if self.thinking is None:
             self.thinking = Static(reasoning, classes="thinking-text")
             part = Collapsible(self.thinking, title="thinking", collapsed=True)
-            if self.parent is not None:
-                self.parent.mount(part, before=self)
+            parent = self.parent
+            if isinstance(parent, Widget):
+                parent.mount(part, before=self)
         else:
             self.thinking.update(reasoning)
 
