@@ -179,18 +179,18 @@ class _Tokens:
 
     def _answer(self, piece: Piece) -> None:
         """An assistant's text: its sampled ids after its opening, when they are known;
-        else tokenized with the text before it (as the whole rendering would be)."""
+        else tokenized with the text before it (as the whole rendering would be), its
+        span starting at the opening's last token."""
         out, group = self.out, self.group
         start = len(out.tokens)
-        if self.recall is not None:
-            self.flush()
-            opened = len(out.tokens)
-            if self._recalled(piece.text):
-                out.boundaries.append(opened)
-                return
-            del out.tokens[start:]
+        self.flush()
+        opened = len(out.tokens)
+        if self._recalled(piece.text):
+            out.boundaries.append(opened)
+            return
+        del out.tokens[start:]
         self.group = [*group, piece]
-        self.answer_at = start
+        self.answer_at = max(start, opened - 1)
 
     def _recalled(self, text: str) -> bool:
         """Whether the ids sampled for the answer ``text`` here are known (then added)."""

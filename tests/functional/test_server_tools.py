@@ -1,4 +1,4 @@
-"""Tools through the OpenAI SDK against a real server process.
+"""Tools and reasoning through the OpenAI SDK against a real server process.
 
 The default model (SmolLM2, whose template renders no tools) gets the tools in a
 system preamble; ``tool_choice="required"`` constrains its answer by the tool's
@@ -15,6 +15,9 @@ import jsonschema
 import pytest
 from openai import OpenAI
 from support.server import ServerProcess
+from support.tinymodels import build_tiny_with_template
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "templates"
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -158,3 +161,38 @@ def test_bad_tools_are_400s_naming_the_field(tmp_path: Path, default_model_path:
                 )
             assert getattr(raised.value, "status_code", None) == 400, raised.value
             assert says in str(raised.value)
+
+
+def test_reasoning_goes_to_reasoning_content_streamed_or_not(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    """DeepSeek-R1's template opens the answer inside ``<think>``: the answer's text is
+    reasoning until the model closes it, and the next turn drops it from the history."""
+    source = (FIXTURES / "deepseek-r1-distill-qwen.jinja").read_text(encoding="utf-8")
+    model = build_tiny_with_template(tmp_path / "r1", default_model_path, source)
+    args = ["--model", str(model), "--threads", "1", "--ctx", "2048"]
+    body: dict[str, Any] = {"model": "r1", "temperature": 0, "max_tokens": 12, "seed": 3}
+    with ServerProcess(args, tmp_path / "server.log") as server:
+        client = _client(server)
+        first = client.chat.completions.create(messages=MESSAGES, **body)
+        message = first.choices[0].message
+        reasoning = (message.model_extra or {})["reasoning_content"]
+        assert first.usage.completion_tokens > 0 and reasoning and message.content == ""
+        streamed_reasoning, streamed_content = "", ""
+        for chunk in client.chat.completions.create(messages=MESSAGES, stream=True, **body):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                streamed_reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+                streamed_content += delta.content or ""
+        assert (streamed_reasoning, streamed_content) == (reasoning, "")
+        history = [
+            *MESSAGES,
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": reasoning},
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+        second = client.chat.completions.create(messages=history, **body)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    diverged = (second.model_extra or {})["localkv"]["diverged_at"]
+    # the template dropped the earlier reasoning: the prompt's prefix before it is reused
+    assert diverged is not None and diverged < first.usage.prompt_tokens
+    assert 0 < cached <= diverged
