@@ -135,6 +135,7 @@ def test_required_tool_call_validates_answers_and_is_cached_after_restart(
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert again.usage.prompt_tokens == prompt_tokens
     assert cached >= 0.9 * prompt_tokens, (cached, prompt_tokens)
+    print(f"prompt {prompt_tokens} tokens, {cached} cached after the restart; call {call.function}")
     (again_call,) = again.choices[0].message.tool_calls
     assert (again_call.function.name, again_call.function.arguments) == (
         call.function.name,
