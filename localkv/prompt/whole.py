@@ -39,8 +39,17 @@ Recall = Callable[[Sequence[int], str], Sequence[int] | None]
 class Room(Protocol):
     """What a prompt may cost (``localkv.server.limits.Budget``)."""
 
+    @property
+    def limit(self) -> int: ...
     def before_chars(self, n_tokens: int, n_chars: int) -> None: ...
     def after(self, n_tokens: int) -> None: ...
+    def too_long(self, n_tokens: int, *, exact: bool) -> Exception: ...
+
+
+# conversations of up to this many messages get a segment end after each message
+# (one render of each prefix); longer ones only after each assistant's opening, so
+# a request costs work linear in its messages
+MAX_SEGMENTED = 64
 
 
 @dataclass
@@ -65,6 +74,8 @@ def render_whole(
     renderer = template.jinja
     if renderer is None:
         raise ValueError("a whole rendering needs a Jinja template")
+    if room is not None and len(messages) > room.limit:  # a message renders a token at least
+        raise room.too_long(len(messages), exact=False)
     marked = renderer.marked(messages, True, tools)
     literals = list(renderer.literals)
     cuts = _segments(template, messages, marked, tools)
@@ -97,7 +108,7 @@ def _segments(
     if renderer is None:
         raise ValueError("a whole rendering needs a Jinja template")
     cuts = [0]
-    for i in range(len(messages) - 1):
+    for i in range(len(messages) - 1 if len(messages) <= MAX_SEGMENTED else 0):
         if messages[i + 1].role == "assistant":
             continue
         try:
