@@ -1,4 +1,8 @@
-"""How sizes, times and cache reports read, in the chat app and in line mode alike."""
+"""How sizes, times, cache reports and answers read, in the chat app and in line mode alike.
+
+An answer's reasoning is split from it here for both faces
+(``localkv.prompt.reasoning``).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,16 @@ import time
 
 from localkv.cache.budgeting import human_size
 from localkv.chat.session import SyncReport, TurnReport
+from localkv.prompt.reasoning import ReasoningSplit, split_reasoning
 
 __all__ = [
+    "ReasoningSplit",
     "ago",
     "cache_parts",
     "counted",
     "finish_line",
     "human_bytes",
+    "split_reasoning",
     "sync_line",
     "sync_summary",
     "turn_line",

@@ -54,9 +54,9 @@ _MODEL_OPTIONS = [
         metavar="NAME|FILE",
         callback=lambda ctx, param, value: _chat_template(value),
         help="Chat format: a llama.cpp built-in name (chatml, gemma, llama3, llama2, "
-        "phi3, phi4, mistral-v7, ...) or a template file that llama.cpp recognizes as "
-        "one of them (it runs no Jinja). Default: the model's own; for a model without "
-        "one, the format of its architecture (with a warning).",
+        "phi3, phi4, mistral-v7, ...) or a Jinja template file, rendered as Hugging "
+        "Face renders it. Default: the model's own; for a model without one, the "
+        "format of its architecture (with a warning).",
     ),
     click.option(
         "--ctx",

@@ -21,7 +21,7 @@ from localkv.model.native import llama_cpp
 from localkv.model.vocab import tokenize
 from localkv.prompt.rendering import WHITESPACE, Piece
 
-__all__ = ["MarkupTokenizer"]
+__all__ = ["MarkupTokenizer", "control_texts", "special_texts"]
 
 _SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 _LSTRIP = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP
@@ -67,6 +67,15 @@ class MarkupTokenizer:
     def text(self, text: str) -> list[int]:
         """``text`` as text: never a special token."""
         return self._text_tokens(text)
+
+    def leading_special(self, markup: str) -> int:
+        """How many characters of ``markup`` its first special token is (0: none opens it)."""
+        parts = self._split(markup)
+        if len(parts) > 1 and parts[0] == "" and isinstance(parts[1], int):
+            raw = llama_cpp.llama_vocab_get_text(self.vocab, parts[1]) or b""
+            text = raw.decode("utf-8", errors="replace")
+            return len(text) if markup.startswith(text) else 0
+        return 0
 
     def _text_tokens(self, text: str) -> list[int]:
         if not text:
@@ -115,3 +124,32 @@ class MarkupTokenizer:
                     split.append(text)
             parts = split
         return parts
+
+
+def control_texts(vocab: Any) -> tuple[str, ...]:
+    """The texts of the vocabulary's control tokens (those that markup may hold)."""
+    out = []
+    for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
+        if int(llama_cpp.llama_vocab_get_attr(vocab, token)) & _SPECIAL:
+            raw = llama_cpp.llama_vocab_get_text(vocab, token) or b""
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+    return tuple(t for t in out if t)
+
+
+def special_texts(session: Any) -> dict[str, str]:
+    """``bos_token``, ``eos_token`` and the others' texts, as a Jinja template reads them."""
+    vocab = session.vocab
+    getters = {
+        "bos_token": llama_cpp.llama_vocab_bos,
+        "eos_token": llama_cpp.llama_vocab_eos,
+        "pad_token": llama_cpp.llama_vocab_pad,
+    }
+    out: dict[str, str] = {}
+    for name, getter in getters.items():
+        token = int(getter(vocab))
+        raw = llama_cpp.llama_vocab_get_text(vocab, token) if token >= 0 else None
+        out[name] = raw.decode("utf-8", errors="replace") if raw else ""
+    return out

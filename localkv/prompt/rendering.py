@@ -22,6 +22,7 @@ built-in format.
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Protocol
 
 from localkv.model.native import llama_cpp
 
-__all__ = ["WHITESPACE", "WINDOW", "Piece", "Renderer", "window"]
+__all__ = ["WHITESPACE", "WINDOW", "Deltas", "Piece", "Renderer", "pieces", "window"]
 
 # the characters llama.cpp's trim() removes (C isspace)
 WHITESPACE = " \t\n\v\f\r"
@@ -37,7 +38,14 @@ WHITESPACE = " \t\n\v\f\r"
 WINDOW = 4
 # a placeholder: private-use delimiters around the message's index, padded with
 # vertical tabs so that a format that trims the text shows it by dropping them
-_PLACEHOLDER = re.compile("(\v?)\ue000([0-9]+)\ue001(\v?)")
+# (a reasoning placeholder has an "r" before the index); a literal: the text of a
+# control token found in a request's other strings (``jinja``), which stays text
+# control token found in a request's other strings (``jinja``), which stays text; a
+# placeholder a template wrote as JSON (``tojson``): the text JSON-escaped
+_PLACEHOLDER = re.compile(
+    "(\v?)\ue000(r?)([0-9]+)\ue001(\v?)|\ue002([0-9]+)\ue003"
+    "|\\\\u000b\ue000(r?)([0-9]+)\ue001\\\\u000b"
+)
 
 
 class Message(Protocol):
@@ -53,22 +61,62 @@ class Piece:
 
     text: str
     source: int | None = None  # the message's index in the rendered list; None: markup
+    reasoning: bool = False  # the message's reasoning, not its content
 
     @property
     def content(self) -> bool:
         return self.source is not None
 
 
-def window(history: Sequence[Message], size: int = WINDOW) -> list[Message]:
-    """The messages of ``history`` that a new message's rendering can depend on."""
+def window(history: Sequence[Message], size: int | None = WINDOW) -> list[Message]:
+    """The messages of ``history`` that a new message's rendering can depend on
+    (``size`` None: all of them)."""
+    if size is None:
+        return list(history)
     return list(history[max(0, len(history) - size) :])
 
 
-class Renderer:
-    """Renders placeholder conversations with one template, counting the work."""
+class Deltas:
+    """What every renderer does with its ``marked``: the delta of two renderings."""
+
+    window_size: int | None = WINDOW
+    literals: list[str]
+    renders: int
+    rendered_chars: int
+
+    def marked(self, messages: Sequence[Message], add_assistant: bool = False) -> str:
+        raise NotImplementedError
+
+    def delta(
+        self,
+        before: Sequence[Message] | None,
+        after: Sequence[Message],
+        *,
+        open_before: bool = False,
+        open_after: bool = False,
+    ) -> list[Piece]:
+        """What the rendering of ``after`` adds to that of ``before`` (None: nothing).
+
+        ``before`` is a prefix of ``after``; ``open_*`` renders the assistant's
+        opening after the messages. A format that is not prefix-stable keeps the
+        earlier text as it was: the delta is what follows the longest common
+        prefix, never cut inside a placeholder.
+        """
+        old = "" if before is None else self.marked(before, open_before)
+        new = self.marked(after, open_after)
+        start = _common_prefix(old, new)
+        for match in _PLACEHOLDER.finditer(new, max(0, start - 32), start + 32):
+            if match.start() < start < match.end():
+                start = match.start()
+        return pieces(new[start:], after, self.literals)
+
+
+class Renderer(Deltas):
+    """Renders placeholder conversations with llama.cpp's formats, counting the work."""
 
     def __init__(self, template: bytes) -> None:
         self.template = template
+        self.literals = []
         self.renders = 0
         self.rendered_chars = 0
 
@@ -97,48 +145,41 @@ class Renderer:
             size = out + 1
         raise RuntimeError("chat template output kept growing")
 
-    def delta(
-        self,
-        before: Sequence[Message] | None,
-        after: Sequence[Message],
-        *,
-        open_before: bool = False,
-        open_after: bool = False,
-    ) -> list[Piece]:
-        """What the rendering of ``after`` adds to that of ``before`` (None: nothing).
 
-        ``before`` is a prefix of ``after``; ``open_*`` renders the assistant's
-        opening after the messages. A format that is not prefix-stable keeps the
-        earlier text as it was: the delta is what follows the longest common
-        prefix, never cut inside a placeholder.
-        """
-        old = "" if before is None else self.marked(before, open_before)
-        new = self.marked(after, open_after)
-        start = _common_prefix(old, new)
-        for match in _PLACEHOLDER.finditer(new, max(0, start - 32), start + 32):
-            if match.start() < start < match.end():
-                start = match.start()
-        return pieces(new[start:], after)
+def pieces(rendered: str, messages: Sequence[Message], literals: Sequence[str] = ()) -> list[Piece]:
+    """A placeholder rendering as markup and the messages' text (trimmed where it was).
 
-
-def pieces(rendered: str, messages: Sequence[Message]) -> list[Piece]:
-    """A placeholder rendering as markup and the messages' text (trimmed where it was)."""
+    A literal (a control token's text found in a tool definition or call) is a
+    text piece of no message (``source`` -1).
+    """
     out: list[Piece] = []
     pos = 0
     for match in _PLACEHOLDER.finditer(rendered):
         if match.start() > pos:
             out.append(Piece(rendered[pos : match.start()]))
-        index = int(match.group(2))
-        text = messages[index].content
+        pos = match.end()
+        if match.group(5) is not None:
+            out.append(Piece(literals[int(match.group(5))], -1))
+            continue
+        if match.group(7) is not None:  # written as JSON
+            index, reasoning = int(match.group(7)), bool(match.group(6))
+            text = _text(messages[index], reasoning)
+            out.append(Piece(json.dumps(text, ensure_ascii=False)[1:-1], index, reasoning))
+            continue
+        index = int(match.group(3))
+        text = _text(messages[index], bool(match.group(2)))
         if not match.group(1):
             text = text.lstrip(WHITESPACE)
-        if not match.group(3):
+        if not match.group(4):
             text = text.rstrip(WHITESPACE)
-        out.append(Piece(text, index))
-        pos = match.end()
+        out.append(Piece(text, index, bool(match.group(2))))
     if pos < len(rendered):
         out.append(Piece(rendered[pos:]))
     return out
+
+
+def _text(message: Message, reasoning: bool) -> str:
+    return (getattr(message, "reasoning", None) or "") if reasoning else message.content
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -19,28 +19,57 @@ architecture) is decided in ``localkv.prompt.templatechoice``.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from localkv.model.native import llama_cpp
-from localkv.prompt.markup import MarkupTokenizer
-from localkv.prompt.rendering import Piece, Renderer, window
+from localkv.prompt.jinja import JinjaRenderer, JsonObject
+from localkv.prompt.markup import MarkupTokenizer, control_texts, special_texts
+from localkv.prompt.rendering import Deltas, Piece, Renderer, pieces, window
 from localkv.prompt.templatechoice import TemplateChoice, choose_template
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
 
-__all__ = ["ChatTemplate", "Message"]
+__all__ = ["ChatTemplate", "Message", "ToolCall"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an assistant message made: ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_template(self) -> dict[str, Any]:
+        """The call as templates read it (OpenAI's shape, the arguments as an object)."""
+        try:
+            arguments: Any = json.loads(self.arguments)
+        except ValueError:
+            arguments = self.arguments
+        if isinstance(arguments, dict):
+            arguments = JsonObject(arguments)
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    reasoning: str | None = None  # an assistant's thinking, apart from its answer
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None  # a tool result: the function's name
 
 
 class ChatTemplate:
@@ -51,7 +80,13 @@ class ChatTemplate:
         self.session = session
         self.choice: TemplateChoice = choose_template(session, override)
         self.template = self.choice.template
-        self.renderer = Renderer(self.template)
+        self.jinja: JinjaRenderer | None = None
+        self.renderer: Deltas = Renderer(self.template)
+        if self.choice.jinja is not None:
+            self.jinja = JinjaRenderer(
+                self.choice.jinja, special_texts(session), control_texts(session.vocab)
+            )
+            self.renderer = self.jinja
         self.tokenizer = MarkupTokenizer(session.vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(session.vocab))
         self.end_of_turn = self._end_of_turn()
@@ -99,7 +134,10 @@ class ChatTemplate:
         return r.renders, r.rendered_chars, t.calls, t.tokenized_chars
 
     def render(self, messages: Sequence[Message], *, add_assistant: bool = False) -> str:
-        """The text llama.cpp renders for ``messages`` (their text in it)."""
+        """The text the template renders for ``messages`` (their text in it)."""
+        if self.jinja is not None:
+            marked = self.jinja.marked(messages, add_assistant)
+            return "".join(p.text for p in pieces(marked, messages, self.jinja.literals))
         arr = (llama_cpp.llama_chat_message * max(1, len(messages)))()
         keep: list[bytes] = []  # the C strings must outlive the call
         for i, m in enumerate(messages):
@@ -121,24 +159,30 @@ class ChatTemplate:
         raise RuntimeError("chat template output kept growing")
 
     def start_tokens(self) -> list[int]:
-        """Tokens before the first message (BOS when the model wants one)."""
+        """Tokens before the first message: BOS when the model wants one, except that a
+        Jinja template writes its own (``bos_token``), as transformers renders it."""
+        return [] if self.jinja is not None else self.prompt_start_tokens()
+
+    def prompt_start_tokens(self) -> list[int]:
+        """Tokens before a raw prompt (BOS when the model wants one)."""
         bos = self.session.bos_token()
         return [bos] if self.add_bos and bos is not None else []
 
     def message_tokens(self, history: Sequence[Message], message: Message) -> list[int]:
         """The tokens that ``message`` adds after ``history``."""
-        before = window(history)
+        before = window(history, self.renderer.window_size)
         return self.tokens(self.renderer.delta(before or None, [*before, message]))
 
     def assistant_start_tokens(self, history: Sequence[Message]) -> list[int]:
         """The tokens that open the assistant's turn after ``history``."""
-        before = window(history)
+        before = window(history, self.renderer.window_size)
         return self.tokens(self.renderer.delta(before, before, open_after=True))
 
-    def assistant_end_tokens(self, history: Sequence[Message], answer: str) -> list[int]:
+    def assistant_end_tokens(self, history: Sequence[Message], answer: str | Message) -> list[int]:
         """The tokens that close an assistant turn whose text is ``answer``."""
-        before = window(history)
-        after = [*before, Message("assistant", answer)]
+        before = window(history, self.renderer.window_size)
+        message = answer if isinstance(answer, Message) else Message("assistant", answer)
+        after = [*before, message]
         delta = self.renderer.delta(before, after, open_before=True)
         if delta and delta[0].source == len(before):  # the answer (trimmed by some formats)
             return self.tokens(delta[1:])

@@ -1,11 +1,13 @@
 """Which chat template a model gets: its own, the one ``--chat-template`` names, or one
 chosen by architecture when the GGUF has none.
 
-llama.cpp's C API (``llama_chat_apply_template``) runs no Jinja. It knows a fixed set of
-built-in formats, by name (``gemma``, ``llama3``, ``chatml``, ...), and recognizes a
-template text by its markers (``<start_of_turn>`` is gemma, ``<|im_start|>`` is chatml).
-So a template file is accepted only where llama.cpp recognizes it as one of its formats,
-and it is then applied as that format, not as the file's own logic.
+A Jinja template (the GGUF's ``tokenizer.chat_template``, or a ``--chat-template``
+file) is rendered as Hugging Face renders it (``localkv.prompt.jinja``). One that
+does not compile, or fails on a small conversation, falls back to llama.cpp's
+built-in formats: ``llama_chat_apply_template`` knows a fixed set, by name
+(``gemma``, ``llama3``, ``chatml``, ...), and recognizes a template text by its
+markers (``<start_of_turn>`` is gemma, ``<|im_start|>`` is chatml). A built-in
+name given to ``--chat-template`` is always llama.cpp's format.
 
 The choice only changes the tokens of a request, and the tokens are the cache key, so
 two templates share cached state exactly as far as their tokens agree.
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from localkv.model.native import llama_cpp
+from localkv.prompt.jinja import TemplateRenderError, compile_template
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -32,6 +35,7 @@ __all__ = [
     "builtin_templates",
     "choose_template",
     "has_token",
+    "jinja_problem",
     "parse_template_option",
     "render_probe",
     "template_for_architecture",
@@ -98,8 +102,22 @@ class TemplateChoice:
     """What ``llama_chat_apply_template`` is given, and why."""
 
     template: bytes
-    name: str  # a built-in name, or "model" for the GGUF's own template
+    name: str  # a built-in name, "model" for the GGUF's own template, "jinja" for a file
     source: str  # "model", "--chat-template", "architecture", or "file PATH"
+    jinja: str | None = None  # the Jinja source, when it is rendered as Jinja
+
+
+def jinja_problem(source: str) -> str | None:
+    """Why ``source`` cannot be rendered as Jinja (None: it can)."""
+    try:
+        template = compile_template(source)
+        probe = [{"role": role, "content": text} for role, text in _PROBE[:3]]
+        template.render(messages=probe, add_generation_prompt=True, bos_token="", eos_token="")
+    except TemplateRenderError as exc:
+        return str(exc)
+    except Exception as exc:  # a template's own failure, whatever it raises
+        return f"the chat template failed on a small conversation: {exc}"
+    return None
 
 
 @functools.cache
@@ -161,15 +179,15 @@ def _template_file(path: Path) -> TemplateChoice:
         raise ChatTemplateError(f"cannot read chat template {path}: {exc.strerror}") from None
     if len(data) > MAX_TEMPLATE_BYTES or b"\0" in data:
         raise ChatTemplateError(f"chat template {path} is not a template text file")
-    if render_probe(data) is None:
-        raise ChatTemplateError(
-            f"llama.cpp cannot apply the chat template in {path}: its C API runs no Jinja "
-            "and recognizes only its built-in formats, by their markers; give a built-in "
-            "name instead (e.g. chatml, gemma, llama3)"
-        )
-    name = _recognized_as(data) or "custom"
-    log.info("chat template %s is applied as llama.cpp's %r format", path, name)
-    return TemplateChoice(data, name, f"file {path}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ChatTemplateError(f"chat template {path} is not UTF-8 text") from None
+    problem = jinja_problem(text)
+    if problem is not None:
+        raise ChatTemplateError(f"cannot use the chat template in {path}: {problem}")
+    log.info("chat template %s is rendered as Jinja", path)
+    return TemplateChoice(data, "jinja", f"file {path}", jinja=text)
 
 
 def has_token(session: ModelSession, text: str) -> bool:
@@ -201,6 +219,12 @@ def choose_template(session: ModelSession, override: str | None = None) -> Templ
         log.info("chat template: %s (from %s)", choice.name, choice.source)
         return choice
     raw = llama_cpp.llama_model_chat_template(session.model, None)
+    if raw:
+        text = raw.decode("utf-8", errors="replace")
+        problem = jinja_problem(text)
+        if problem is None:
+            return TemplateChoice(raw, "model", "model", jinja=text)
+        _warn_once(str(session.config.model_path), f"model's chat template: {problem}")
     if raw and render_probe(raw) is not None:
         return TemplateChoice(raw, "model", "model")
     architecture = session.meta("general.architecture") or "unknown"

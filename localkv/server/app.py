@@ -161,7 +161,11 @@ class Routes:
                     continue
                 if kind == "text":
                     yield reply.chunk(value)
+                elif kind == "reasoning":
+                    yield reply.chunk(None, reasoning=value)
                 elif kind == "done":
+                    for chunk in reply.tool_call_chunks(value):
+                        yield chunk
                     yield reply.finish_chunk(value)
                     if reply.include_usage:
                         yield reply.usage_chunk(value)

@@ -22,9 +22,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from localkv.chat.session import ChatState
 from localkv.prompt.template import ChatTemplate, Message
+from localkv.prompt.tools import prepare_tools
+from localkv.prompt.whole import render_whole
 from localkv.server.limits import Budget
 
 __all__ = [
@@ -132,21 +135,37 @@ def build_prompt(
     messages: Sequence[Message],
     memory: AnswerMemory,
     budget: Budget,
+    tools: Sequence[dict[str, Any]] = (),
     known: MessageMemory | None = None,
 ) -> ChatState:
-    """The chat state of a request: its history, its last (user) message, the opener.
+    """The chat state of a request: its history, its last (user or tool) message, the opener.
 
-    ``known``: the tokens of messages seen before (none: every message is tokenized).
+    A Jinja template renders the whole conversation (``render_whole``); llama.cpp's
+    formats are built message by message, ``known`` holding the tokens of messages
+    seen before (none: every message is tokenized). Tools go to a template that
+    renders them, else into a preamble (``prepare_tools``).
     """
+    messages, rendered_tools = prepare_tools(template, messages, tools)
+    if template.jinja is not None:
+        whole = render_whole(
+            template, messages, tools=rendered_tools, recall=memory.recall, room=budget
+        )
+        system = messages[0].content if messages[0].role == "system" else None
+        return ChatState(
+            system=system,
+            messages=list(messages),
+            tokens=whole.tokens,
+            boundaries=whole.boundaries,
+            generated=whole.generated,
+        )
     *history, last = messages
     chain = MessageChain()
     state = build_history(template, history, memory, budget, (known, chain))
-    user = Message("user", last.content)
-    budget.before_text(len(state.tokens), user.content)
-    chain.add(user)
+    budget.before_text(len(state.tokens), last.content)
+    chain.add(last)
     known = known or MessageMemory(0)
-    state.tokens.extend(known.tokens(template, chain, user, state.messages))
-    state.messages.append(user)
+    state.tokens.extend(known.tokens(template, chain, last, state.messages))
+    state.messages.append(last)
     state.tokens.extend(template.assistant_start_tokens(state.messages))
     state.boundaries.append(len(state.tokens))
     budget.after(len(state.tokens))

@@ -22,7 +22,7 @@ from localkv.model.schedule import shared_end
 from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, DocumentError
-from localkv.prompt.template import Message
+from localkv.prompt.template import Message, ToolCall
 from localkv.runtime import Runtime
 from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
@@ -30,6 +30,7 @@ from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.prefixes import prefix_label, snapshot_namer
 from localkv.server.stops import StopText
+from localkv.server.tools import answer_text, tool_params, with_answer
 
 __all__ = ["Engine", "Outcome"]
 
@@ -47,6 +48,7 @@ class Channel(Protocol):
 
     def started(self) -> None: ...
     def text(self, piece: str) -> None: ...
+    def reasoning(self, piece: str) -> None: ...
     def cancelled(self) -> bool: ...
 
 
@@ -69,6 +71,8 @@ class Outcome:
     # this request's whole-state captures and tokenize calls (characters), counted
     work: tuple[int, int, int] = (0, 0, 0)
     queued_s: float = 0.0  # from the request's arrival to the start of its work
+    reasoning: str | None = None  # the answer's thinking (``reasoning_content``)
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -107,26 +111,30 @@ class Engine:
         work = template.work()
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
-            state = build_prompt(template, request.messages, self.memory, budget, self.known)
+            state = build_prompt(
+                template, request.messages, self.memory, budget, request.tools, self.known
+            )
         finally:
             _log_work(template.work(), work, len(request.messages))
         prompt = list(state.tokens)
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
-        params = self._params(request.sampling, len(prompt))
+        params = tool_params(self._params(request.sampling, len(prompt)), request, template)
         if sync.cancelled:  # the client went away during the prefill
             return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
+        split = answer_text(request, self.runtime.session, prompt, channel)
         answer = stream_answer(
             self.runtime.session,
             params,
             t0,
-            _sender(stops, channel.text),
+            _sender(stops, split.push),
             lambda: stops.hit or channel.cancelled(),
         )
-        channel.text(stops.flush())
+        split.push(stops.flush())
+        split.finish()
         self._close_turn(chat, answer.ids, answer.text, stops.text)
-        return self._outcome(
+        outcome = self._outcome(
             t0,
             prompt,
             sync,
@@ -137,6 +145,7 @@ class Engine:
             params,
             channel.cancelled(),
         )
+        return with_answer(outcome, split)
 
     def _close_turn(self, chat: ChatSession, ids: list[int], full: str, shown: str) -> None:
         """Keep the answer in the live context with the turn's closing tokens, then save.
@@ -172,7 +181,7 @@ class Engine:
         self._check_grammar(request.sampling)
         budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
-            prompt = template.start_tokens()
+            prompt = template.prompt_start_tokens()
             budget.before_text(len(prompt), request.prompt)
             prompt += template.text_tokens(request.prompt)
         else:

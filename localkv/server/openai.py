@@ -1,10 +1,12 @@
 """OpenAI request bodies as validated values, and the response shapes built from results.
 
-Only what the server honours is accepted: ``n`` other than 1, tools, logprobs
-and penalties are refused with a 400 naming the field, never silently ignored.
-``response_format`` ``json_object`` and ``json_schema`` become a grammar the
-answer is sampled under; a schema the converter cannot handle is a 400 naming why.
-Unknown fields (``user``, ``metadata``, ...) are ignored.
+Only what the server honours is accepted: ``n`` other than 1, ``functions``,
+logprobs and penalties are refused with a 400 naming the field, never silently
+ignored. ``tools`` and ``tool_choice`` go to the template and the answer's
+parser (``server.tools``); ``response_format`` ``json_object`` and
+``json_schema`` become a grammar the answer is sampled under; a schema the
+converter cannot handle is a 400 naming why. Unknown fields (``user``,
+``metadata``, ...) are ignored.
 Every string of a body, wherever it is, is checked first: a NUL character or
 a lone surrogate (``\ud800``, not Unicode) is a 400 naming where it is, never
 cut or passed on; so is a body nested deeper than ``MAX_DEPTH``.
@@ -21,10 +23,11 @@ from typing import Any
 from localkv.model.sampling import GrammarError, json_object_grammar, json_schema_grammar
 from localkv.prompt.template import Message
 from localkv.server.errors import ApiError, bad_request
+from localkv.server.tools import ToolChoice, parse_message_calls, parse_tools
 
 __all__ = ["ChatRequest", "CompletionRequest", "Sampling", "parse_chat", "parse_completion"]
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
 MAX_DEPTH = 32  # a request body needs 5 levels
 _REFUSED_CHARS = re.compile("[\x00\ud800-\udfff]")
@@ -49,6 +52,8 @@ class ChatRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: ToolChoice | None = None  # None: no tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,22 +108,24 @@ def _check_text(text: str, path: str | None) -> None:
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    _refuse_unsupported(body, ("tools", "functions", "tool_choice", "function_call", "audio"))
+    _refuse_unsupported(body, ("audio",))
+    tools, choice = parse_tools(body)
     raw = body.get("messages")
     if raw is None:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", "messages")
     messages = tuple(_message(m, i) for i, m in enumerate(raw))
-    if messages[-1].role != "user":
+    if messages[-1].role not in ("user", "tool"):
         raise bad_request(
-            "the last message must be from the user (role 'user')", f"messages[{len(raw) - 1}]"
+            "the last message must be from the user or a tool (role 'user' or 'tool')",
+            f"messages[{len(raw) - 1}]",
         )
     limit = _opt_int(body, "max_completion_tokens", 1)
     if limit is None:
         limit = _opt_int(body, "max_tokens", 1)
     stream, include_usage = _stream(body)
-    return ChatRequest(messages, _sampling(body, limit), stream, include_usage)
+    return ChatRequest(messages, _sampling(body, limit), stream, include_usage, tools, choice)
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -156,10 +163,25 @@ def _message(raw: object, i: int) -> Message:
         raise bad_request(
             f"{where}.role {role!r} is not supported (one of {known})", f"{where}.role"
         )
-    if raw.get("tool_calls") or raw.get("function_call"):
-        raise bad_request(f"{where}: tool calls are not supported", f"{where}.tool_calls")
+    if raw.get("function_call"):
+        raise bad_request(f"{where}: 'function_call' is not supported: give 'tool_calls'", where)
+    calls = parse_message_calls(raw.get("tool_calls"), where) if role == "assistant" else ()
+    content = raw.get("content")
+    text = "" if content is None and (calls or role == "assistant") else _content(content, where)
+    reasoning = raw.get("reasoning_content") if role == "assistant" else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise bad_request(f"{where}.reasoning_content must be a string", where)
+    call_id = raw.get("tool_call_id") if role == "tool" else None
+    if role == "tool" and not isinstance(call_id, str):
+        raise bad_request(f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id")
+    name = raw.get("name") if role == "tool" and isinstance(raw.get("name"), str) else None
     return Message(
-        "system" if role == "developer" else str(role), _content(raw.get("content"), where)
+        "system" if role == "developer" else str(role),
+        text,
+        reasoning or None,
+        calls,
+        call_id,
+        name,
     )
 
 

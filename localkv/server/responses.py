@@ -30,7 +30,23 @@ def usage(outcome: Outcome) -> dict[str, object]:
 
 
 def finish(outcome: Outcome) -> str:
-    return "length" if outcome.finish_reason == "length" else "stop"
+    if outcome.finish_reason in ("length", "tool_calls"):
+        return outcome.finish_reason
+    return "stop"
+
+
+def message(outcome: Outcome) -> dict[str, object]:
+    """The assistant message of a chat response: content, reasoning, tool calls."""
+    out: dict[str, object] = {"role": "assistant", "content": outcome.text}
+    if outcome.reasoning is not None:
+        out["reasoning_content"] = outcome.reasoning
+    if outcome.tool_calls:
+        out["content"] = outcome.text or None
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in outcome.tool_calls
+        ]
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +75,7 @@ class Reply:
         if self.chat:
             choice: dict[str, object] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": outcome.text},
+                "message": message(outcome),
                 "logprobs": None,
                 "finish_reason": finish(outcome),
             }
@@ -78,15 +94,26 @@ class Reply:
         }
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, *, role: bool = False
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        *,
+        role: bool = False,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, object]] | None = None,
     ) -> str:
-        """A stream chunk with new text (or the opening role, or the finish reason)."""
+        """A stream chunk with new text (or reasoning, tool calls, the opening role, or
+        the finish reason)."""
         if self.chat:
             delta: dict[str, object] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
+            elif reasoning is not None:
+                delta = {"reasoning_content": reasoning}
+            elif tool_calls is not None:
+                delta = {"tool_calls": tool_calls}
             choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None}
@@ -95,6 +122,17 @@ class Reply:
         if self.include_usage:
             data["usage"] = None
         return sse(data)
+
+    def tool_call_chunks(self, outcome: Outcome) -> list[str]:
+        """The tool calls as OpenAI streams them: the id and name, then the arguments."""
+        out = []
+        for i, call in enumerate(outcome.tool_calls):
+            head = {"name": call.name, "arguments": ""}
+            opening = {"index": i, "id": call.id, "type": "function", "function": head}
+            out.append(self.chunk(None, tool_calls=[opening]))
+            arguments = {"index": i, "function": {"arguments": call.arguments}}
+            out.append(self.chunk(None, tool_calls=[arguments]))
+        return out
 
     def finish_chunk(self, outcome: Outcome) -> str:
         """The chunk that ends the choice: its finish reason and the ``localkv`` object."""

@@ -44,7 +44,8 @@ class Ticket:
     """One submitted request: its events arrive on the event loop's ``events`` queue.
 
     Events are ``("started", None)`` when the request fits and its work begins,
-    ``("text", piece)``, then ``("done", result)`` or ``("error", exception)``.
+    ``("text", piece)`` and ``("reasoning", piece)``, then ``("done", result)`` or
+    ``("error", exception)``.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, job: Job) -> None:
@@ -87,6 +88,10 @@ class Ticket:
     def text(self, piece: str) -> None:
         if piece:
             self._put("text", piece)
+
+    def reasoning(self, piece: str) -> None:
+        if piece:
+            self._put("reasoning", piece)
 
     def _put(self, kind: str, value: Any) -> None:
         try:

@@ -304,6 +304,25 @@ def _read_value(data: Any, offset: int, value_type: int) -> tuple[Any, int]:
     return layout.unpack_from(data, offset)[0], offset + layout.size
 
 
+def build_tiny_with_template(directory: Path, source: Path, template: str | None) -> Path:
+    """A tiny model whose GGUF carries ``template`` as ``tokenizer.chat_template`` (None:
+    no chat template at all), with the tokenizer of ``source``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = _read_header(source).metadata
+    tokenizer = directory / "tokenizer.gguf"
+    writer = gguf.GGUFWriter(tokenizer, "llama")
+    for key, value in keys.items():
+        if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
+            writer.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
+    if template is not None:
+        writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return build_tiny_llama(directory / "tiny.gguf", tokenizer)
+
+
 def tiny_config(path: Path, **overrides: object) -> SessionConfig:
     """A session config for the tiny models: one thread (the CI machine has two, shared)."""
     options: dict[str, object] = {"n_ctx": 2048, "n_threads": 1}
