@@ -14,6 +14,8 @@ tokens that tokenizing its rendering whole with ``parse_special=True`` gives.
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,6 +29,9 @@ _SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNO
 _LSTRIP = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP
 _RSTRIP = llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
 _CACHE_LIMIT = 4096  # distinct markup strings whose split is kept
+# characters of text whose tokens are kept: a resent conversation's text is not
+# tokenized again (tokens are a function of the text alone, so never stale)
+_MEMO_CHARS = 8 << 20
 
 Part = str | int  # text, or a special token's id
 
@@ -39,6 +44,8 @@ class MarkupTokenizer:
         self.calls = 0
         self.tokenized_chars = 0
         self._splits: dict[str, tuple[Part, ...]] = {}
+        self._memo: OrderedDict[str, array[int]] = OrderedDict()
+        self._memo_chars = 0
 
     def tokenize(self, pieces: Iterable[Piece]) -> list[int]:
         """The token ids of ``pieces``: markup's special tokens, everything else as text."""
@@ -80,9 +87,20 @@ class MarkupTokenizer:
     def _text_tokens(self, text: str) -> list[int]:
         if not text:
             return []
+        known = self._memo.get(text)
+        if known is not None:
+            self._memo.move_to_end(text)
+            return known.tolist()
         self.calls += 1
         self.tokenized_chars += len(text)
-        return tokenize(self.vocab, text, add_special=False, parse_special=False)
+        ids = tokenize(self.vocab, text, add_special=False, parse_special=False)
+        if len(text) <= _MEMO_CHARS // 4:
+            self._memo[text] = array("i", ids)
+            self._memo_chars += len(text)
+            while self._memo_chars > _MEMO_CHARS:
+                old, _ = self._memo.popitem(last=False)
+                self._memo_chars -= len(old)
+        return ids
 
     def _attr(self, part: Part) -> int:
         return int(llama_cpp.llama_vocab_get_attr(self.vocab, part)) if isinstance(part, int) else 0

@@ -2,8 +2,9 @@
 
 Each response's ``localkv.work`` counts this request's whole-state captures
 and tokenize calls. A live repeat of a request captures no state and
-tokenizes none of its messages' text; a changed message, or a message after a
-changed one, is tokenized again (its tokens are never served stale).
+tokenizes none of its messages' text; a changed message is tokenized again,
+an unchanged one after it is not (text between two special tokens is kept by
+its characters alone, so its tokens are never stale).
 """
 
 from __future__ import annotations
@@ -68,4 +69,5 @@ def test_a_changed_message_is_tokenized_again(server: ServerProcess) -> None:
 
     changed = SYSTEM.replace("Rule 7", "Rule 8")  # the same question after another system prompt
     again = chat(server, changed, other)["work"]
-    assert again["tokenized_chars"] >= len(changed) + len(other)
+    # the changed text is tokenized again; the question's text, unchanged, is not
+    assert len(changed) <= again["tokenized_chars"] < len(changed) + 100
