@@ -1,0 +1,11 @@
+"""The cache at real model geometry: ``python benchmarks/geometry.py --out DIR``.
+
+See ``localkv.bench.geometry`` and docs/GEOMETRY.md.
+"""
+
+import sys
+
+from localkv.bench.geometry.run import main
+
+if __name__ == "__main__":
+    sys.exit(main())
