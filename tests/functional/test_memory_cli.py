@@ -208,8 +208,9 @@ def _conversation_tokens(home: Path) -> int:
 
 
 def _resumed_chat_answers_as_uncached(home: Path, model: Path, swa: bool) -> None:
-    # greedy is dull on a random gemma3 (newlines): a seeded sample tells more
-    sampling = ("--temperature", "1", "--seed", "5") if swa else ("--temperature", "0")
+    # greedy is dull on a random gemma3 (newlines), and so is a narrow draw: a wide one tells more
+    wide = ("--temperature", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", "5")
+    sampling = wide if swa else ("--temperature", "0")
     turns = "Who is Alice?\nWhere does she sit?\nWhat is in the book?\n/quit\n"
     _chat(home, model, turns, "--system", RULES, *sampling)
     n_conversation = _conversation_tokens(home)

@@ -157,13 +157,13 @@ def _flip(path: Path, tensor: str, row_of: int | None = None, end: int = 0) -> N
     data = bytearray(path.read_bytes())
     (n,) = struct.unpack_from("<Q", data, 0)
     spec = json.loads(data[8 : 8 + n])[tensor]
-    begin, end = spec["data_offsets"]
-    at = (begin + end) // 2
+    lo, hi = spec["data_offsets"]
+    at = (lo + hi) // 2
     if row_of is not None:
-        rows, row_bytes = spec["shape"][0], (end - begin) // spec["shape"][0]
+        rows, row_bytes = spec["shape"][0], (hi - lo) // spec["shape"][0]
         index = row_of - (end - rows)
         assert 0 <= index < rows
-        at = begin + index * row_bytes + row_bytes // 2
+        at = lo + index * row_bytes + row_bytes // 2
     data[8 + n + at] ^= 0x20
     path.write_bytes(bytes(data))
 
