@@ -30,7 +30,7 @@ from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import covering_snapshot, has_room, save_prefill, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
-from localkv.model.discovery import FoundModel, describe
+from localkv.model.discovery import model_label
 from localkv.model.native import llama_cpp
 from localkv.model.resolve import resolve_model
 from localkv.model.sampling import SamplingParams, check_grammar, json_schema_grammar
@@ -135,7 +135,7 @@ class Runtime:
         path = Path(cfg.model_path)
         return {
             "name": self.session.meta("general.name") or path.stem,
-            "description": _model_label(path) or self.session.describe(),
+            "description": model_label(path) or self.session.describe(),
             "path": str(path),
             "file_bytes": path.stat().st_size,
             # 0 on a CPU-only build, whatever was asked for
@@ -396,9 +396,3 @@ class Runtime:
                 return result
 
             self._work.submit(write_then_evict)
-
-
-def _model_label(path: Path) -> str | None:
-    """``llama 135M Q4_1``, as ``localkv models`` shows the file (None: unreadable)."""
-    info = describe(FoundModel(path.stem, "path", path))
-    return None if info.error is not None else info.label()

@@ -24,7 +24,7 @@ from localkv.model.ggufmeta import GGUFArray, GGUFError, GGUFMetadata, read_gguf
 from localkv.model.memories import memory_refusal
 from localkv.model.resolve import default_model_path
 
-__all__ = ["FoundModel", "ModelInfo", "describe", "find_models"]
+__all__ = ["FoundModel", "ModelInfo", "describe", "find_models", "model_label"]
 
 ENV_MODELS = "LOCALKV_MODELS"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -318,3 +318,9 @@ def memory_kind(meta: GGUFMetadata) -> str:
         heads = meta.get(f"{arch}.attention.head_count")
         return "hybrid" if isinstance(heads, int) and heads > 0 else "recurrent"
     return "sliding-window" if _sliding(meta, arch) else "attention"
+
+
+def model_label(path: Path) -> str | None:
+    """``llama 135M Q4_1``, as ``localkv models`` shows the file (None: unreadable)."""
+    info = describe(FoundModel(path.stem, "path", path))
+    return None if info.error is not None else info.label()

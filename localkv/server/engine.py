@@ -21,14 +21,13 @@ from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
 from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
-from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message, ToolCall
 from localkv.runtime import Runtime
 from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
-from localkv.server.prefixes import prefix_label, snapshot_namer
+from localkv.server.prefixes import prefill_body, prefix_label, snapshot_namer
 from localkv.server.stops import StopText
 from localkv.server.tools import answer_text, tool_params, with_answer
 
@@ -333,14 +332,7 @@ class Engine:
     # --------------------------------------------------------- pre-warm, list
     def prefill(self, body: dict[str, Any]) -> dict[str, object]:
         """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints."""
-        system = _optional_str(body, "system")
-        documents = _documents(body.get("documents", []))
-        if not documents and not system:
-            raise bad_request("give 'documents', a 'system' prompt, or both", "documents")
-        label = _optional_str(body, "label")
-        pin = body.get("pin", False)
-        if not isinstance(pin, bool):
-            raise bad_request("'pin' must be true or false", "pin")
+        system, documents, label, pin = prefill_body(body)
         budget = Budget(self.runtime.session.n_ctx + 1, param="documents")  # no answer follows
         budget.before_chars(0, len(system or "") + sum(len(d.text) for d in documents))
         try:
@@ -366,34 +358,6 @@ def _sender(stops: StopText, emit: TextFn) -> TextFn:
             emit(out)
 
     return send
-
-
-def _optional_str(body: dict[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise bad_request(f"'{name}' must be a string", name)
-    return value
-
-
-def _documents(raw: object) -> list[Document]:
-    if not isinstance(raw, list):
-        raise bad_request("'documents' must be an array", "documents")
-    docs = []
-    for i, item in enumerate(raw):
-        where = f"documents[{i}]"
-        if isinstance(item, str):
-            text, name = item, None
-        elif isinstance(item, dict) and isinstance(item.get("text"), str):
-            text, name = item["text"], item.get("name")
-            if name is not None and not isinstance(name, str):
-                raise bad_request(f"{where}.name must be a string", f"{where}.name")
-        else:
-            raise bad_request("each document is a string or {'name', 'text'}", where)
-        try:
-            docs.append(Document.from_text(text, name or f"document {i + 1}"))
-        except DocumentError as exc:
-            raise bad_request(str(exc), where) from None
-    return docs
 
 
 def _log_work(now: tuple[int, ...], before: tuple[int, ...], n_messages: int) -> None:

@@ -11,13 +11,16 @@ chain) as the chat's do, keeping its pin and hits (``chat.snapshots``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from localkv.cache.save import SaveResult
 from localkv.chat.snapshots import ConversationSnapshot
+from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.reports import printable
+from localkv.server.errors import bad_request
 
-__all__ = ["prefix_label", "snapshot_namer"]
+__all__ = ["prefill_body", "prefix_label", "snapshot_namer"]
 
 _WORDS = 6
 _MAX_CHARS = 48
@@ -43,3 +46,45 @@ def snapshot_namer(
 ) -> Callable[[SaveResult], None]:
     """What the save runs once the prefix is written: name it ``label``."""
     return lambda saved: snapshot.name(saved, label, n_tokens)
+
+
+def prefill_body(body: dict[str, Any]) -> tuple[str | None, list[Document], str | None, bool]:
+    """``POST /v1/localkv/prefill``'s system prompt, documents, label and pin (a 400
+    naming the field for a bad one)."""
+    system = _optional_str(body, "system")
+    documents = _documents(body.get("documents", []))
+    if not documents and not system:
+        raise bad_request("give 'documents', a 'system' prompt, or both", "documents")
+    label = _optional_str(body, "label")
+    pin = body.get("pin", False)
+    if not isinstance(pin, bool):
+        raise bad_request("'pin' must be true or false", "pin")
+    return system, documents, label, pin
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string", name)
+    return value
+
+
+def _documents(raw: object) -> list[Document]:
+    if not isinstance(raw, list):
+        raise bad_request("'documents' must be an array", "documents")
+    docs = []
+    for i, item in enumerate(raw):
+        where = f"documents[{i}]"
+        if isinstance(item, str):
+            text, name = item, None
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            text, name = item["text"], item.get("name")
+            if name is not None and not isinstance(name, str):
+                raise bad_request(f"{where}.name must be a string", f"{where}.name")
+        else:
+            raise bad_request("each document is a string or {'name', 'text'}", where)
+        try:
+            docs.append(Document.from_text(text, name or f"document {i + 1}"))
+        except DocumentError as exc:
+            raise bad_request(str(exc), where) from None
+    return docs
