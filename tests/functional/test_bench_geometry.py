@@ -21,7 +21,8 @@ from localkv.bench.geometry.shapes import GEOMETRIES, Geometry, by_name
 from localkv.kv.partial import PARTIAL_ONLY
 from localkv.model.native import llama_cpp
 from localkv.model.session import ModelSession, SessionConfig
-from localkv.model.snapshots import read_state_ext, window_of
+from localkv.model.snapshots import read_state_ext, snapshot_interval, window_of
+from localkv.runtime import Runtime
 
 KINDS = {"llama": "kv", "gemma3": "swa", "nemotron_h": "hybrid"}
 
@@ -104,3 +105,20 @@ def test_bad_arguments_are_usage_errors(args: list[str], tmp_path: Path) -> None
     with pytest.raises(SystemExit) as exc:
         main([*args, *(["--out", str(tmp_path)] if args else [])])
     assert exc.value.code == 2
+
+
+def test_at_a_hybrid_s_geometry_states_are_kept_where_they_cost_no_more_than_rows(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Granite 4.0-H-Tiny: a 58 MB state against 8 KiB of attention rows per token."""
+    g = by_name("granite-4.0-h-tiny")
+    config = SessionConfig(model_path=models[g.name], n_ctx=2048, n_threads=1)
+    with Runtime(config, cache_dir=tmp_path / "cache") as rt:
+        assert rt.cache is not None
+        every = snapshot_interval(g.recurrent_bytes, g.kv_bytes_per_token, 256)
+        assert rt.session.snapshot_interval == every == 7 * 256
+    f = measure(models[g.name], g, 1200, 1, tmp_path)
+    assert f.verified and f.reused == f.tokens == f.kept
+    # no state on the block grid below the interval: the segment ends' alone (at
+    # most the prompt's two); a state at every block would be five more
+    assert f.disk <= g.rows_once(f.tokens) + g.recurrent_bytes + (1 << 20)
