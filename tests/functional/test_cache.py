@@ -245,7 +245,8 @@ def test_saving_twice_writes_nothing_new(
         first = rt.prefill([doc], system=SYSTEM)
         files = _block_files(tmp_path)
         second = rt.prefill([doc], system=SYSTEM)
-    assert first.new_blocks == first.blocks > 0
+    # every file written, the shorter block where the system prompt ends included
+    assert first.new_blocks == len(files) >= first.blocks > 0
     assert second.new_blocks == 0
     assert second.reused == second.tokens
     assert _block_files(tmp_path) == files

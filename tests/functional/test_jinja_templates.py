@@ -11,6 +11,7 @@ with the cache (restored from disk by a second process-like runtime) as without 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -197,6 +198,9 @@ def _engine_turns(model: Path, cache_dir: Path | None, name: str) -> list[tuple[
 
 
 class _Channel:
+    def __init__(self) -> None:
+        self.arrived = time.perf_counter()
+
     def started(self) -> None: ...
     def text(self, piece: str) -> None: ...
     def reasoning(self, piece: str) -> None: ...

@@ -70,7 +70,7 @@ def blocks(markdown: str) -> list[Block]:
 
 def _normal(line: str) -> str:
     """A printed line without what varies between runs: ids, numbers, units of size."""
-    line = re.sub(r"\b[0-9a-f]{12,64}\b", "ID", line.strip())
+    line = re.sub(r"\b(?=[a-f]*\d)[0-9a-f]{8,64}\b", "ID", line.strip())  # ids, short too
     line = re.sub(r"\d[\d,]*(\.\d+)?", "N", line)
     return re.sub(r"N\s*(B|KiB|MiB|GiB|kB|MB|GB)\b", "N SIZE", line)
 
