@@ -151,7 +151,7 @@ def test_a_streamed_json_schema_answer_is_the_same_json(server: ServerProcess) -
 
 @pytest.mark.default_model
 def test_json_object_gives_a_json_object(server: ServerProcess) -> None:
-    reply = _chat(server, "Describe a cat as JSON.", {"type": "json_object"})
+    reply = _chat(server, "Give a cat's name and age as a JSON object.", {"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
 
