@@ -3,7 +3,8 @@
 ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``POST /v1/localkv/prefill``, ``GET /v1/localkv/cache``.
 Streaming is Server-Sent Events ending in ``data: [DONE]``; keep-alives are
-comment lines. Every error is OpenAI-shaped JSON (``errors``).
+comment lines. Every error is OpenAI-shaped JSON (``errors``). The Ollama API
+(``/api/...``) is ``server.ollama``, on the same worker.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.routing import Route
 from localkv.server.engine import Engine, Outcome
 from localkv.server.errors import ApiError, error_response
 from localkv.server.gate import Gate, read_body
+from localkv.server.ollama import OllamaRoutes
 from localkv.server.openai import decode_body, parse_chat, parse_completion
 from localkv.server.responses import DONE, KEEP_ALIVE, Reply
 from localkv.server.worker import ModelWorker, NotReady, QueueFull, Ticket
@@ -65,6 +67,7 @@ def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/localkv/prefill", routes.prefill, methods=["POST"]),
             Route("/v1/localkv/cache", routes.cache),
+            *OllamaRoutes(routes).all(),
         ],
         exception_handlers={HTTPException: _http_error, ApiError: _api_error},  # type: ignore[dict-item]
         lifespan=lifespan,
@@ -76,12 +79,13 @@ def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = "not_found" if exc.status_code == 404 else None
     return error_response(
-        ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code),
+        request.url.path,
     )
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 class Routes:

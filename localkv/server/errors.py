@@ -1,4 +1,7 @@
-"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Under ``/api/`` (the Ollama API) they are Ollama's: ``{"error": "message"}``.
+"""
 
 from __future__ import annotations
 
@@ -54,5 +57,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: ApiError, path: str = "") -> JSONResponse:
+    """The error as JSON: OpenAI's shape, or Ollama's ``{"error": message}`` under ``/api/``."""
+    body = {"error": error.message} if path.startswith("/api/") else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)

@@ -59,14 +59,14 @@ class Gate:
             await self.app(scope, receive, logged_send)
         except ApiError as exc:
             if not status[0]:  # else the response is under way: nothing more can be said
-                await error_response(exc)(scope, receive, logged_send)
+                await error_response(exc, scope["path"])(scope, receive, logged_send)
         except Exception as exc:
             log.error("%s %s failed: %s", scope["method"], scope["path"], exc, exc_info=exc)
             if not status[0]:
                 error = ApiError(
                     500, f"internal error: {type(exc).__name__}", code="internal_error"
                 )
-                await error_response(error)(scope, receive, logged_send)
+                await error_response(error, scope["path"])(scope, receive, logged_send)
         finally:
             _log_line(scope, status[0], time.perf_counter() - t0)
 
