@@ -118,6 +118,10 @@ def test_chat_streamed_equals_chat_whole_and_the_openai_route(server: ServerProc
         model="tiny", messages=messages("What is a note?"), temperature=0, seed=7, max_tokens=12
     )  # type: ignore[call-overload]
     assert openai.choices[0].message.content == whole.message.content
+    # one request to one engine: the same prompt tokens, reused from the Ollama turn
+    assert openai.usage is not None and openai.usage.prompt_tokens == whole.prompt_eval_count
+    details = openai.usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) >= openai.usage.prompt_tokens - 1
 
 
 def test_generate_is_the_chat_of_one_user_message_and_raw_is_a_completion(
@@ -173,6 +177,13 @@ def test_a_restart_serves_a_long_prompt_from_the_cache_with_its_count(
     assert second["prompt_eval_cached_count"] >= 0.9 * second["prompt_eval_count"]
     assert second["localkv"]["source"] == "disk" and second["localkv"]["verified"] is True
     assert second["message"]["content"] == first["message"]["content"]
+    # a prompt that differs from its first message on reuses nothing of it
+    changed = [{"role": "system", "content": "X" + long_text[1:6000]}, convo[1]]
+    with ServerProcess(tiny_args(tiny_models), tmp_path / "server.log") as proc:
+        body = {"messages": changed, "options": OPTIONS, "stream": False}
+        status, other = post(proc, "/api/chat", json.dumps(body).encode())
+    assert status == 200 and other["prompt_eval_count"] > 1000
+    assert other["prompt_eval_cached_count"] < 0.1 * other["prompt_eval_count"]
 
 
 BAD_CHATS = [
@@ -201,3 +212,12 @@ def test_bad_bodies_get_ollama_shaped_errors_and_the_server_goes_on(server: Serv
     with pytest.raises(ollama.ResponseError) as raised:
         ollama_client(server).chat(model="tiny", messages=[{"role": "wizard", "content": "x"}])
     assert raised.value.status_code == 400 and "wizard" in raised.value.error
+
+
+def test_a_missing_key_is_an_ollama_shaped_401(tmp_path: Path, tiny_models: TinyModels) -> None:
+    args = [*tiny_args(tiny_models), "--api-key", "s3cret"]
+    with ServerProcess(args, tmp_path / "server.log") as proc:
+        status, error = post(proc, "/api/chat", b"{}")
+        assert status == 401 and set(error) == {"error"} and error["error"]
+        keyed = ollama.Client(host=proc.base_url, headers={"Authorization": "Bearer s3cret"})
+        assert [m.model for m in keyed.list().models] == ["tiny-base"]
