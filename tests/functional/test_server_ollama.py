@@ -221,3 +221,57 @@ def test_a_missing_key_is_an_ollama_shaped_401(tmp_path: Path, tiny_models: Tiny
         assert status == 401 and set(error) == {"error"} and error["error"]
         keyed = ollama.Client(host=proc.base_url, headers={"Authorization": "Bearer s3cret"})
         assert [m.model for m in keyed.list().models] == ["tiny-base"]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def test_a_tool_history_is_the_openai_request_with_the_calls_ids(server: ServerProcess) -> None:
+    """Ollama's calls have no ids: each gets one, and the tool's result answers it."""
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    history = [
+        {"role": "user", "content": "The weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"},
+    ]
+    body = {"messages": history, "tools": TOOLS, "options": OPTIONS, "stream": False}
+    status, answer = post(server, "/api/chat", json.dumps(body).encode())
+    assert status == 200, answer
+    arguments = json.dumps({"city": "Paris"})
+    openai_call = {
+        "id": "call_1_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+    openai_history = [
+        history[0],
+        {"role": "assistant", "content": "", "tool_calls": [openai_call]},
+        {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1_0"},
+    ]
+    openai = client(server).chat.completions.create(
+        model="tiny",
+        messages=openai_history,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        temperature=0,
+        seed=7,
+        max_tokens=12,
+    )
+    assert openai.usage is not None and openai.usage.prompt_tokens == answer["prompt_eval_count"]
+    assert openai.choices[0].message.content == answer["message"]["content"]
+    # the call and its result are in the prompt, not dropped
+    body["messages"] = history[:1]
+    shorter = post(server, "/api/chat", json.dumps(body).encode())[1]
+    assert shorter["prompt_eval_count"] + 10 < answer["prompt_eval_count"]
