@@ -197,16 +197,22 @@ BAD_CHATS = [
     ),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "'stream'"),
     (b'{"prompt": 5}', "'prompt'"),
+    (b'{"prompt": "hi", "images": ["aGk="]}', "'images'"),
 ]
 
 
 def test_bad_bodies_get_ollama_shaped_errors_and_the_server_goes_on(server: ServerProcess) -> None:
-    good = json.dumps({"messages": messages("Hi"), "stream": False, "options": OPTIONS}).encode()
+    ignored = {"keep_alive": "5m", "think": False}  # accepted, as num_ctx is
+    options = {**OPTIONS, "num_ctx": 8192, "repeat_penalty": 1.1}
+    good = json.dumps({"messages": messages("Hi"), "stream": False, "options": options, **ignored})
     for body, says in BAD_CHATS:
         path = "/api/generate" if b"prompt" in body else "/api/chat"
         status, error = post(server, path, body)
         assert status == 400 and set(error) == {"error"} and says in str(error["error"]), error
-        assert post(server, "/api/chat", good)[0] == 200  # still answering
+        assert post(server, "/api/chat", good.encode())[0] == 200  # still answering
+    for path, empty in (("/api/chat", {"messages": []}), ("/api/generate", {"prompt": ""})):
+        status, loaded = post(server, path, json.dumps({"model": "m", **empty}).encode())
+        assert (status, loaded["done"], loaded["done_reason"]) == (200, True, "load")
     status, error = post(server, "/api/nothing", b"{}")
     assert status == 404 and set(error) == {"error"}
     with pytest.raises(ollama.ResponseError) as raised:

@@ -65,8 +65,10 @@ class OllamaRoutes:
         request.state.arrived = time.perf_counter()
         body = await self.routes._body(request)
         stream = is_stream(body)
-        parsed = chat_request(body)
         answer = Answer(self._model(body), chat=True)
+        if body.get("messages") == []:  # Ollama's way to load a model: it is loaded
+            return self._loaded(answer)
+        parsed = chat_request(body)
         return await self._generate(request, answer, stream, lambda e, t: e.chat(parsed, t))
 
     async def generate(self, request: Request) -> Response:
@@ -75,14 +77,17 @@ class OllamaRoutes:
         stream = is_stream(body)
         answer = Answer(self._model(body), chat=False)
         if body.get("prompt") in (None, ""):  # Ollama's way to load a model: it is loaded
-            self.routes._engine()
-            return JSONResponse({**answer.piece(), "done": True, "done_reason": "load"})
+            return self._loaded(answer)
         parsed = generate_request(body)
         if isinstance(parsed, ChatRequest):
             chat = parsed
             return await self._generate(request, answer, stream, lambda e, t: e.chat(chat, t))
         raw = parsed
         return await self._generate(request, answer, stream, lambda e, t: e.complete(raw, t))
+
+    def _loaded(self, answer: Answer) -> Response:
+        self.routes._engine()  # a 503 while the model loads
+        return JSONResponse({**answer.piece(), "done": True, "done_reason": "load"})
 
     def _model(self, body: dict[str, Any]) -> str:
         model = body.get("model")
