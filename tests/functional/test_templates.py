@@ -13,11 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import llama_cpp
 import pytest
 from click.testing import CliRunner
-from support.tinymodels import _read_header, build_tiny_llama, tiny_config
+from support.tinymodels import build_tiny_with_template, tiny_config
 
 import localkv
 from localkv.cli import cli
@@ -37,31 +36,16 @@ MARKUP = ("<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>")
 NO_TEMPLATE_WARNING = "model has no chat template; using 'gemma' for architecture gemma3"
 
 
-def _tiny_with_template(directory: Path, source: Path, template: str | None) -> Path:
-    """A tiny model whose GGUF carries ``template`` (None: no chat template at all)."""
-    keys = _read_header(source).metadata
-    tokenizer = directory / "tokenizer.gguf"
-    writer = gguf.GGUFWriter(tokenizer, "llama")
-    for key, value in keys.items():
-        if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
-            writer.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
-    if template is not None:
-        writer.add_chat_template(template)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return build_tiny_llama(directory / "tiny.gguf", tokenizer)
-
-
 @pytest.fixture(scope="module")
 def tiny_llama3(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
-    return _tiny_with_template(tmp_path_factory.mktemp("llama3"), default_model_path, LLAMA3_JINJA)
+    return build_tiny_with_template(
+        tmp_path_factory.mktemp("llama3"), default_model_path, LLAMA3_JINJA
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_untemplated(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
-    return _tiny_with_template(tmp_path_factory.mktemp("none"), default_model_path, None)
+    return build_tiny_with_template(tmp_path_factory.mktemp("none"), default_model_path, None)
 
 
 def _llama_cpp_render(name: str, messages: list[Message]) -> str:
