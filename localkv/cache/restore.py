@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from localkv.cache.windowread import read_window_chain
+from localkv.cache.windowread import chain_layout, read_window_chain
 from localkv.kv import codec, partial
-from localkv.kv.blocks import PARTIAL, block_layout, block_partial, tensors_to_state
+from localkv.kv.blocks import PARTIAL, block_partial, tensors_to_state
 from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_next
@@ -117,27 +117,11 @@ def _read(
     leaving room after them for the last block's partial part (if any);
     otherwise the blocks come back as arrays to assemble.
     """
-    layouts = set()
-    at = 0
     # a partial part is used from the chain's last block only: the others' are not read
     drops = [{PARTIAL} if PARTIAL in o.specs else set() for o in opened[:-1]] + [set()]
-    for block_file in opened:
-        if block_file.row.start != at:
-            raise codec.StateFormatError(f"block at {block_file.row.start}, expected {at}")
-        at = block_file.row.end
-        specs = block_file.specs
-        layouts.add(
-            block_layout(
-                block_file.metadata,
-                {name: s.shape for name, s in specs.items()},
-                {name: s.dtype.itemsize for name, s in specs.items()},
-            )
-        )
-    if len(layouts) != 1:
-        raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
-    found = layouts.pop()
+    found = chain_layout(opened)
     v_trans, layout = found.v_trans, found.layers
-    n = at - 1
+    n = opened[-1].row.end - 1  # chain_layout refused an empty chain
     if v_trans or n <= 0 or not layout:
         return store.fill_blocks(opened, [None] * len(opened), drops), None, None
     tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER

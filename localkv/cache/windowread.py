@@ -25,12 +25,13 @@ from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block
 
-__all__ = ["read_window_chain"]
+__all__ = ["chain_layout", "read_window_chain"]
 
 _Targets = dict[str, list[np.ndarray]]
 
 
-def _layout(opened: list[OpenedBlock]) -> BlockLayout:
+def chain_layout(opened: list[OpenedBlock]) -> BlockLayout:
+    """The one KV layout of a chain's blocks, which must follow each other from 0."""
     layouts = set()
     at = 0
     for block_file in opened:
@@ -47,7 +48,11 @@ def _layout(opened: list[OpenedBlock]) -> BlockLayout:
         )
     if len(layouts) != 1:
         raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
-    layout = layouts.pop()
+    return layouts.pop()
+
+
+def _layout(opened: list[OpenedBlock]) -> BlockLayout:
+    layout = chain_layout(opened)
     if not layout.window or not layout.layers:
         raise codec.StateFormatError("the blocks hold no sliding-window rows")
     return layout
