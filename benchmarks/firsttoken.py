@@ -41,8 +41,13 @@ SETTINGS: dict[str, dict[str, str]] = {
     "gomp-default": {"GOMP_SPINCOUNT": "300000"},
     "active": {"OMP_WAIT_POLICY": "active"},
     "passive": {"OMP_WAIT_POLICY": "passive"},
+    "spin-1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin-3k": {"GOMP_SPINCOUNT": "3000"},
+    "spin-10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin-30k": {"GOMP_SPINCOUNT": "30000"},
+    "spin-100k": {"GOMP_SPINCOUNT": "100000"},
 }
-QUESTION = "Who is in the story, in one sentence?"
+QUESTION = "Question {}: who is in the story, in one sentence?"
 SYSTEM = "Answer from the document."
 
 
@@ -127,6 +132,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--load", type=int, default=2)
     ap.add_argument("--threads", type=int)
+    ap.add_argument(
+        "--settings", default=",".join(SETTINGS), help="which, comma-separated (default: all)"
+    )
+    ap.add_argument("--loads", help="spinner counts, e.g. 0,2 (default: 0 and --load)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--write-docs", type=Path)
     ap.add_argument("--render", type=Path, help="write the docs from figures already measured")
@@ -145,13 +154,17 @@ def main() -> None:
     pre = [*base, "prefill", *common, "--system", SYSTEM, str(doc)]
     subprocess.run(pre, env=_env(home, {}), check=True, capture_output=True)
     ask = [*base, "ask", *common, "--system", SYSTEM, "--json", "--temperature", "0"]
-    ask += ["--max-tokens", "16", str(doc), QUESTION]
+    ask += ["--max-tokens", "16", str(doc)]
+    asked = iter(range(10**6))  # each run asks a new question: its tokens are not cached
     rows = []
-    for load in (0, args.load):
+    loads = [int(x) for x in args.loads.split(",")] if args.loads else [0, args.load]
+    chosen = {name: SETTINGS[name] for name in args.settings.split(",")}
+    for load in loads:
         spinners = _spinners(load)
         try:
-            for name, extra in SETTINGS.items():
-                runs = [_ask(ask, _env(home, extra)) for _ in range(args.runs)]
+            for name, extra in chosen.items():
+                env = _env(home, extra)
+                runs = [_ask([*ask, QUESTION.format(next(asked))], env) for _ in range(args.runs)]
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 rows.append({"setting": name, "load": load, "median": med, "runs": runs})
                 print(

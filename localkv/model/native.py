@@ -11,31 +11,72 @@ import collections
 import ctypes
 import logging
 import os
+import statistics
 import threading
+import time
 from typing import Any
 
 # OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads
 # (its libgomp starts). Spinning threads (libgomp's default) decode fastest on
 # idle cores; on cores other processes use, every barrier of every decode waits
-# for a spinning thread's time slice (docs/BENCHMARKS.md, "Threads"). So a
-# machine already busier than its cores when llama.cpp loads gets passive waits.
+# for a spinning thread's time slice (docs/FIRSTTOKEN.md). So localkv looks at
+# the machine when llama.cpp loads: with other work running on at least half the
+# cores, passive waits; otherwise a short spin (GOMP_SPINCOUNT 3000: as fast as
+# libgomp's default 300000 idle, measured, and it gives the core up soon when
+# other work arrives later in a long-lived process). The work running is
+# /proc/loadavg's count of runnable tasks now, sampled a few times: the 1-minute
+# average lags a load by a minute, and counts this user's own earlier commands.
 # A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+IDLE_SPINCOUNT = "3000"
+CHOSEN_MARK = "LOCALKV_OPENMP_CHOSEN"  # what localkv itself set, for the processes it starts
+
+
+def runnable_others(samples: int = 5, gap_s: float = 0.001) -> float | None:
+    """Tasks runnable on the machine now besides this one (median of ``samples``); None: unknown."""
+    counts = []
+    try:
+        for i in range(samples):
+            with open("/proc/loadavg", encoding="ascii") as f:
+                running = int(f.read().split()[3].split("/")[0])
+            counts.append(max(0, running - 1))  # this thread runs while it reads
+            if i + 1 < samples:
+                time.sleep(gap_s)
+    except (OSError, ValueError, IndexError):
+        return None
+    return float(statistics.median(counts))
+
+
+def wait_settings(others: float, cpus: int) -> tuple[str, dict[str, str]]:
+    """The choice (``busy``/``idle``) and the OpenMP settings for ``others`` runnable tasks."""
+    if others >= max(1, cpus // 2):
+        return "busy", {"OMP_WAIT_POLICY": "passive"}
+    return "idle", {"GOMP_SPINCOUNT": IDLE_SPINCOUNT}
 
 
 def _choose_wait_policy() -> str:
-    """Set ``OMP_WAIT_POLICY`` from the load unless the user set it; how it was chosen."""
+    """Set the OpenMP wait from the machine's load unless the user set it; how it was chosen.
+
+    What localkv sets is marked (``CHOSEN_MARK``), so a process it starts, which
+    inherits the environment, chooses again rather than taking it for the user's.
+    """
+    mine = os.environ.get(CHOSEN_MARK, "")
+    if mine and mine == _settings_text():
+        for name in WAIT_SETTINGS:
+            os.environ.pop(name, None)
     if any(os.environ.get(name) for name in WAIT_SETTINGS):
         return "user"
-    try:
-        cpus = len(os.sched_getaffinity(0))
-        busy = os.getloadavg()[0] >= cpus
-    except (AttributeError, OSError):  # no load average here: libgomp's default
+    others = runnable_others()
+    if others is None:  # no /proc here: libgomp's default
         return "default"
-    if busy:
-        os.environ["OMP_WAIT_POLICY"] = "passive"
-        return "busy"
-    return "idle"
+    choice, settings = wait_settings(others, len(os.sched_getaffinity(0)))
+    os.environ.update(settings)
+    os.environ[CHOSEN_MARK] = _settings_text()
+    return choice
+
+
+def _settings_text() -> str:
+    return " ".join(f"{name}={os.environ.get(name, '')}" for name in WAIT_SETTINGS)
 
 
 WAIT_CHOICE = _choose_wait_policy()
@@ -52,7 +93,9 @@ __all__ = [
     "llama_cpp_version",
     "openmp_settings",
     "recent_errors",
+    "runnable_others",
     "system_info",
+    "wait_settings",
 ]
 
 log = logging.getLogger("localkv.llama")

@@ -1,4 +1,4 @@
-"""OpenMP's wait policy is chosen before llama.cpp loads, and a user's own setting wins."""
+"""OpenMP's wait is chosen from the work running when llama.cpp loads; a user's own setting wins."""
 
 from __future__ import annotations
 
@@ -6,38 +6,79 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
+from localkv.model.native import IDLE_SPINCOUNT, runnable_others, wait_settings
+
 _PROBE = (
-    "import json, os; from localkv.model.native import openmp_settings\n"
-    "print(json.dumps([openmp_settings(), os.getloadavg()[0], len(os.sched_getaffinity(0))]))"
+    "import json, os; from localkv.model.native import openmp_settings, CHOSEN_MARK\n"
+    "print(json.dumps([openmp_settings(), os.environ.get(CHOSEN_MARK)]))"
 )
+_NAMES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LOCALKV_OPENMP_CHOSEN")
 
 
-def _settings(**env: str) -> tuple[dict[str, str | None], float, int]:
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+def _settings(**env: str) -> tuple[dict[str, str | None], str | None]:
+    base = {k: v for k, v in os.environ.items() if k not in _NAMES}
     done = subprocess.run(
         [sys.executable, "-c", _PROBE], env={**base, **env}, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    found, load, cpus = json.loads(done.stdout)
-    return found, load, cpus
+    found, mark = json.loads(done.stdout)
+    return found, mark
+
+
+@pytest.fixture
+def busy() -> Iterator[int]:
+    """More CPU-bound processes than half the cores, running throughout."""
+    n = max(1, len(os.sched_getaffinity(0)) // 2) + 1
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_the_choice_from_the_work_running() -> None:
+    assert wait_settings(0, 2) == ("idle", {"GOMP_SPINCOUNT": IDLE_SPINCOUNT})
+    assert wait_settings(0.5, 2) == ("idle", {"GOMP_SPINCOUNT": IDLE_SPINCOUNT})
+    assert wait_settings(1, 2) == ("busy", {"OMP_WAIT_POLICY": "passive"})
+    assert wait_settings(7, 16) == ("idle", {"GOMP_SPINCOUNT": IDLE_SPINCOUNT})
+    assert wait_settings(8, 16) == ("busy", {"OMP_WAIT_POLICY": "passive"})
+    assert wait_settings(1, 1)[0] == "busy"
+
+
+def test_the_work_running_is_counted_now(busy: int) -> None:
+    others = runnable_others()
+    assert others is not None and others >= busy
 
 
 @pytest.mark.parametrize("name", ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT"])
-def test_a_users_own_setting_wins(name: str) -> None:
+def test_a_users_own_setting_wins(name: str, busy: int) -> None:
     value = "active" if name == "OMP_WAIT_POLICY" else "1000"
-    found, _, _ = _settings(**{name: value})
+    found, mark = _settings(**{name: value})
     assert found["chosen"] == "user" and found[name] == value
     other = ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} - {name}).pop()
-    assert found[other] is None  # nothing added beside it
+    assert found[other] is None and mark is None  # nothing added beside it
 
 
-def test_without_one_the_load_when_llama_cpp_loads_decides() -> None:
-    found, load, cpus = _settings()
-    assert found["chosen"] in ("busy", "idle")
-    # the load is read again after the choice: the two may differ only near the threshold
-    if abs(load - cpus) > 0.5:
-        assert found["chosen"] == ("busy" if load >= cpus else "idle")
-    assert found["OMP_WAIT_POLICY"] == ("passive" if found["chosen"] == "busy" else None)
+def test_a_busy_machine_gets_passive_waits(busy: int) -> None:
+    found, mark = _settings()
+    assert found["chosen"] == "busy"
+    assert found["OMP_WAIT_POLICY"] == "passive" and found["GOMP_SPINCOUNT"] is None
+    assert mark == "OMP_WAIT_POLICY=passive GOMP_SPINCOUNT="
+
+
+def test_a_process_localkv_starts_chooses_again(busy: int) -> None:
+    # it inherits what its parent chose on an idle machine, marked as localkv's own
+    inherited = {"GOMP_SPINCOUNT": IDLE_SPINCOUNT}
+    mark = f"OMP_WAIT_POLICY= GOMP_SPINCOUNT={IDLE_SPINCOUNT}"
+    found, _ = _settings(**inherited, LOCALKV_OPENMP_CHOSEN=mark)
+    assert found["chosen"] == "busy" and found["OMP_WAIT_POLICY"] == "passive"
+    assert found["GOMP_SPINCOUNT"] is None
+    # a mark that does not match what is set: the user changed it, and it wins
+    found, _ = _settings(GOMP_SPINCOUNT="50", LOCALKV_OPENMP_CHOSEN=mark)
+    assert found["chosen"] == "user" and found["GOMP_SPINCOUNT"] == "50"

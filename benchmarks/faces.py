@@ -1,0 +1,430 @@
+"""The warm first token in every face, idle and under load, beside llama-cpp-python's own paths.
+
+    .venv/bin/python benchmarks/faces.py --peer-python PY [--model PATH] [--tokens 2000]
+        [--runs 5] [--load 2] [--localkv-python PY --label NAME] [--no-peer]
+        [--out FIGURES.json] [--write-docs docs/FACES.md]
+    .venv/bin/python benchmarks/faces.py --render A.json [B.json ...] --write-docs docs/FACES.md
+
+``--peer-python`` is a Python with ``llama-cpp-python[server]==0.3.36`` (its
+server's extras conflict with localkv's pinned Starlette, so it lives in its own
+virtual environment). ``--localkv-python`` measures another checkout's localkv
+(its own venv's Python, e.g. an earlier commit) under ``--label``.
+
+Two documents of about ``--tokens`` tokens (the bench text) are cached once, in a
+fresh cache for localkv and as llama.cpp state files for the peer. Then, idle and
+with ``--load`` CPU-bound processes (``python -c 'while 1: pass'``, nice 0) on the
+machine, ``--runs`` times each, localkv and the peer in turn:
+
+- ``ask``: a fresh process answers a new question about document A (localkv:
+  ``localkv ask``; the peer: ``faces_peer.py ask``, which loads the model, loads
+  the state file with ``llama_state_seq_load_file`` and decodes the question).
+  Seconds from starting the command to the first byte of the answer on its stdout.
+- ``api``: one process that has loaded the model answers about A, then B, in turn,
+  so each answer restores (``Runtime.ask`` / ``llama_state_seq_load_file``).
+  Seconds from the call to the first token.
+- ``http-restart``: the server is started again, then a streamed chat completion
+  about A is sent (localkv serve from its disk cache; the peer is
+  ``llama_cpp.server --cache True --cache_type disk``, its own persistent cache).
+  Seconds from sending to the first content chunk.
+- ``http-repeat``: the same request again, to the same server.
+
+Both sides use the same model, n_ctx, thread count and flash attention; the
+peer's prompt is the token ids localkv builds. Neither has OpenMP variables set
+by the bench: localkv chooses its wait policy from the load, the peer runs with
+libgomp's defaults. Medians per face and load; every run and the load average
+when it began are in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, cast
+
+HERE = Path(__file__).resolve().parent
+SYSTEM = "Answer from the document."
+HTTP_QUESTION = "Who is in the story, in one sentence?"
+MAX_TOKENS = 16
+FACES = ("ask", "api", "http-restart", "http-repeat")
+
+
+def question(i: int) -> str:
+    """A question that no earlier run asked, so each answer decodes its own tokens."""
+    return f"Question {i}: who is in the story, in one sentence?"
+
+
+# ------------------------------------------------------------------ set-up
+def _documents(model: Path, n: int, work: Path) -> dict[str, Path]:
+    from localkv.bench.text import prompt_tokens
+    from localkv.model.session import ModelSession, SessionConfig
+
+    paths = {}
+    with ModelSession(SessionConfig(model_path=model, n_ctx=n + 512)) as s:
+        text = s.detokenize(prompt_tokens(s, 2 * n))
+        for name, part in (("A", text[: len(text) // 2]), ("B", text[len(text) // 2 :])):
+            paths[name] = work / f"doc-{name}.txt"
+            paths[name].write_text(f"Notes {name}.\n\n{part}", encoding="utf-8")
+    return paths
+
+
+def _prompts(args: argparse.Namespace, docs: dict[str, Path], work: Path, n: int) -> Path:
+    """localkv's token ids of each document's prompt and questions, for the peer."""
+    import localkv
+
+    opts = {"n_ctx": args.ctx, "n_threads": args.threads, "flash_attn": "on"}
+    rt = localkv.Runtime.open(args.model, use_cache=False, **opts)
+    out: dict[str, Any] = {}
+    with rt:
+        for name, path in docs.items():
+            doc = localkv.read_document(path)
+            asks = [rt.build([doc], system=SYSTEM, question=question(i)).tokens for i in range(n)]
+            k = 0
+            while all(len(t) > k and t[k] == asks[0][k] for t in asks):
+                k += 1
+            out[name] = {"prefix": asks[0][:k], "questions": [t[k:] for t in asks]}
+    path = work / "prompts.json"
+    settings = {"model": str(args.model), "n_ctx": args.ctx, "threads": args.threads}
+    settings |= {"flash_attn": True, "max_tokens": MAX_TOKENS, "work": str(work)}
+    path.write_text(json.dumps({**settings, "docs": out}))
+    return path
+
+
+# ------------------------------------------------------------------ measures
+def first_byte(cmd: list[str], env: dict[str, str], log: Path) -> float:
+    """Seconds from starting ``cmd`` to the first byte on its stdout; it must then succeed."""
+    with log.open("ab") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+        assert proc.stdout is not None
+        got = proc.stdout.read(1)
+        first = time.perf_counter() - t0
+        proc.stdout.read()
+        if proc.wait(600) != 0 or not got:
+            raise RuntimeError(f"{cmd[:4]} failed (rc {proc.returncode}); see {log}")
+    return first
+
+
+API_WORKER = """
+import json, sys, time
+import localkv
+p = json.loads(sys.argv[1])
+rt = localkv.Runtime.open(p["model"], n_ctx=p["n_ctx"], n_threads=p["threads"], flash_attn="on")
+docs = [localkv.read_document(d) for d in p["docs"]]
+params = localkv.SamplingParams(temperature=0, max_tokens=p["max_tokens"])
+out = []
+with rt:
+    for i in range(p["runs"]):
+        first = []
+        t0 = time.perf_counter()
+        rt.ask([docs[i % 2]], p["questions"][i], system=p["system"], params=params,
+               on_text=lambda piece: first or first.append(time.perf_counter() - t0))
+        out.append(first[0])
+        rt.wait_for_saves()
+print(json.dumps({"ttft_s": out}))
+"""
+
+
+class Server:
+    """``localkv serve`` or ``llama_cpp.server`` (with its disk cache), restartable."""
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str], health: str) -> None:
+        from support.server import free_port  # tests/support
+
+        self.port = free_port()
+        self.cmd = [*cmd, "--port", str(self.port)]
+        self.cwd, self.env, self.health = cwd, env, health
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = (self.cwd / "server.log").open("ab")
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
+        url = f"http://127.0.0.1:{self.port}{self.health}"
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[:4]} exited; see {self.cwd / 'server.log'}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(300)
+
+    def ttft(self, system: str) -> float:
+        import httpx
+
+        body = {
+            "model": "m",
+            "temperature": 0,
+            "max_tokens": 8,
+            "stream": True,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": HTTP_QUESTION},
+            ],
+        }
+        url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
+        first = 0.0
+        t0 = time.perf_counter()
+        with httpx.stream("POST", url, json=body, timeout=1200) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not first and line.startswith("data: {"):
+                    delta = (json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {}
+                    if delta.get("content"):
+                        first = time.perf_counter() - t0
+        if not first:
+            raise RuntimeError(f"no content from {self.cmd[:4]}")
+        return first
+
+
+# ------------------------------------------------------------------ the run
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work = args, work
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+        self.env["LOCALKV_HOME"] = str(work / "localkv-home")
+        self.docs = _documents(args.model, args.tokens, work)
+        self.asked = 0  # questions used so far (each run asks a new one)
+        self.n_questions = 16 * args.runs
+        self.prompts = _prompts(args, self.docs, work, self.n_questions) if args.peer else None
+        self.system_a = f"{SYSTEM}\n\n{self.docs['A'].read_text(encoding='utf-8')}"
+        common = ["--ctx", str(args.ctx), "--threads", str(args.threads), "--flash-attn", "on"]
+        self.common = ["--model", str(args.model), *common]
+
+    def lkv(self, *rest: str) -> list[str]:
+        return [self.args.localkv_python, "-m", "localkv", *rest]
+
+    def peer(self, *rest: str) -> list[str]:
+        return [self.args.peer_python, str(HERE / "faces_peer.py"), *rest]
+
+    def setup(self) -> None:
+        for d in self.docs.values():
+            cmd = self.lkv("prefill", *self.common, "--system", SYSTEM, str(d))
+            subprocess.run(cmd, env=self.env, check=True, capture_output=True)
+        if self.prompts:
+            subprocess.run(self.peer("save", str(self.prompts)), env=self.env, check=True)
+        for server in self.servers().values():  # the first request of each: a cold prefill
+            server.start()
+            server.ttft(self.system_a)
+            server.stop()
+
+    def servers(self) -> dict[str, Server]:
+        home = self.work / "localkv-http"
+        home.mkdir(exist_ok=True)
+        env = {**self.env, "LOCALKV_HOME": str(home)}
+        out = {"localkv": Server(self.lkv("serve", *self.common), home, env, "/health")}
+        if self.args.peer:
+            peer_dir = self.work / "peer-http"
+            peer_dir.mkdir(exist_ok=True)
+            a = self.args
+            cmd = [a.peer_python, "-m", "llama_cpp.server", "--model", str(a.model)]
+            cmd += ["--host", "127.0.0.1", "--n_ctx", str(a.ctx), "--n_threads", str(a.threads)]
+            cmd += ["--n_threads_batch", str(a.threads), "--flash_attn", "True"]
+            cmd += ["--cache", "True", "--cache_type", "disk"]
+            out["peer"] = Server(cmd, peer_dir, self.env, "/v1/models")
+        return out
+
+    def ask(self, who: str) -> float:
+        i = self.asked
+        self.asked += 1
+        log = self.work / f"{who}-ask.log"
+        if who == "localkv":
+            cmd = self.lkv("ask", *self.common, "--system", SYSTEM, "--temperature", "0")
+            cmd += ["--max-tokens", str(MAX_TOKENS), str(self.docs["A"]), question(i)]
+            return first_byte(cmd, self.env, log)
+        return first_byte(self.peer("ask", str(self.prompts), "A", str(i)), self.env, log)
+
+    def api(self, who: str, runs: int) -> list[float]:
+        base = self.asked
+        self.asked += runs
+        if who == "localkv":
+            p = {"model": str(self.args.model), "n_ctx": self.args.ctx, "runs": runs}
+            p |= {"threads": self.args.threads, "max_tokens": MAX_TOKENS, "system": SYSTEM}
+            p |= {"docs": [str(self.docs["A"]), str(self.docs["B"])]}
+            p["questions"] = [question(base + i) for i in range(runs)]
+            cmd = [self.args.localkv_python, "-c", API_WORKER, json.dumps(p)]
+        else:  # the peer's questions are token ids: index ``base + i`` of each document's
+            cmd = self.peer("api", str(self.prompts), str(runs), str(base))
+        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        return cast(list[float], json.loads(done.stdout.strip().splitlines()[-1])["ttft_s"])
+
+    def load_phase(self, spinners: int) -> dict[str, Any]:
+        who = ["localkv", "peer"] if self.args.peer else ["localkv"]
+        runs: dict[str, dict[str, list[dict[str, float]]]] = {
+            f: {w: [] for w in who} for f in FACES
+        }
+
+        def note(face: str, w: str, seconds: float, load: float) -> None:
+            runs[face][w].append({"s": seconds, "load1": load})
+            print(
+                f"  +{spinners} {face:12} {w:8} {seconds * 1000:8.0f} ms  load {load:.2f}",
+                flush=True,
+            )
+
+        for _ in range(self.args.runs):
+            for w in who:
+                load = os.getloadavg()[0]
+                note("ask", w, self.ask(w), load)
+        for w in who:
+            load = os.getloadavg()[0]
+            for s in self.api(w, 2 * self.args.runs)[1:]:  # the first restores in a cold process
+                note("api", w, s, load)
+        servers = self.servers()
+        for _ in range(self.args.runs):
+            for w, server in servers.items():
+                server.start()
+                try:
+                    load = os.getloadavg()[0]
+                    note("http-restart", w, server.ttft(self.system_a), load)
+                    note("http-repeat", w, server.ttft(self.system_a), os.getloadavg()[0])
+                finally:
+                    server.stop()
+        return runs
+
+
+def _spin(n: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="localkv-faces-"))
+    try:
+        bench = Bench(args, work)
+        bench.setup()
+        phases = {}
+        for spinners in (0, args.load):
+            procs = _spin(spinners)
+            try:
+                phases[str(spinners)] = bench.load_phase(spinners)
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.wait()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "label": args.label,
+        "tokens": args.tokens,
+        "runs": args.runs,
+        "load": args.load,
+        "ctx": args.ctx,
+        "threads": args.threads,
+        "cpus": len(os.sched_getaffinity(0)),
+        "when": time.strftime("%Y-%m-%dT%H:%M%z"),
+        "command": " ".join(["benchmarks/faces.py", *sys.argv[1:]]),
+        "phases": phases,
+    }
+
+
+# ------------------------------------------------------------------ the page
+def _med(runs: list[dict[str, float]], key: str = "s") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1000:,.0f} ms"
+
+
+def render(sets: list[dict[str, Any]]) -> str:
+    """Markdown: per face, idle and busy medians, their ratio, and localkv against the peer."""
+    lines = [
+        "# The warm first token in every face",
+        "",
+        "<!-- Generated by benchmarks/faces.py; do not edit by hand. -->",
+        "",
+        str(cast(str, __doc__).split("\n\n", 3)[3].split("\n\nBoth sides")[0]).strip(),
+        "",
+    ]
+    for data in sets:
+        busy = str(data["load"])
+        lines += [
+            f"## {data['label']}: {data['tokens']:,}-token documents, {data['when']}",
+            "",
+            "```",
+            str(data["command"]),
+            "```",
+            "",
+            f"{data['runs']} runs per face and load, medians; n_ctx {data['ctx']}, "
+            f"{data['threads']} threads on {data['cpus']} usable cores; busy = "
+            f"{busy} CPU-bound processes. `load` is the median 1-minute load average "
+            "when the runs began (idle and busy).",
+            "",
+            "| face | who | idle | busy | busy / idle | load |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        idle_p, busy_p = data["phases"]["0"], data["phases"][busy]
+        for face in FACES:
+            for who, idle in idle_p[face].items():
+                hot = busy_p[face][who]
+                ratio = _med(hot) / _med(idle)
+                loads = f"{_med(idle, 'load1'):.1f} / {_med(hot, 'load1'):.1f}"
+                lines.append(
+                    f"| {face} | {who} | {_ms(_med(idle))} | {_ms(_med(hot))} "
+                    f"| {ratio:.2f}x | {loads} |"
+                )
+        if "peer" in idle_p["ask"]:
+            lines += ["", "localkv against the peer (its median over localkv's):", ""]
+            lines += ["| face | idle | busy |", "|---|---:|---:|"]
+            for face in FACES:
+                r0 = _med(idle_p[face]["peer"]) / _med(idle_p[face]["localkv"])
+                r1 = _med(busy_p[face]["peer"]) / _med(busy_p[face]["localkv"])
+                lines.append(f"| {face} | {r0:.2f}x | {r1:.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=cast(str, __doc__).splitlines()[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--load", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--peer-python", help="a Python with llama-cpp-python[server]")
+    ap.add_argument("--no-peer", dest="peer", action="store_false")
+    ap.add_argument("--localkv-python", default=sys.executable)
+    ap.add_argument("--label", default="localkv")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--write-docs", type=Path)
+    ap.add_argument("--render", type=Path, nargs="+", help="write the page from saved figures")
+    args = ap.parse_args()
+    if args.render:
+        sets = [json.loads(p.read_text()) for p in args.render]
+        args.write_docs.write_text(render(sets))
+        return
+    if args.peer and not args.peer_python:
+        ap.error("--peer-python is needed (or --no-peer)")
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    sys.path.insert(0, str(HERE.parent))
+    from localkv.model.resolve import resolve_model
+
+    args.model = resolve_model(args.model)
+    args.ctx = (args.tokens + 512 + 255) // 256 * 256
+    data = measure(args)
+    if args.out:
+        args.out.write_text(json.dumps(data, indent=1) + "\n")
+    if args.write_docs:
+        args.write_docs.write_text(render([data]))
+
+
+if __name__ == "__main__":
+    main()
