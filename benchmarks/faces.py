@@ -19,6 +19,8 @@ machine, ``--runs`` times each, localkv and the peer in turn:
   ``localkv ask``; the peer: ``faces_peer.py ask``, which loads the model, loads
   the state file with ``llama_state_seq_load_file`` and decodes the question).
   Seconds from starting the command to the first byte of the answer on its stdout.
+- ``ask-repeat`` (localkv only): the same, asking one question again and again,
+  so the cache holds the whole prompt (the first run is not counted).
 - ``api``: one process that has loaded the model answers about A, then B, in turn,
   so each answer restores (``Runtime.ask`` / ``llama_state_seq_load_file``).
   Seconds from the call to the first token.
@@ -55,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 SYSTEM = "Answer from the document."
 HTTP_QUESTION = "Who is in the story, in one sentence?"
 MAX_TOKENS = 16
-FACES = ("ask", "api", "http-restart", "http-repeat")
+FACES = ("ask", "ask-repeat", "api", "http-restart", "http-repeat")
 
 
 def question(i: int) -> str:
@@ -101,10 +103,13 @@ def _prompts(args: argparse.Namespace, docs: dict[str, Path], work: Path, n: int
 
 # ------------------------------------------------------------------ measures
 def first_byte(cmd: list[str], env: dict[str, str], log: Path) -> float:
-    """Seconds from starting ``cmd`` to the first byte on its stdout; it must then succeed."""
+    """Seconds from starting ``cmd`` to the first byte on its stdout; it must then succeed.
+
+    It runs in the log's folder: a checkout's own folder would put that checkout's
+    code first on ``sys.path``."""
     with log.open("ab") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=log.parent)
         assert proc.stdout is not None
         got = proc.stdout.read(1)
         first = time.perf_counter() - t0
@@ -217,7 +222,7 @@ class Bench:
     def setup(self) -> None:
         for d in self.docs.values():
             cmd = self.lkv("prefill", *self.common, "--system", SYSTEM, str(d))
-            subprocess.run(cmd, env=self.env, check=True, capture_output=True)
+            subprocess.run(cmd, env=self.env, cwd=self.work, check=True, capture_output=True)
         if self.prompts:
             subprocess.run(self.peer("save", str(self.prompts)), env=self.env, check=True)
         for server in self.servers().values():  # the first request of each: a cold prefill
@@ -241,9 +246,9 @@ class Bench:
             out["peer"] = Server(cmd, peer_dir, self.env, "/v1/models")
         return out
 
-    def ask(self, who: str) -> float:
-        i = self.asked
-        self.asked += 1
+    def ask(self, who: str, again: bool = False) -> float:
+        i = -1 if again else self.asked
+        self.asked += 0 if again else 1
         log = self.work / f"{who}-ask.log"
         if who == "localkv":
             cmd = self.lkv("ask", *self.common, "--system", SYSTEM, "--temperature", "0")
@@ -262,7 +267,9 @@ class Bench:
             cmd = [self.args.localkv_python, "-c", API_WORKER, json.dumps(p)]
         else:  # the peer's questions are token ids: index ``base + i`` of each document's
             cmd = self.peer("api", str(self.prompts), str(runs), str(base))
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            cmd, env=self.env, cwd=self.work, capture_output=True, text=True, check=False
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
         return cast(list[float], json.loads(done.stdout.strip().splitlines()[-1])["ttft_s"])
@@ -284,6 +291,10 @@ class Bench:
             for w in who:
                 load = os.getloadavg()[0]
                 note("ask", w, self.ask(w), load)
+        self.ask("localkv", again=True)  # the question's own block, cached
+        for _ in range(self.args.runs):
+            load = os.getloadavg()[0]
+            note("ask-repeat", "localkv", self.ask("localkv", again=True), load)
         for w in who:
             load = os.getloadavg()[0]
             for s in self.api(w, 2 * self.args.runs)[1:]:  # the first restores in a cold process
@@ -375,6 +386,8 @@ def render(sets: list[dict[str, Any]]) -> str:
         for face in FACES:
             for who, idle in idle_p[face].items():
                 hot = busy_p[face][who]
+                if not idle or not hot:
+                    continue
                 ratio = _med(hot) / _med(idle)
                 loads = f"{_med(idle, 'load1'):.1f} / {_med(hot, 'load1'):.1f}"
                 lines.append(
@@ -384,7 +397,7 @@ def render(sets: list[dict[str, Any]]) -> str:
         if "peer" in idle_p["ask"]:
             lines += ["", "localkv against the peer (its median over localkv's):", ""]
             lines += ["| face | idle | busy |", "|---|---:|---:|"]
-            for face in FACES:
+            for face in (f for f in FACES if idle_p[f].get("peer")):
                 r0 = _med(idle_p[face]["peer"]) / _med(idle_p[face]["localkv"])
                 r1 = _med(busy_p[face]["peer"]) / _med(busy_p[face]["localkv"])
                 lines.append(f"| {face} | {r0:.2f}x | {r1:.2f}x |")

@@ -16,7 +16,9 @@ load average when the run began. Prints medians and writes every figure.
 The settings: ``localkv`` (nothing set: localkv chooses from the load,
 ``localkv.model.native``), ``gomp-default`` (``GOMP_SPINCOUNT=300000``,
 libgomp's own spin when nothing is set), ``active`` and ``passive``
-(``OMP_WAIT_POLICY``). Other work on the machine moves every figure: the load
+(``OMP_WAIT_POLICY``) and ``spin-N`` (``GOMP_SPINCOUNT=N``); ``--settings``
+picks some, ``--loads`` the spinner counts. Each run asks a new question, so
+its tokens are prefilled after the restored document. Other work on the machine moves every figure: the load
 averages are in the output for that reason.
 """
 
