@@ -54,8 +54,9 @@ class ResponsesRoutes:
 
         def job(engine: Engine, ticket: Ticket) -> Outcome:
             outcome = engine.chat(parsed, ticket)
-            if outcome.reasoning:
-                reasoned.tokens = len(engine.runtime.template.text_tokens(outcome.reasoning))
+            if outcome.reasoning:  # the reasoning's text, tokenized: at most what was sampled
+                tokens = engine.runtime.template.text_tokens(outcome.reasoning)
+                reasoned.tokens = min(len(tokens), outcome.generated)
             return outcome
 
         ticket = routes._submit(job)
