@@ -9,7 +9,8 @@ Accepted and ignored: ``model`` (the loaded model answers), ``store`` (nothing
 is stored, whatever it says), ``include``, ``reasoning`` (the template decides
 whether the model reasons), ``prompt_cache_key`` and ``prompt_cache_retention``
 (the cache is keyed by the prompt's tokens, kept on disk), ``service_tier``,
-``safety_identifier``, ``stream_options``, ``truncation: "disabled"``.
+``safety_identifier``, ``stream_options``, ``truncation: "disabled"`` and Codex
+CLI's ``client_metadata``.
 Refused with a 400 naming the field: ``previous_response_id`` and
 ``conversation`` (the server is stateless: send the whole input), ``background``,
 ``prompt``, ``max_tool_calls``, ``top_logprobs``, ``truncation: "auto"`` and
@@ -31,7 +32,7 @@ MAPPED = {
 }  # fmt: skip
 IGNORED = {
     "store", "include", "reasoning", "prompt_cache_key", "prompt_cache_retention",
-    "service_tier", "safety_identifier", "stream_options", "truncation",
+    "service_tier", "safety_identifier", "stream_options", "truncation", "client_metadata",
 }  # fmt: skip
 STATELESS = (
     "this server is stateless (it stores no responses): send the whole conversation in "
