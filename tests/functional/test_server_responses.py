@@ -301,6 +301,24 @@ def test_a_function_call_round_trip(server: ServerProcess) -> None:
     assert answer.output_text == completion.choices[0].message.content
     # the call and its output are in the prompt, not dropped
     assert first.usage is not None and first.usage.input_tokens + 10 < answer.usage.input_tokens
+    # a message before the call is the same assistant turn, as chat's content beside tool_calls
+    said = {"type": "message", "role": "assistant", "content": "Let me look."}
+    turn = c.responses.create(
+        model="tiny",
+        input=[*history[:1], said, *history[1:]],
+        tools=TOOLS,
+        max_output_tokens=1,
+        **FIXED,
+    )
+    one = [*messages[:1], {**messages[1], "content": "Let me look."}, *messages[2:]]
+    chat_turn = c.chat.completions.create(
+        model="tiny",
+        messages=one,
+        tools=CHAT_TOOLS,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert turn.usage is not None and chat_turn.usage is not None
+    assert turn.usage.input_tokens == chat_turn.usage.prompt_tokens > answer.usage.input_tokens
 
 
 def test_json_object_and_schema_formats_hold(server: ServerProcess) -> None:
@@ -346,6 +364,70 @@ def test_reasoning_is_a_reasoning_item_streamed_or_not(
     assert final.usage.output_tokens_details.reasoning_tokens == (
         whole.usage.output_tokens_details.reasoning_tokens
     )
+
+
+# a template that renders an assistant's reasoning_content, earlier turns' too
+REASONING_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif -%}"
+    "{{ m.content }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+
+
+def test_reasoning_items_go_back_as_the_assistants_reasoning(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    model = build_tiny_with_template(tmp_path / "m", default_model_path, REASONING_TEMPLATE)
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "The notes say Alice."}],
+    }
+    said = {"type": "message", "role": "assistant", "content": "Alice is."}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"}
+    ask = [{"role": "user", "content": "Who?"}]
+    later = [{"role": "user", "content": "Sure?"}]
+    output = [{"type": "function_call_output", "call_id": "call_1", "output": "noon"}]
+    chat_call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": "{}"},
+    }
+    reasoned = {"role": "assistant", "reasoning_content": "The notes say Alice."}
+    pairs = [  # (Responses input, the chat messages it is)
+        ([*ask, thought, said, *later], [*ask, {**reasoned, "content": "Alice is."}, *later]),
+        (
+            [*ask, thought, call, *output],
+            [
+                *ask,
+                {**reasoned, "content": None, "tool_calls": [chat_call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+            ],
+        ),
+    ]
+    with ServerProcess(tiny_args(model), tmp_path / "server.log") as proc:
+        c = client(proc)
+        for items, messages in pairs:
+            r = c.responses.create(
+                model="m", input=items, tools=TOOLS, max_output_tokens=1, **FIXED
+            )
+            chat = c.chat.completions.create(
+                model="m",
+                messages=messages,
+                tools=CHAT_TOOLS,
+                max_tokens=1,  # type: ignore[arg-type]
+            )
+            without = c.responses.create(
+                model="m",
+                input=[i for i in items if i is not thought],
+                tools=TOOLS,
+                max_output_tokens=1,
+            )
+            assert r.usage is not None and chat.usage is not None and without.usage is not None
+            assert r.usage.input_tokens == chat.usage.prompt_tokens
+            assert r.usage.input_tokens > without.usage.input_tokens + 4  # it is in the prompt
 
 
 BAD: list[tuple[dict[str, Any], str, str, str | None]] = [
