@@ -248,7 +248,7 @@ def test_a_function_call_round_trip(server: ServerProcess) -> None:
     first = c.responses.create(model="tiny", input=question, tool_choice="required", **ask)
     assert first.status == "completed"
     calls = [item for item in first.output if item.type == "function_call"]
-    assert len(calls) == 1 and [i.type for i in first.output][-1] == "function_call"
+    assert [i.type for i in first.output] == ["function_call"]  # no text beside the call
     (call,) = calls
     assert call.call_id.startswith("call_") and call.id == "fc_" + call.call_id[5:]
     assert call.status == "completed" and call.name in ("get_weather", "get_time")
@@ -256,6 +256,15 @@ def test_a_function_call_round_trip(server: ServerProcess) -> None:
     jsonschema.validate(json.loads(call.arguments), tool["parameters"])
 
     events = streamed(c, input=question, tool_choice="required", **ask)
+    assert [e.type for e in events[2:]] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[2].item.status == "in_progress" and events[2].item.arguments == ""
+    assert events[-2].item.arguments == call.arguments and events[-2].item.status == "completed"
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [(e.name, e.arguments) for e in done] == [(call.name, call.arguments)]
     assert deltas(events, "response.function_call_arguments.delta") == call.arguments
