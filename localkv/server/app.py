@@ -28,6 +28,7 @@ from localkv.server.errors import ApiError, error_response
 from localkv.server.gate import Gate, read_body
 from localkv.server.ollama import OllamaRoutes
 from localkv.server.openai import decode_body, parse_chat, parse_completion
+from localkv.server.openai_responses import ResponsesRoutes
 from localkv.server.responses import DONE, KEEP_ALIVE, Reply
 from localkv.server.worker import ModelWorker, NotReady, QueueFull, Ticket
 
@@ -68,6 +69,7 @@ def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
             Route("/v1/localkv/prefill", routes.prefill, methods=["POST"]),
             Route("/v1/localkv/cache", routes.cache),
             *OllamaRoutes(routes).all(),
+            *ResponsesRoutes(routes).all(),
         ],
         exception_handlers={HTTPException: _http_error, ApiError: _api_error},  # type: ignore[dict-item]
         lifespan=lifespan,
