@@ -18,8 +18,8 @@ The settings: ``localkv`` (nothing set: localkv chooses from the load,
 libgomp's own spin when nothing is set), ``active`` and ``passive``
 (``OMP_WAIT_POLICY``) and ``spin-N`` (``GOMP_SPINCOUNT=N``); ``--settings``
 picks some, ``--loads`` the spinner counts. Each run asks a new question, so
-its tokens are prefilled after the restored document. Other work on the machine moves every figure: the load
-averages are in the output for that reason.
+its tokens are prefilled after the restored document. Other work on the
+machine moves every figure: the load averages are in the output for that reason.
 """
 
 from __future__ import annotations
