@@ -6,13 +6,28 @@ the background; once written, its chain is named ``server: <first words>``, the
 first words of the request's first message (or prompt). A conversation that goes
 on replaces its earlier snapshot (same label, its tokens the start of the new
 chain) as the chat's do, keeping its pin and hits (``chat.snapshots``).
+
+A request may ask for prefixes to be kept (``Breakpoint``: Anthropic's
+``cache_control``): each is the prompt up to the end of a message, a segment
+end of the prompt, so a block of the saved chain ends there. Once saved, that
+block is named ``server: <first words> · kept`` and pinned until its time to
+live has passed (``pinned_until``), so eviction leaves it until then; the same
+breakpoint again extends the pin. After it the pin lapses and the snapshot is
+evicted like any other.
 """
 
 from __future__ import annotations
 
+import logging
+import sqlite3
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from localkv.cache.catalogue import save_snapshot
 from localkv.cache.save import SaveResult
 from localkv.chat.snapshots import ConversationSnapshot
 from localkv.prompt.request import Document, DocumentError
@@ -20,7 +35,24 @@ from localkv.prompt.template import Message
 from localkv.reports import printable
 from localkv.server.errors import bad_request
 
-__all__ = ["prefill_body", "prefix_label", "snapshot_namer"]
+if TYPE_CHECKING:
+    from localkv.cache.prefix import PrefixCache
+    from localkv.chat.session import ChatState
+    from localkv.runtime import Runtime
+    from localkv.server.engine import Outcome
+
+__all__ = [
+    "Breakpoint",
+    "Pin",
+    "new_tokens",
+    "pin_ends",
+    "pin_namer",
+    "prefill_body",
+    "prefix_label",
+    "snapshot_namer",
+]
+
+log = logging.getLogger(__name__)
 
 _WORDS = 6
 _MAX_CHARS = 48
@@ -46,6 +78,116 @@ def snapshot_namer(
 ) -> Callable[[SaveResult], None]:
     """What the save runs once the prefix is written: name it ``label``."""
     return lambda saved: snapshot.name(saved, label, n_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Keep the prompt up to the end of message ``message`` (-1: the tools, which render
+    into the system prompt) pinned for ``ttl_s`` seconds after the request."""
+
+    message: int
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A breakpoint as a prompt position: its first ``end`` tokens, kept ``ttl_s``."""
+
+    end: int
+    ttl_s: float
+
+
+def pin_ends(state: ChatState, n_messages: int, breakpoints: Sequence[Breakpoint]) -> list[Pin]:
+    """Where ``breakpoints`` (indices into the request's ``n_messages`` messages) end in
+    ``state``'s prompt: the segment end of each message, one segment per message.
+
+    A tools preamble may add a system message before them (``prepare_tools``); where
+    the segments are not one per message (tool results merged into one message, a
+    template that renders no prefix apart), only the last message and the system
+    prompt are placed, the others are dropped (logged).
+    """
+    ends, messages = state.boundaries, state.messages
+    offset = len(messages) - n_messages
+    aligned = len(ends) == len(messages) and offset >= 0
+    has_system = bool(messages) and messages[0].role == "system"
+    pins: dict[int, float] = {}
+    for point in breakpoints:
+        if point.message == n_messages - 1:
+            at: int | None = len(ends) - 1
+        elif point.message <= 0 and has_system and (aligned or point.message < 0):
+            at = 0
+        elif aligned:
+            at = point.message + offset
+        else:
+            at = None
+        if at is None or not 0 <= at < len(ends):
+            log.info("a cache breakpoint at message %d has no segment end; not kept", point.message)
+            continue
+        pins[ends[at]] = max(pins.get(ends[at], 0.0), point.ttl_s)
+    return [Pin(end, ttl) for end, ttl in sorted(pins.items())]
+
+
+def new_tokens(pins: Sequence[Pin], outcome: Outcome) -> int:
+    """The prompt tokens up to the last pin that were not read from the cache: computed
+    by this request and written with its pins (Anthropic's cache creation)."""
+    end = max((p.end for p in pins), default=0)
+    return max(0, min(end, outcome.prompt_tokens) - outcome.cached_tokens)
+
+
+def pin_namer(
+    runtime: Runtime,
+    namer: Callable[[SaveResult], None],
+    label: str,
+    pins: Sequence[Pin],
+    prompt: tuple[Sequence[int], Sequence[int]],
+) -> Callable[[SaveResult], None]:
+    """``namer``, then the stored block ending at each pin (of ``prompt``'s tokens and
+    batch ends) named and pinned for the pin's time."""
+    if not pins:
+        return namer
+    tokens, ends = prompt
+
+    def name(saved: SaveResult) -> None:
+        namer(saved)
+        cache = runtime.cache
+        if cache is None or saved.tip is None or saved.not_kept:
+            return
+        for pin in pins:
+            try:
+                tip = _block_ending(cache, tokens[: pin.end], [e for e in ends if e <= pin.end])
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("could not look up the prefix to pin: %s", exc)
+                return
+            if tip is None:
+                log.info("no saved block ends at token %d; the breakpoint is not kept", pin.end)
+                continue
+            until = time.time() + pin.ttl_s
+            kept = f"{label} · kept"
+            save_snapshot(cache, tip, (), pin.end, label=kept, pin=True, pin_until=until)
+
+    return name
+
+
+def _block_ending(cache: PrefixCache, tokens: Sequence[int], ends: Sequence[int]) -> str | None:
+    """The stored block whose chain holds exactly ``tokens`` (None: none is stored).
+
+    The lookup finds the longest chain sharing them, whose last block may go on past
+    them (a longer prompt's tip after the same full blocks): then its sibling that
+    ends where they end, with their tokens.
+    """
+    chain = cache.plan(tokens, ends).chain
+    if not chain:
+        return None
+    last, n = chain[-1], len(tokens)
+    if last.end == n:
+        return last.hash
+    if last.start >= n:
+        return None
+    own = np.asarray(tokens[last.start :], dtype=np.int32)
+    for row in cache.store.children(last.parent, last.identity, last.namespace):
+        if row.start == last.start and row.end == n and np.array_equal(row.tokens, own):
+            return row.hash
+    return None
 
 
 def prefill_body(body: dict[str, Any]) -> tuple[str | None, list[Document], str | None, bool]:
