@@ -34,6 +34,7 @@ from localkv.server.prefixes import (
     pin_namer,
     prefill_body,
     prefix_label,
+    prompt_lengths,
     snapshot_namer,
 )
 from localkv.server.stops import StopText
@@ -126,7 +127,7 @@ class Engine:
         finally:
             _log_work(template.work(), work, len(request.messages))
         prompt = list(state.tokens)
-        pins = pin_ends(state, len(request.messages), request.breakpoints)
+        pins = pin_ends(state, len(request.messages), request.breakpoints, self._length(request))
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
@@ -188,9 +189,11 @@ class Engine:
 
     def count(self, request: ChatRequest, channel: Channel) -> int:
         """The prompt tokens ``chat`` would run for ``request`` (nothing is computed)."""
-        budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
-        template, memory = self.runtime.template, self.memory
-        return len(build_prompt(template, request.messages, memory, budget, request.tools).tokens)
+        return self._length(request)(len(request.messages))
+
+    def _length(self, request: ChatRequest) -> Callable[[int], int]:
+        session = self.runtime.session
+        return prompt_lengths(self.runtime.template, request, self.memory, session.n_ctx)
 
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:

@@ -8,8 +8,8 @@ on replaces its earlier snapshot (same label, its tokens the start of the new
 chain) as the chat's do, keeping its pin and hits (``chat.snapshots``).
 
 A request may ask for prefixes to be kept (``Breakpoint``: Anthropic's
-``cache_control``): each is the prompt up to the end of a message, a segment
-end of the prompt, so a block of the saved chain ends there. Once saved, that
+``cache_control``): each is the prompt up to the last segment end at or before
+the end of a message, so a block of the saved chain ends there. Once saved, that
 block is named ``server: <first words> · kept`` and pinned until its time to
 live has passed (``pinned_until``), so eviction leaves it until then; the same
 breakpoint again extends the pin. After it the pin lapses and the snapshot is
@@ -33,13 +33,17 @@ from localkv.chat.snapshots import ConversationSnapshot
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.reports import printable
+from localkv.server.conversation import AnswerMemory, build_prompt
 from localkv.server.errors import bad_request
+from localkv.server.limits import Budget
 
 if TYPE_CHECKING:
     from localkv.cache.prefix import PrefixCache
     from localkv.chat.session import ChatState
+    from localkv.prompt.template import ChatTemplate
     from localkv.runtime import Runtime
     from localkv.server.engine import Outcome
+    from localkv.server.openai import ChatRequest
 
 __all__ = [
     "Breakpoint",
@@ -49,6 +53,7 @@ __all__ = [
     "pin_namer",
     "prefill_body",
     "prefix_label",
+    "prompt_lengths",
     "snapshot_namer",
 ]
 
@@ -97,34 +102,49 @@ class Pin:
     ttl_s: float
 
 
-def pin_ends(state: ChatState, n_messages: int, breakpoints: Sequence[Breakpoint]) -> list[Pin]:
+def pin_ends(
+    state: ChatState,
+    n_messages: int,
+    breakpoints: Sequence[Breakpoint],
+    length: Callable[[int], int],
+) -> list[Pin]:
     """Where ``breakpoints`` (indices into the request's ``n_messages`` messages) end in
-    ``state``'s prompt: the segment end of each message, one segment per message.
+    ``state``'s prompt: at the last segment end at or before the end of their message.
 
-    A tools preamble may add a system message before them (``prepare_tools``); where
-    the segments are not one per message (tool results merged into one message, a
-    template that renders no prefix apart), only the last message and the system
-    prompt are placed, the others are dropped (logged).
+    ``length(k)`` is the length of the prompt of the first ``k`` messages alone (it
+    ends with the assistant's opening). The segment ends are the conversation's own
+    (``state.boundaries``), the same whatever the protocol: a breakpoint adds none, so
+    the schedule, and with it what the cache holds, does not depend on breakpoints.
+    A breakpoint on the tools is one on the system prompt they are rendered in.
     """
     ends, messages = state.boundaries, state.messages
-    offset = len(messages) - n_messages
-    aligned = len(ends) == len(messages) and offset >= 0
     has_system = bool(messages) and messages[0].role == "system"
     pins: dict[int, float] = {}
     for point in breakpoints:
-        if point.message == n_messages - 1:
-            at: int | None = len(ends) - 1
-        elif point.message <= 0 and has_system and (aligned or point.message < 0):
-            at = 0
-        elif aligned:
-            at = point.message + offset
-        else:
-            at = None
-        if at is None or not 0 <= at < len(ends):
-            log.info("a cache breakpoint at message %d has no segment end; not kept", point.message)
+        at = point.message if point.message >= 0 or not has_system else 0
+        if at < 0:
             continue
-        pins[ends[at]] = max(pins.get(ends[at], 0.0), point.ttl_s)
+        limit = ends[-1] if at >= n_messages - 1 else length(at + 1)
+        end = max((e for e in ends if e <= limit), default=0)
+        if end == 0:
+            log.info("a cache breakpoint at message %d has no segment end; not kept", at)
+            continue
+        pins[end] = max(pins.get(end, 0.0), point.ttl_s)
     return [Pin(end, ttl) for end, ttl in sorted(pins.items())]
+
+
+def prompt_lengths(
+    template: ChatTemplate, request: ChatRequest, memory: AnswerMemory, n_ctx: int
+) -> Callable[[int], int]:
+    """The length of the prompt of the request's first ``k`` messages, as a function of ``k``
+    (the tokens ``build_prompt`` gives them, the assistant's opening last)."""
+    tools = request.tools
+
+    def length(k: int) -> int:
+        messages = request.messages[:k]
+        return len(build_prompt(template, messages, memory, Budget(n_ctx), tools).tokens)
+
+    return length
 
 
 def new_tokens(pins: Sequence[Pin], outcome: Outcome) -> int:

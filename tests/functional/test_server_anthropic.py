@@ -118,7 +118,10 @@ def test_a_cached_system_prompt_is_pinned_and_read_after_a_restart(
     assert read >= 0.9 * total and localkv(second)["source"] == "disk"
     assert u2.cache_creation_input_tokens == total - read and u2.input_tokens == 0
     assert text_of(second) == text_of(first) and second.stop_reason == first.stop_reason
-    assert len(kept[1]) == 2  # the same snapshots again, their pins extended
+    # the same two snapshots again, their pins extended from the second request on
+    again = sorted((s["tokens"], s["pinned_until"]) for s in kept[1])
+    assert [t for t, _ in again] == [p[0] for p in pins]
+    assert all(u > p[2] + before for (_, u), p in zip(again, pins, strict=True))
 
 
 def test_streamed_equals_whole_with_each_stop_reason(server: ServerProcess) -> None:
@@ -333,6 +336,44 @@ def test_bad_requests_get_anthropics_errors_and_the_server_goes_on(server: Serve
     assert status == 400 and error["error"]["type"] == "invalid_request_error"
 
 
+def kept(server: ServerProcess) -> list[tuple[int, bool]]:
+    found = [s for s in snapshots(server) if s["label"].endswith("· kept")]
+    return sorted((s["tokens"], s["pinned"]) for s in found)
+
+
+def test_a_breakpoint_on_an_earlier_message_keeps_the_prompt_to_its_segment_end(
+    server: ServerProcess,
+) -> None:
+    c = sdk(server)
+    marked = {"type": "text", "text": "What is a note?", "cache_control": {"type": "ephemeral"}}
+    # the prompt of the first message alone: it ends with the assistant's opening
+    first = c.messages.count_tokens(model="m", system=SYSTEM, messages=USER).input_tokens
+    answer = text_of(c.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=USER))
+    convo = [
+        {"role": "user", "content": [marked]},
+        {"role": "assistant", "content": answer},  # this server's answer: its sampled tokens
+        {"role": "user", "content": "More?"},
+    ]
+    r = c.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=convo)
+    assert kept(server) == [(first, True)]  # the segment of that message ends there
+    total = c.messages.count_tokens(model="m", system=SYSTEM, messages=convo).input_tokens
+    u = r.usage
+    assert (u.cache_creation_input_tokens, u.cache_read_input_tokens) == (
+        0,
+        localkv(r)["cached_tokens"],
+    )  # read: the first turn is in the live context
+    assert u.input_tokens == total - localkv(r)["cached_tokens"] > 0
+    # an answer this server did not give joins its question's segment: the breakpoint
+    # on that question is rounded down to the segment end before it, the system prompt's
+    other = "You answer questions about the lists."
+    foreign = [convo[0], {"role": "assistant", "content": "A short text."}, convo[2]]
+    r = c.messages.create(model="m", max_tokens=4, system=other, messages=foreign)
+    system_end = [t for t, _ in kept(server) if t != first]
+    assert len(system_end) == 1 and 0 < system_end[0] < first
+    created = system_end[0] - localkv(r)["cached_tokens"]
+    assert r.usage.cache_creation_input_tokens == created > 0
+
+
 def test_the_key_is_taken_as_x_api_key_or_a_bearer_token(
     tmp_path: Path, tiny_models: TinyModels
 ) -> None:
@@ -350,3 +391,17 @@ def test_the_key_is_taken_as_x_api_key_or_a_bearer_token(
         assert bearer.messages.create(**good).usage.output_tokens > 0
         counted = bearer.messages.count_tokens(model="m", messages=USER)
         assert counted.input_tokens > 0
+
+
+def test_a_body_over_the_limit_is_request_too_large(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    args = [*tiny_args(tiny_models), "--max-body", "4096"]
+    with ServerProcess(args, tmp_path / "server.log") as proc:
+        c = sdk(proc)
+        big = [{"role": "user", "content": "x " * 4000}]
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            c.messages.create(model="m", max_tokens=3, messages=big)
+        assert raised.value.status_code == 413
+        assert raised.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
+        assert c.messages.create(model="m", max_tokens=3, messages=USER).usage.output_tokens > 0
