@@ -88,7 +88,7 @@ def snapshot_namer(
 @dataclass(frozen=True, slots=True)
 class Breakpoint:
     """Keep the prompt up to the end of message ``message`` (-1: the tools, which render
-    into the system prompt) pinned for ``ttl_s`` seconds after the request."""
+    into the system prompt), at its last segment end, pinned ``ttl_s`` seconds."""
 
     message: int
     ttl_s: float

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,3 +67,28 @@ def test_a_pin_is_extended_never_shortened_and_a_pin_for_good_stays(tmp_path: Pa
         assert (snap.pinned, snap.pinned_until) == (True, None)
         store.unpin(sid)
         assert not store.get_snapshot(sid).pinned
+
+
+def test_cache_ls_shows_until_when_a_pin_holds(tmp_path: Path) -> None:
+    with SnapshotStore.open(tmp_path / "c") as store:
+        until = time.time() + 3600
+        _snapshot(store, DOC, "for a while", until)
+        _snapshot(store, OTHER, "for good", None)
+    env = {**os.environ, "COLUMNS": "200"}
+    args = ["cache", "ls", "--cache-dir", str(tmp_path / "c")]
+    out = subprocess.run(
+        [sys.executable, "-m", "localkv", *args], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    pins = {line.split("  ")[1].strip(): line.rstrip() for line in out.stdout.splitlines()[2:]}
+    stamp = time.strftime("%m-%d %H:%M", time.localtime(until))
+    assert pins["for a while"].endswith(f"  to {stamp}") and pins["for good"].endswith("  yes")
+    listing = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "localkv", *args, "--json"], capture_output=True, text=True
+        ).stdout
+    )
+    assert sorted((s["label"], s["pinned"], s["pinned_until"]) for s in listing) == [
+        ("for a while", True, until),
+        ("for good", True, None),
+    ]
