@@ -15,8 +15,9 @@ the answer's ``reasoning_content``; ``tools`` (``name``, ``description``,
 ``Breakpoint``: the prompt up to the end of that message (the system prompt
 for a system block or a tool), at the last segment end there, is kept,
 pinned 5 minutes, or an hour with ``"ttl": "1h"``; a ``cache_control`` on
-the request is one on its last message. Images and documents are refused; ``metadata``, ``thinking``,
-``service_tier`` and other fields are accepted and ignored.
+the request is one on its last message. Images and documents are refused;
+``metadata``, ``thinking``, ``service_tier`` and other fields are accepted
+and ignored.
 """
 
 from __future__ import annotations
