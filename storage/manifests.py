@@ -59,6 +59,7 @@ def write(layout: CacheLayout, snap: SnapshotRow, identity_json: str | None) -> 
         "namespace": snap.namespace,
         "created": snap.created,
         "pinned": snap.pinned,
+        "pinned_until": snap.pinned_until,
         "identity_json": identity_json,
     }
     target = _path(layout, snap.id)
@@ -130,6 +131,7 @@ def _parse(path: Path) -> Manifest:
         last_used=created,
         hits=0,
         pinned=bool(data["pinned"]),
+        pinned_until=_until(data.get("pinned_until")),
     )
     if path.name != f"{row.id}{_SUFFIX}":
         raise ValueError(f"names snapshot {row.id}")
@@ -148,3 +150,12 @@ def read_all(layout: CacheLayout) -> tuple[list[Manifest], list[tuple[str, str]]
         except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             bad.append((path.name, f"manifest cannot be read: {exc}"))
     return found, bad
+
+
+def _until(value: object) -> float | None:
+    """A manifest's ``pinned_until`` (absent in manifests written before pins could lapse)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("pinned_until must be a number")
+    return float(value)

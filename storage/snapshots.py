@@ -20,6 +20,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from . import manifests
 from .index.blockindex import BlockIndex
@@ -51,15 +52,20 @@ class SnapshotCatalogue:
         identity: str,
         namespace: str,
         pinned: bool = False,
+        pinned_until: float | None = None,
     ) -> str:
-        """Name the chain ending at ``tip``; the same tip, label and namespace keep one id."""
+        """Name the chain ending at ``tip``; the same tip, label and namespace keep one id.
+
+        ``pinned`` with ``pinned_until``: pinned until then (an existing snapshot's
+        pin is extended to it, a pin for good stays one); without: pinned for good.
+        """
         h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
         snap_id = h[:_SNAPSHOT_ID_HEX]
         now = time.time()
         with self._index.write() as db:
             if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
                 if pinned:
-                    db.execute("UPDATE snapshots SET pinned = 1 WHERE id = ?", (snap_id,))
+                    _pin(db, snap_id, pinned_until)
                     self.write_manifest(snap_id)
                 return snap_id
             row = self._index.get_block(tip)
@@ -83,6 +89,7 @@ class SnapshotCatalogue:
                 now,
                 0,
                 pinned,
+                pinned_until if pinned else None,
             )
             self._index.insert_snapshot(db, snap)
         self._write(snap)
@@ -127,10 +134,14 @@ class SnapshotCatalogue:
         return found[0]
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
-        """Pin (protect its chain from eviction) or unpin a snapshot (KeyError if unknown)."""
+        """Pin for good (protect its chain from eviction) or unpin a snapshot (KeyError if
+        unknown); either ends a pin's time limit."""
         snap = self.get(snapshot_id)
         with self._index.write() as db:
-            db.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snap.id))
+            db.execute(
+                "UPDATE snapshots SET pinned = ?, pinned_until = NULL WHERE id = ?",
+                (int(pinned), snap.id),
+            )
         self.write_manifest(snap.id)
 
     def remove(self, snapshot_id: str, heir: str | None = None) -> int:
@@ -162,3 +173,17 @@ class SnapshotCatalogue:
             self.write_manifest(heir)
         logger.info("removed snapshot %s: %d block(s), %d bytes", snap.id, len(files), freed)
         return freed
+
+
+def _pin(db: Any, snapshot_id: str, until: float | None) -> None:
+    """Pin an existing snapshot for good (``until`` None) or until ``until`` at least."""
+    if until is None:
+        db.execute(
+            "UPDATE snapshots SET pinned = 1, pinned_until = NULL WHERE id = ?", (snapshot_id,)
+        )
+        return
+    db.execute(
+        "UPDATE snapshots SET pinned = 1, pinned_until = MAX(COALESCE(pinned_until, 0), ?) "
+        "WHERE id = ? AND NOT (pinned = 1 AND pinned_until IS NULL)",
+        (until, snapshot_id),
+    )

@@ -323,11 +323,12 @@ class SnapshotStore:
         identity: str,
         namespace: str,
         pinned: bool = False,
+        pinned_until: float | None = None,
     ) -> str:
-        """Name the chain ending at ``tip``; the same tip, label and namespace keep one id."""
-        return self._catalogue.put(
-            tip, label, source_path, source_sha256, n_tokens, identity, namespace, pinned
-        )
+        """Name the chain ending at ``tip`` (the same tip, label and namespace keep one id);
+        a pin with ``pinned_until`` lapses then (seconds since the epoch)."""
+        source, where = (source_path, source_sha256), (identity, namespace)
+        return self._catalogue.put(tip, label, *source, n_tokens, *where, pinned, pinned_until)
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
         """All snapshots (of one namespace), oldest first."""

@@ -245,7 +245,8 @@ class SnapshotRow:
     created: float
     last_used: float
     hits: int
-    pinned: bool
+    pinned: bool  # the pin holds now (a pin whose time has passed has lapsed)
+    pinned_until: float | None = None  # the pin lapses then (None: pinned for good, or not)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ def snapshot_listing(
                 "hits": snap.hits,
                 "last_used": snap.last_used,
                 "pinned": snap.pinned,
+                "pinned_until": snap.pinned_until if snap.pinned else None,
             }
         )
     return out
@@ -72,8 +73,11 @@ def save_snapshot(
     *,
     label: str | None,
     pin: bool,
+    pin_until: float | None = None,
 ) -> str | None:
     """Name the chain ending at ``tip`` after its documents; None if it cannot be saved.
+
+    ``pin`` with ``pin_until``: pinned until then (seconds since the epoch), not for good.
 
     None too when the index was deleted while the chain was saved: the id would
     name a row no later process finds (its manifest lets ``cache repair`` bring
@@ -91,6 +95,7 @@ def save_snapshot(
             identity=cache.identity.digest,
             namespace=cache.namespace,
             pinned=pin,
+            pinned_until=pin_until,
         )
     except (OSError, sqlite3.Error, ValueError) as exc:  # disk full; tip evicted
         log.warning("could not save the snapshot (%s); continuing without it", exc)

@@ -53,6 +53,7 @@ def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str
         "created": s.created,
         "last_used": s.last_used,
         "pinned": s.pinned,
+        "pinned_until": s.pinned_until if s.pinned else None,
         "namespace": s.namespace,
         "identity": s.identity,
         "source_path": s.source_path,
@@ -129,10 +130,18 @@ def _print_table(rows: list[dict[str, Any]], width: int) -> None:
     for r in rows:
         cells = [r["id"][:width], r["label"], *([r["model"]] if models else []), f"{r['tokens']:,}"]
         cells += [human_size(r["bytes_on_disk"])]
-        cells += [str(r["hits"]), _when(r["last_used"])[5:], "yes" if r["pinned"] else ""]
+        cells += [str(r["hits"]), _when(r["last_used"])[5:], _pin_cell(r)]
         cells += [r["namespace"]] if spaces else []
         table.add_row(*(escape(printable(c)) for c in cells))  # no markup either
     Console().print(table)
+
+
+def _pin_cell(row: dict[str, Any]) -> str:
+    """``yes`` for a pin for good, ``to MM-DD HH:MM`` for one that lapses then."""
+    if not row["pinned"]:
+        return ""
+    until = row.get("pinned_until")
+    return "yes" if until is None else f"to {_when(until)[5:]}"
 
 
 @cache.command("show")

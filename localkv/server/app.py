@@ -4,7 +4,8 @@
 ``POST /v1/completions``, ``POST /v1/localkv/prefill``, ``GET /v1/localkv/cache``.
 Streaming is Server-Sent Events ending in ``data: [DONE]``; keep-alives are
 comment lines. Every error is OpenAI-shaped JSON (``errors``). The Ollama API
-(``/api/...``) is ``server.ollama``, on the same worker.
+(``/api/...``) is ``server.ollama``, Anthropic's Messages API (``/v1/messages``)
+``server.anthropic``, both on the same worker.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from localkv.server.anthropic import AnthropicRoutes
 from localkv.server.engine import Engine, Outcome
 from localkv.server.errors import ApiError, error_response
 from localkv.server.gate import Gate, read_body
@@ -70,6 +72,7 @@ def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
             Route("/v1/localkv/cache", routes.cache),
             *OllamaRoutes(routes).all(),
             *ResponsesRoutes(routes).all(),
+            *AnthropicRoutes(routes).all(),
         ],
         exception_handlers={HTTPException: _http_error, ApiError: _api_error},  # type: ignore[dict-item]
         lifespan=lifespan,

@@ -12,7 +12,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,7 +27,16 @@ from localkv.server.conversation import AnswerMemory, MessageMemory, build_promp
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
-from localkv.server.prefixes import prefill_body, prefix_label, snapshot_namer
+from localkv.server.prefixes import (
+    Pin,
+    new_tokens,
+    pin_ends,
+    pin_namer,
+    prefill_body,
+    prefix_label,
+    prompt_lengths,
+    snapshot_namer,
+)
 from localkv.server.stops import StopText
 from localkv.server.tools import answer_text, tool_params, with_answer
 
@@ -72,6 +81,8 @@ class Outcome:
     queued_s: float = 0.0  # from the request's arrival to the start of its work
     reasoning: str | None = None  # the answer's thinking (``reasoning_content``)
     tool_calls: tuple[ToolCall, ...] = ()
+    stop_sequence: str | None = None  # the one that ended the answer
+    pinned_new: int = 0  # prompt tokens up to the request's last breakpoint not read from cache
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -116,6 +127,7 @@ class Engine:
         finally:
             _log_work(template.work(), work, len(request.messages))
         prompt = list(state.tokens)
+        pins = pin_ends(state, len(request.messages), request.breakpoints, self._length(request))
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
@@ -132,7 +144,7 @@ class Engine:
         )
         split.push(stops.flush())
         split.finish()
-        self._close_turn(chat, answer.ids, answer.text, stops.text)
+        self._close_turn(chat, answer.ids, answer.text, stops.text, pins)
         outcome = self._outcome(
             t0,
             prompt,
@@ -144,9 +156,11 @@ class Engine:
             params,
             channel.cancelled(),
         )
-        return with_answer(outcome, split)
+        return with_answer(replace(outcome, pinned_new=new_tokens(pins, outcome)), split)
 
-    def _close_turn(self, chat: ChatSession, ids: list[int], full: str, shown: str) -> None:
+    def _close_turn(
+        self, chat: ChatSession, ids: list[int], full: str, shown: str, pins: Sequence[Pin] = ()
+    ) -> None:
         """Keep the answer in the live context with the turn's closing tokens, then save.
 
         The same tokens as ``ChatSession`` records after a turn; the sampled ids
@@ -168,9 +182,18 @@ class Engine:
         if pending and session.n_tokens == start + len(ids):
             session.prefill(pending, ends=chat.schedule())
         label = prefix_label(history)
-        self.runtime.save_prefix(
-            state.boundaries, snapshot_namer(chat.snapshot, label, state.boundaries[-1])
-        )
+        namer = snapshot_namer(chat.snapshot, label, state.boundaries[-1])
+        prompt = (list(state.tokens), chat.schedule())
+        namer = pin_namer(self.runtime, namer, label, pins, prompt)
+        self.runtime.save_prefix(state.boundaries, namer)
+
+    def count(self, request: ChatRequest, channel: Channel) -> int:
+        """The prompt tokens ``chat`` would run for ``request`` (nothing is computed)."""
+        return self._length(request)(len(request.messages))
+
+    def _length(self, request: ChatRequest) -> Callable[[int], int]:
+        session = self.runtime.session
+        return prompt_lengths(self.runtime.template, request, self.memory, session.n_ctx)
 
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
@@ -318,6 +341,7 @@ class Engine:
             total_s=time.perf_counter() - t0,
             work=self._work_since(),
             queued_s=self._queued,
+            stop_sequence=stops.matched,
         )
 
     def _work(self) -> tuple[int, int, int]:

@@ -1,6 +1,8 @@
 """Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Under ``/api/`` (the Ollama API) they are Ollama's: ``{"error": "message"}``.
+Under ``/api/`` (the Ollama API) they are Ollama's: ``{"error": "message"}``;
+under ``/v1/messages`` (the Anthropic API) Anthropic's: ``{"type": "error",
+"error": {"type", "message"}}``, a full queue there being 529 ``overloaded_error``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
 
-__all__ = ["ApiError", "bad_request", "error_response"]
+__all__ = ["ApiError", "anthropic_error", "bad_request", "error_response"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -21,6 +23,18 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class ApiError(Exception):
@@ -57,7 +71,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+def anthropic_error(error: ApiError) -> tuple[int, dict[str, object]]:
+    """The status and body of ``error`` in Anthropic's shape."""
+    status = 529 if error.code == "queue_full" else error.status
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
 def error_response(error: ApiError, path: str = "") -> JSONResponse:
-    """The error as JSON: OpenAI's shape, or Ollama's ``{"error": message}`` under ``/api/``."""
-    body = {"error": error.message} if path.startswith("/api/") else error.body()
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+    """The error as JSON: OpenAI's shape, Ollama's ``{"error": message}`` under ``/api/``,
+    Anthropic's under ``/v1/messages``."""
+    status, body = error.status, error.body()
+    if path.startswith("/api/"):
+        body = {"error": error.message}
+    elif path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        status, body = anthropic_error(error)
+    return JSONResponse(body, status_code=status, headers=error.headers)

@@ -72,11 +72,17 @@ class Gate:
 
 
 def _check_key(scope: Scope, api_key: str) -> None:
-    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    """``Authorization: Bearer KEY``, or ``x-api-key: KEY`` (as Anthropic's clients send it)."""
+    headers = dict(scope["headers"])
+    header = headers.get(b"authorization", b"").decode("latin-1")
     scheme, _, given = header.partition(" ")
-    if not header:
+    if b"x-api-key" in headers:
+        scheme, given = "bearer", headers[b"x-api-key"].decode("latin-1")
+    elif not header:
         raise ApiError(
-            401, "missing API key: send 'Authorization: Bearer KEY'", code="missing_api_key"
+            401,
+            "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+            code="missing_api_key",
         )
     if scheme.lower() != "bearer" or not hmac.compare_digest(
         given.strip().encode(), api_key.encode()

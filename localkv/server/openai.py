@@ -23,6 +23,7 @@ from typing import Any
 from localkv.model.sampling import GrammarError, json_object_grammar, json_schema_grammar
 from localkv.prompt.template import Message
 from localkv.server.errors import ApiError, bad_request
+from localkv.server.prefixes import Breakpoint
 from localkv.server.tools import ToolChoice, parse_message_calls, parse_tools
 
 __all__ = ["ChatRequest", "CompletionRequest", "Sampling", "parse_chat", "parse_completion"]
@@ -54,6 +55,8 @@ class ChatRequest:
     include_usage: bool
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: ToolChoice | None = None  # None: no tools
+    # prefixes to keep pinned for a while (Anthropic's ``cache_control``)
+    breakpoints: tuple[Breakpoint, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,21 +6,58 @@ the background; once written, its chain is named ``server: <first words>``, the
 first words of the request's first message (or prompt). A conversation that goes
 on replaces its earlier snapshot (same label, its tokens the start of the new
 chain) as the chat's do, keeping its pin and hits (``chat.snapshots``).
+
+A request may ask for prefixes to be kept (``Breakpoint``: Anthropic's
+``cache_control``): each is the prompt up to the last segment end at or before
+the end of a message, so a block of the saved chain ends there. Once saved, that
+block is named ``server: <first words> · kept`` and pinned until its time to
+live has passed (``pinned_until``), so eviction leaves it until then; the same
+breakpoint again extends the pin. After it the pin lapses and the snapshot is
+evicted like any other.
 """
 
 from __future__ import annotations
 
+import logging
+import sqlite3
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from localkv.cache.catalogue import save_snapshot
 from localkv.cache.save import SaveResult
 from localkv.chat.snapshots import ConversationSnapshot
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.reports import printable
+from localkv.server.conversation import AnswerMemory, build_prompt
 from localkv.server.errors import bad_request
+from localkv.server.limits import Budget
 
-__all__ = ["prefill_body", "prefix_label", "snapshot_namer"]
+if TYPE_CHECKING:
+    from localkv.cache.prefix import PrefixCache
+    from localkv.chat.session import ChatState
+    from localkv.prompt.template import ChatTemplate
+    from localkv.runtime import Runtime
+    from localkv.server.engine import Outcome
+    from localkv.server.openai import ChatRequest
+
+__all__ = [
+    "Breakpoint",
+    "Pin",
+    "new_tokens",
+    "pin_ends",
+    "pin_namer",
+    "prefill_body",
+    "prefix_label",
+    "prompt_lengths",
+    "snapshot_namer",
+]
+
+log = logging.getLogger(__name__)
 
 _WORDS = 6
 _MAX_CHARS = 48
@@ -46,6 +83,131 @@ def snapshot_namer(
 ) -> Callable[[SaveResult], None]:
     """What the save runs once the prefix is written: name it ``label``."""
     return lambda saved: snapshot.name(saved, label, n_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """Keep the prompt up to the end of message ``message`` (-1: the tools, which render
+    into the system prompt), at its last segment end, pinned ``ttl_s`` seconds."""
+
+    message: int
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A breakpoint as a prompt position: its first ``end`` tokens, kept ``ttl_s``."""
+
+    end: int
+    ttl_s: float
+
+
+def pin_ends(
+    state: ChatState,
+    n_messages: int,
+    breakpoints: Sequence[Breakpoint],
+    length: Callable[[int], int],
+) -> list[Pin]:
+    """Where ``breakpoints`` (indices into the request's ``n_messages`` messages) end in
+    ``state``'s prompt: at the last segment end at or before the end of their message.
+
+    ``length(k)`` is the length of the prompt of the first ``k`` messages alone (it
+    ends with the assistant's opening). The segment ends are the conversation's own
+    (``state.boundaries``), the same whatever the protocol: a breakpoint adds none, so
+    the schedule, and with it what the cache holds, does not depend on breakpoints.
+    A breakpoint on the tools is one on the system prompt they are rendered in.
+    """
+    ends, messages = state.boundaries, state.messages
+    has_system = bool(messages) and messages[0].role == "system"
+    pins: dict[int, float] = {}
+    for point in breakpoints:
+        at = point.message if point.message >= 0 or not has_system else 0
+        if at < 0:
+            continue
+        limit = ends[-1] if at >= n_messages - 1 else length(at + 1)
+        end = max((e for e in ends if e <= limit), default=0)
+        if end == 0:
+            log.info("a cache breakpoint at message %d has no segment end; not kept", at)
+            continue
+        pins[end] = max(pins.get(end, 0.0), point.ttl_s)
+    return [Pin(end, ttl) for end, ttl in sorted(pins.items())]
+
+
+def prompt_lengths(
+    template: ChatTemplate, request: ChatRequest, memory: AnswerMemory, n_ctx: int
+) -> Callable[[int], int]:
+    """The length of the prompt of the request's first ``k`` messages, as a function of ``k``
+    (the tokens ``build_prompt`` gives them, the assistant's opening last)."""
+    tools = request.tools
+
+    def length(k: int) -> int:
+        messages = request.messages[:k]
+        return len(build_prompt(template, messages, memory, Budget(n_ctx), tools).tokens)
+
+    return length
+
+
+def new_tokens(pins: Sequence[Pin], outcome: Outcome) -> int:
+    """The prompt tokens up to the last pin that were not read from the cache: computed
+    by this request and written with its pins (Anthropic's cache creation)."""
+    end = max((p.end for p in pins), default=0)
+    return max(0, min(end, outcome.prompt_tokens) - outcome.cached_tokens)
+
+
+def pin_namer(
+    runtime: Runtime,
+    namer: Callable[[SaveResult], None],
+    label: str,
+    pins: Sequence[Pin],
+    prompt: tuple[Sequence[int], Sequence[int]],
+) -> Callable[[SaveResult], None]:
+    """``namer``, then the stored block ending at each pin (of ``prompt``'s tokens and
+    batch ends) named and pinned for the pin's time."""
+    if not pins:
+        return namer
+    tokens, ends = prompt
+
+    def name(saved: SaveResult) -> None:
+        namer(saved)
+        cache = runtime.cache
+        if cache is None or saved.tip is None or saved.not_kept:
+            return
+        for pin in pins:
+            try:
+                tip = _block_ending(cache, tokens[: pin.end], [e for e in ends if e <= pin.end])
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("could not look up the prefix to pin: %s", exc)
+                return
+            if tip is None:
+                log.info("no saved block ends at token %d; the breakpoint is not kept", pin.end)
+                continue
+            until = time.time() + pin.ttl_s
+            kept = f"{label} · kept"
+            save_snapshot(cache, tip, (), pin.end, label=kept, pin=True, pin_until=until)
+
+    return name
+
+
+def _block_ending(cache: PrefixCache, tokens: Sequence[int], ends: Sequence[int]) -> str | None:
+    """The stored block whose chain holds exactly ``tokens`` (None: none is stored).
+
+    The lookup finds the longest chain sharing them, whose last block may go on past
+    them (a longer prompt's tip after the same full blocks): then its sibling that
+    ends where they end, with their tokens.
+    """
+    chain = cache.plan(tokens, ends).chain
+    if not chain:
+        return None
+    last, n = chain[-1], len(tokens)
+    if last.end == n:
+        return last.hash
+    if last.start >= n:
+        return None
+    own = np.asarray(tokens[last.start :], dtype=np.int32)
+    for row in cache.store.children(last.parent, last.identity, last.namespace):
+        if row.start == last.start and row.end == n and np.array_equal(row.tokens, own):
+            return row.hash
+    return None
 
 
 def prefill_body(body: dict[str, Any]) -> tuple[str | None, list[Document], str | None, bool]:

@@ -40,6 +40,13 @@ class StopText:
             return out
         return self._release(len(self.generated) - self._held_back())
 
+    @property
+    def matched(self) -> str | None:
+        """The stop sequence that ended the answer (None: none did)."""
+        if not self.hit:
+            return None
+        return next((s for s in self.stops if self.generated.startswith(s, self.sent)), None)
+
     def flush(self) -> str:
         """The rest of the text when generation ended without a stop sequence."""
         return "" if self.hit else self._release(len(self.generated))

@@ -12,6 +12,7 @@ import contextlib
 import sqlite3
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +23,14 @@ from .. import faults
 from ..values import BlockRow, SnapshotRow
 from .health import IndexDamaged, is_damage, read_only_uri
 from .migrations import MIGRATIONS, migrate
-from .rows import BLOCK_COLUMNS, SNAPSHOT_COLUMNS, block_row, readable_rows, snapshot_row
+from .rows import (
+    BLOCK_COLUMNS,
+    PIN_HOLDS,
+    SNAPSHOT_COLUMNS,
+    block_row,
+    readable_rows,
+    snapshot_row,
+)
 
 __all__ = ["BlockIndex"]
 
@@ -314,7 +322,7 @@ class BlockIndex:
     def insert_snapshot(self, db: sqlite_utils.Database, snap: SnapshotRow) -> None:
         """Insert a snapshot row inside a ``write()`` transaction."""
         db.execute(
-            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(12)})",
+            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(13)})",
             (
                 snap.id,
                 snap.tip,
@@ -328,6 +336,7 @@ class BlockIndex:
                 snap.last_used,
                 snap.hits,
                 int(snap.pinned),
+                snap.pinned_until if snap.pinned else None,
             ),
         )
 
@@ -342,11 +351,12 @@ class BlockIndex:
         return [snapshot_row(r) for r in self.query(sql, (escaped + "%",))]
 
     def protected(self, db: sqlite_utils.Database, *, pinned_only: bool) -> set[str]:
-        """Blocks in the chain of any (pinned) snapshot."""
-        where = "WHERE pinned = 1" if pinned_only else ""
+        """Blocks in the chain of any snapshot (``pinned_only``: whose pin holds now)."""
+        where = f"WHERE {PIN_HOLDS}" if pinned_only else ""
         sql = (
             f"WITH RECURSIVE c(hash) AS (SELECT tip FROM snapshots {where} UNION "
             "SELECT b.parent FROM blocks b JOIN c ON b.hash = c.hash "
             "WHERE b.parent IS NOT NULL) SELECT c.hash FROM c JOIN blocks b ON b.hash = c.hash"
         )
-        return {r[0] for r in db.execute(sql).fetchall()}
+        params = (time.time(),) if pinned_only else ()
+        return {r[0] for r in db.execute(sql, params).fetchall()}

@@ -216,3 +216,15 @@ def m005_end_states(db: sqlite_utils.Database) -> None:
     computes, so they are never matched and the budget evicts them.
     """
     db.table("blocks").add_column("end_state", int)
+
+
+@migration
+def m006_pins_that_lapse(db: sqlite_utils.Database) -> None:
+    """A pin may hold until a time (``pinned_until``, seconds since the epoch).
+
+    ``pinned = 1`` with ``pinned_until`` NULL is a pin for good (``cache pin``);
+    with a time, the pin protects the snapshot's chain until then and lapses
+    after it (the server's ``cache_control`` breakpoints, 5 minutes or 1 hour).
+    Pins made before this migration are for good.
+    """
+    db.table("snapshots").add_column("pinned_until", float)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,14 @@ import numpy as np
 from ..chain import ends_array
 from ..values import BlockRow, Probe, SnapshotRow
 
-__all__ = ["BLOCK_COLUMNS", "SNAPSHOT_COLUMNS", "block_row", "readable_rows", "snapshot_row"]
+__all__ = [
+    "BLOCK_COLUMNS",
+    "PIN_HOLDS",
+    "SNAPSHOT_COLUMNS",
+    "block_row",
+    "readable_rows",
+    "snapshot_row",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +30,10 @@ BLOCK_COLUMNS = (
 )
 SNAPSHOT_COLUMNS = (
     "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
-    "last_used, hits, pinned"
+    "last_used, hits, pinned, pinned_until"
 )
+# the snapshots whose pin holds at ``?`` (now): pinned for good, or until later
+PIN_HOLDS = "pinned = 1 AND (pinned_until IS NULL OR pinned_until > ?)"
 
 
 def block_row(r: Sequence[Any]) -> BlockRow:
@@ -71,7 +81,9 @@ def readable_rows(rows: Sequence[Sequence[Any]]) -> list[BlockRow]:
 
 
 def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
-    """A ``snapshots`` row (in ``SNAPSHOT_COLUMNS`` order) as a ``SnapshotRow``."""
+    """A ``snapshots`` row (in ``SNAPSHOT_COLUMNS`` order) as a ``SnapshotRow``; a pin
+    whose time has passed reads as none."""
+    until = None if r[12] is None else float(r[12])
     return SnapshotRow(
         id=r[0],
         tip=r[1],
@@ -84,5 +96,6 @@ def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
         created=float(r[8]),
         last_used=float(r[9]),
         hits=int(r[10]),
-        pinned=bool(r[11]),
+        pinned=bool(r[11]) and (until is None or until > time.time()),
+        pinned_until=until if r[11] else None,
     )

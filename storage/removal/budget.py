@@ -17,10 +17,12 @@ import heapq
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..index.blockindex import BlockIndex
+from ..index.rows import PIN_HOLDS
 
 __all__ = [
     "ENV_BUDGET",
@@ -116,7 +118,7 @@ class Usage:
 
 
 _PINNED_BYTES = (
-    "WITH RECURSIVE c(hash) AS (SELECT tip FROM snapshots WHERE pinned = 1 {cond} UNION "
+    "WITH RECURSIVE c(hash) AS (SELECT tip FROM snapshots WHERE {holds} {cond} UNION "
     "SELECT b.parent FROM blocks b JOIN c ON b.hash = c.hash WHERE b.parent IS NOT NULL) "
     "SELECT COALESCE(SUM(b.stored_bytes), 0) FROM c JOIN blocks b ON b.hash = c.hash"
 )
@@ -127,5 +129,6 @@ def usage(index: BlockIndex, namespace: str | None = None) -> Usage:
     cond, params = ("", ()) if namespace is None else ("AND namespace = ?", (namespace,))
     where = cond.replace("AND", "WHERE", 1)
     stored = index.query(f"SELECT COALESCE(SUM(stored_bytes), 0) FROM blocks {where}", params)
-    pinned = index.query(_PINNED_BYTES.format(cond=cond), params)
+    sql = _PINNED_BYTES.format(holds=PIN_HOLDS, cond=cond)
+    pinned = index.query(sql, (time.time(), *params))
     return Usage(int(stored[0][0]), int(pinned[0][0]))
