@@ -1,7 +1,7 @@
-"""Two checkouts' fresh ``localkv ask`` in turn, on one warm cache each: first answer byte.
+"""Two checkouts' fresh ``localkv ask`` (or ``Runtime.ask``) in turn: the warm first token.
 
     .venv/bin/python benchmarks/ask_ab.py --python NAME=PY --python NAME=PY [--runs 8]
-        [--tokens 2000] [--set VAR=VALUE ...]
+        [--tokens 2000] [--set VAR=VALUE ...] [--face ask|api]
 
 Each ``PY`` is a checkout's own venv Python. One document of about ``--tokens``
 tokens is prefilled into a fresh cache per checkout; then the checkouts answer a
@@ -9,12 +9,16 @@ new question each in turn (A, B, A, B, ...), so both see the same machine. The
 figure is the seconds from starting the command to the first byte of the answer
 on its stdout (``benchmarks/faces.py``'s ``ask`` face). ``--set`` puts a variable
 in both environments (e.g. ``GOMP_SPINCOUNT=300000`` to compare with one OpenMP
-setting); OpenMP variables are otherwise removed. Prints the medians and runs.
+setting); OpenMP variables are otherwise removed. ``--face api`` measures
+``faces.py``'s ``api`` face instead: per turn, one process per checkout answers 7
+new questions about two documents in turn (the first, in a cold process, is not
+counted), seconds from the call to the first text. Prints the medians and runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -22,9 +26,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from faces import SYSTEM, first_byte, question
+from faces import API_WORKER, SYSTEM, first_byte, question
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _api(
+    py: str, model: Path, ctx: int, docs: dict[str, Path], base: int, env: dict[str, str], at: Path
+) -> list[float]:
+    p = {"model": str(model), "n_ctx": ctx, "runs": 7, "threads": len(os.sched_getaffinity(0))}
+    p |= {"max_tokens": 16, "system": SYSTEM, "docs": [str(docs["A"]), str(docs["B"])]}
+    p["questions"] = [question(base + i) for i in range(7)]
+    cmd = [py, "-c", API_WORKER, json.dumps(p)]
+    done = subprocess.run(cmd, env=env, cwd=at, capture_output=True, text=True, check=True)
+    return list(json.loads(done.stdout.strip().splitlines()[-1])["ttft_s"][1:])
 
 
 def main() -> None:
@@ -33,6 +48,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--set", action="append", default=[], help="VAR=VALUE for both")
+    ap.add_argument("--face", choices=("ask", "api"), default="ask")
     args = ap.parse_args()
     from faces import _documents
 
@@ -40,7 +56,8 @@ def main() -> None:
 
     model = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="localkv-ask-ab-"))
-    doc = _documents(model, args.tokens, work)["A"]
+    docs = _documents(model, args.tokens, work)
+    doc = docs["A"]
     pythons = {n: str(Path(p).absolute()) for n, p in (x.split("=", 1) for x in args.python)}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "LOCALKV_"))}
     env |= dict(s.split("=", 1) for s in args.set)
@@ -48,11 +65,16 @@ def main() -> None:
     common = ["--model", str(model), "--ctx", str(ctx), "--flash-attn", "on", "--system", SYSTEM]
     for name, py in pythons.items():
         home = {**env, "LOCALKV_HOME": str(work / name)}
-        cmd = [py, "-m", "localkv", "prefill", *common, str(doc)]
-        subprocess.run(cmd, env=home, cwd=work, check=True, capture_output=True)
+        for d in docs.values():
+            cmd = [py, "-m", "localkv", "prefill", *common, str(d)]
+            subprocess.run(cmd, env=home, cwd=work, check=True, capture_output=True)
     runs: dict[str, list[float]] = {name: [] for name in pythons}
     for i in range(args.runs):
         for name, py in pythons.items():
+            if args.face == "api":
+                home = {**env, "LOCALKV_HOME": str(work / name)}
+                runs[name] += _api(py, model, ctx, docs, 7 * (i * len(pythons) + 1), home, work)
+                continue
             cmd = [py, "-m", "localkv", "ask", *common, "--temperature", "0"]
             cmd += ["--max-tokens", "8", str(doc), question(i)]
             home = {**env, "LOCALKV_HOME": str(work / name)}

@@ -135,7 +135,10 @@ with rt:
                on_text=lambda piece: first or first.append(time.perf_counter() - t0))
         out.append(first[0])
         rt.wait_for_saves()
-print(json.dumps({"ttft_s": out}))
+import os
+from localkv.model import native
+omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+print(json.dumps({"ttft_s": out, "openmp": getattr(native, "WAIT_CHOICE", None), **omp}))
 """
 
 

@@ -11,47 +11,15 @@ import collections
 import ctypes
 import logging
 import os
-import statistics
 import threading
-import time
 from typing import Any
 
-# OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads
-# (its libgomp starts). Spinning threads (libgomp's default) decode fastest on
-# idle cores; on cores other processes use, every barrier of every decode waits
-# for a spinning thread's time slice (docs/FIRSTTOKEN.md). So localkv looks at
-# the machine when llama.cpp loads: with other work running on at least half the
-# cores, passive waits; otherwise a short spin (GOMP_SPINCOUNT 3000: as fast as
-# libgomp's default 300000 idle, measured, and it gives the core up soon when
-# other work arrives later in a long-lived process). The work running is
-# /proc/loadavg's count of runnable tasks now, sampled a few times: the 1-minute
-# average lags a load by a minute, and counts this user's own earlier commands.
-# A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+from localkv.model.machine import runnable_others, wait_settings
+
+# OpenMP's wait is chosen from the machine's load before llama.cpp loads
+# (localkv.model.machine). A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-IDLE_SPINCOUNT = "3000"
 CHOSEN_MARK = "LOCALKV_OPENMP_CHOSEN"  # what localkv itself set, for the processes it starts
-
-
-def runnable_others(samples: int = 5, gap_s: float = 0.001) -> float | None:
-    """Tasks runnable on the machine now besides this one (median of ``samples``); None: unknown."""
-    counts = []
-    try:
-        for i in range(samples):
-            with open("/proc/loadavg", encoding="ascii") as f:
-                running = int(f.read().split()[3].split("/")[0])
-            counts.append(max(0, running - 1))  # this thread runs while it reads
-            if i + 1 < samples:
-                time.sleep(gap_s)
-    except (OSError, ValueError, IndexError):
-        return None
-    return float(statistics.median(counts))
-
-
-def wait_settings(others: float, cpus: int) -> tuple[str, dict[str, str]]:
-    """The choice (``busy``/``idle``) and the OpenMP settings for ``others`` runnable tasks."""
-    if others >= max(1, cpus // 2):
-        return "busy", {"OMP_WAIT_POLICY": "passive"}
-    return "idle", {"GOMP_SPINCOUNT": IDLE_SPINCOUNT}
 
 
 def _choose_wait_policy() -> str:
@@ -93,9 +61,7 @@ __all__ = [
     "llama_cpp_version",
     "openmp_settings",
     "recent_errors",
-    "runnable_others",
     "system_info",
-    "wait_settings",
 ]
 
 log = logging.getLogger("localkv.llama")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from localkv.model.native import IDLE_SPINCOUNT, runnable_others, wait_settings
+from localkv.model.machine import IDLE_SPINCOUNT, runnable_others, wait_settings
 
 _PROBE = (
     "import json, os; from localkv.model.native import openmp_settings, CHOSEN_MARK\n"
@@ -52,7 +52,7 @@ def test_the_choice_from_the_work_running() -> None:
 
 
 def test_the_work_running_is_counted_now(busy: int) -> None:
-    others = runnable_others()
+    others = runnable_others(with_start=False)
     assert others is not None and others >= busy
 
 
@@ -82,3 +82,34 @@ def test_a_process_localkv_starts_chooses_again(busy: int) -> None:
     # a mark that does not match what is set: the user changed it, and it wins
     found, _ = _settings(GOMP_SPINCOUNT="50", LOCALKV_OPENMP_CHOSEN=mark)
     assert found["chosen"] == "user" and found["GOMP_SPINCOUNT"] == "50"
+
+
+def test_this_processes_own_threads_are_not_other_work() -> None:
+    # threads hashing without the GIL: running threads of this process, as numpy's
+    # BLAS threads are while they spin after starting
+    import hashlib
+    import threading
+    import time
+
+    from localkv.model.machine import _own_running
+
+    stop = threading.Event()
+    data = b"x" * (1 << 22)
+
+    def hash_until_stopped() -> None:
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    threads = [threading.Thread(target=hash_until_stopped) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        seen = 0
+        deadline = time.monotonic() + 5
+        while seen < 3 and time.monotonic() < deadline:
+            seen = max(seen, _own_running())  # the two, and the thread that looks
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert seen >= 3
