@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from localkv.server.anthropic import AnthropicRoutes
 from localkv.server.engine import Engine, Outcome
-from localkv.server.errors import ApiError, error_response
+from localkv.server.errors import ApiError, as_api_error, error_response
 from localkv.server.gate import Gate, read_body
 from localkv.server.ollama import OllamaRoutes
 from localkv.server.openai import decode_body, parse_chat, parse_completion
@@ -180,7 +180,7 @@ class Routes:
                         yield reply.usage_chunk(value)
                     break
                 elif kind == "error":
-                    yield reply.error_chunk(_as_api_error(value).body())
+                    yield reply.error_chunk(as_api_error(value).body())
                     break
             yield DONE
         finally:
@@ -229,18 +229,9 @@ class Routes:
                         raise ApiError(499, "the client disconnected") from None
                     continue
                 if kind == "error":
-                    raise _as_api_error(value)
+                    raise as_api_error(value)
                 if kind == until:
                     return value
         except BaseException:
             ticket.cancel()
             raise
-
-
-def _as_api_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, asyncio.CancelledError):
-        return ApiError(499, "the request was cancelled")
-    log.error("request failed: %s", exc, exc_info=exc)
-    return ApiError(500, f"internal error: {exc}")

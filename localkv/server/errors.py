@@ -7,6 +7,8 @@ under ``/v1/messages`` (the Anthropic API) Anthropic's: ``{"type": "error",
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
@@ -87,3 +89,13 @@ def error_response(error: ApiError, path: str = "") -> JSONResponse:
     elif path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
         status, body = anthropic_error(error)
     return JSONResponse(body, status_code=status, headers=error.headers)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """What a request's failure tells its client: its own ApiError, a 499 or a logged 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return ApiError(499, "the request was cancelled")
+    logging.getLogger("localkv.server").error("request failed: %s", exc, exc_info=exc)
+    return ApiError(500, f"internal error: {exc}")

@@ -20,7 +20,7 @@ import jsonschema
 import ollama
 import pytest
 from openai import OpenAI
-from support.server import ServerProcess
+from support.server import ServerProcess, post
 from support.tinymodels import TinyModels
 
 SYSTEM = "You answer questions about the notes. Keep it short."
@@ -34,17 +34,6 @@ def tiny_args(tiny_models: TinyModels) -> list[str]:
 def sdk(server: ServerProcess, **kwargs: Any) -> anthropic.Anthropic:
     kwargs.setdefault("api_key", "none")
     return anthropic.Anthropic(base_url=server.base_url, max_retries=0, timeout=300, **kwargs)
-
-
-def post(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        server.base_url + path, data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def snapshots(server: ServerProcess) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Any
 import ollama
 import pytest
 from openai import OpenAI
-from support.server import ServerProcess
+from support.server import ServerProcess, post
 from support.tinymodels import TinyModels
 
 SYSTEM = "You answer questions about the notes. Keep it short."
@@ -30,17 +30,6 @@ def tiny_args(tiny_models: TinyModels) -> list[str]:
 
 def client(server: ServerProcess) -> OpenAI:
     return OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def post(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        server.base_url + path, data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def post_lines(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:

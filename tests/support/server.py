@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ServerProcess", "free_port"]
 
@@ -106,3 +108,15 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def post(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` as JSON to ``path``: the status and the decoded reply, errors too."""
+    request = urllib.request.Request(
+        server.base_url + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from localkv.server.engine import Engine, Outcome
-from localkv.server.errors import ApiError
+from localkv.server.errors import as_api_error
 from localkv.server.openai_responses.replies import Answer, Events
 from localkv.server.openai_responses.translate import chat_request
 from localkv.server.responses import KEEP_ALIVE
@@ -92,16 +92,7 @@ class ResponsesRoutes:
                         yield line
                     break
                 elif kind == "error":
-                    yield events.error(_as_api_error(value))
+                    yield events.error(as_api_error(value))
                     break
         finally:
             ticket.cancel()  # a client that went away stops its generation
-
-
-def _as_api_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, asyncio.CancelledError):
-        return ApiError(499, "the request was cancelled")
-    log.error("request failed: %s", exc, exc_info=exc)
-    return ApiError(500, f"internal error: {exc}")
