@@ -175,31 +175,41 @@ class Server:
             self.proc.wait(300)
 
     def ttft(self, system: str) -> float:
-        import httpx
-
-        body = {
-            "model": "m",
-            "temperature": 0,
-            "max_tokens": 8,
-            "stream": True,
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": HTTP_QUESTION},
-            ],
-        }
-        url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
-        first = 0.0
-        t0 = time.perf_counter()
-        with httpx.stream("POST", url, json=body, timeout=1200) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not first and line.startswith("data: {"):
-                    delta = (json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {}
-                    if delta.get("content"):
-                        first = time.perf_counter() - t0
+        first, _ = stream_ttft(self.port, system, HTTP_QUESTION)
         if not first:
             raise RuntimeError(f"no content from {self.cmd[:4]}")
         return first
+
+
+def stream_ttft(port: int, system: str, question: str) -> tuple[float, dict[str, object]]:
+    """Seconds from sending a streamed chat completion to its first content chunk (0: none),
+    and the last ``localkv`` object the stream carried (localkv's servers only)."""
+    import httpx
+
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "max_tokens": 8,
+        "stream": True,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+    }
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    first, extra = 0.0, {}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url, json=body, timeout=1200) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+            if not first and delta.get("content"):
+                first = time.perf_counter() - t0
+            extra = chunk.get("localkv", extra)
+    return first, extra
 
 
 # ------------------------------------------------------------------ the run

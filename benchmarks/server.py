@@ -18,7 +18,6 @@ restores from its disk cache after a restart. Prints one table and the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -29,13 +28,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import httpx
 import llama_cpp
 
 from localkv.bench.text import bench_text
 from localkv.model.resolve import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from faces import stream_ttft  # benchmarks/faces.py, beside this file
 from support.server import free_port
 
 QUESTION = "Who is sitting by her sister?"
@@ -113,29 +112,7 @@ class Server:
 
     def ttft(self, system: str) -> tuple[float, dict[str, object]]:
         """Seconds to the first content chunk, and the ``localkv`` object (localkv only)."""
-        body = {
-            "model": "m",
-            "temperature": 0,
-            "max_tokens": 8,
-            "stream": True,
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": QUESTION},
-            ],
-        }
-        url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
-        first, extra = 0.0, {}
-        t0 = time.perf_counter()
-        with httpx.stream("POST", url, json=body, timeout=1200) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                choices = chunk.get("choices") or [{}]
-                if not first and (choices[0].get("delta") or {}).get("content"):
-                    first = time.perf_counter() - t0
-                extra = chunk.get("localkv", extra)
-        return first, extra
+        return stream_ttft(self.port, system, QUESTION)
 
 
 def run(
