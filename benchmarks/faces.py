@@ -158,27 +158,35 @@ class Server:
         self.proc = subprocess.Popen(
             self.cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
         )
-        url = f"http://127.0.0.1:{self.port}{self.health}"
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.cmd[:4]} exited; see {self.cwd / 'server.log'}")
-            try:
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
+        wait_ready(self.proc, f"http://127.0.0.1:{self.port}{self.health}", self.cwd / "server.log")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(300)
+        stop_server(self.proc)
 
     def ttft(self, system: str) -> float:
         first, _ = stream_ttft(self.port, system, HTTP_QUESTION)
         if not first:
             raise RuntimeError(f"no content from {self.cmd[:4]}")
         return first
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Until ``url`` answers 200; an error if the server exits first."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(300)
 
 
 def stream_ttft(port: int, system: str, question: str) -> tuple[float, dict[str, object]]:

@@ -20,12 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import llama_cpp
@@ -34,7 +31,7 @@ from localkv.bench.text import bench_text
 from localkv.model.resolve import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from faces import stream_ttft  # benchmarks/faces.py, beside this file
+from faces import stop_server, stream_ttft, wait_ready  # benchmarks/faces.py, beside this file
 from support.server import free_port
 
 QUESTION = "Who is sitting by her sister?"
@@ -95,20 +92,11 @@ class Server:
         log = (self.home.parent / f"{self.kind}.log").open("ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         path = "/health" if self.kind == "localkv" else "/v1/models"
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
+        url = f"http://127.0.0.1:{self.port}{path}"
+        wait_ready(self.proc, url, self.home.parent / f"{self.kind}.log")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(300)
+        stop_server(self.proc)
 
     def ttft(self, system: str) -> tuple[float, dict[str, object]]:
         """Seconds to the first content chunk, and the ``localkv`` object (localkv only)."""
