@@ -93,7 +93,9 @@ _MODEL_OPTIONS = [
         type=click.Choice(["on", "off", "auto"]),
         default="auto",
         show_default=True,
-        help="Flash attention.",
+        help="Flash attention. auto: off on a CPU while its scratch stays under 1 GiB "
+        "(it is faster there), else llama.cpp decides. With it on, the thread count "
+        "is part of the cache identity.",
     ),
     click.option(
         "--lora",

@@ -53,7 +53,7 @@ class SessionConfig:
     n_gpu_layers: int = -1  # -1: all layers (a no-op on a CPU build)
     type_k: str = "f16"
     type_v: str = "f16"
-    flash_attn: str = "auto"  # "on" | "off" | "auto" (llama.cpp decides; CPU: on)
+    flash_attn: str = "auto"  # "on" | "off" | "auto" (``loading.flash_attn_setting``)
     loras: tuple[LoraSpec, ...] = ()
     rope_freq_base: float = 0.0  # 0: the model's own
     rope_freq_scale: float = 0.0  # 0: the model's own

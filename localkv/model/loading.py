@@ -47,18 +47,43 @@ class Native:
     n_batch: int  # llama.cpp may lower the batch size (never above n_ctx): what it took
     batch: Any
     n_threads: int
+    flash_attn: str  # the setting passed to llama.cpp (``flash_attn_setting``)
 
 
-def flash_attn_setting(cfg: SessionConfig) -> str:
-    """The flash attention setting passed to llama.cpp (``auto`` lets it decide).
+# ``auto`` on a CPU: flash attention off while its scratch stays this small.
+AUTO_OFF_SCRATCH = 1 << 30
+_UNQUANTIZED = ("f16", "f32", "bf16")
 
-    llama.cpp's ``auto`` enables flash attention where the backend supports it
-    (on CPU: yes). Flash attention keeps V untransposed, which makes restores
-    cheaper to assemble, but on CPU its logits depend on the thread count
-    (measured 0.05-0.4 apart between 1 and 2 threads), so the identity records
-    the thread count whenever it is on (see ``localkv.cache.identity``).
+
+def flash_attn_setting(cfg: SessionConfig, model: Any) -> str:
+    """The flash attention setting passed to llama.cpp for ``cfg`` on ``model``.
+
+    ``on`` and ``off`` are passed as asked. ``auto`` on a CPU, with an unquantized V
+    cache, is ``off`` while the scratch that attention without it needs (``n_ctx`` x
+    ``n_batch`` x heads floats) stays within ``AUTO_OFF_SCRATCH``: llama.cpp's CPU
+    flash attention is slower for every batch (measured on 2 cores at 2,000 tokens:
+    a 27-token batch 199 against 91 ms on the default model, 189 against 62 ms at
+    Llama 3.1 8B's cache geometry; at 8,000 tokens 1,741 against 242 ms, and a
+    single token 180 against 81 ms). Elsewhere -- offloaded to a GPU, a quantized
+    V, a larger scratch -- ``auto`` lets llama.cpp decide (where supported: on).
+    With flash attention on, CPU logits depend on the thread count (measured
+    0.05-0.4 apart between 1 and 2 threads), so the identity records the thread
+    count whenever it is on (see ``localkv.cache.identity``).
     """
-    return cfg.flash_attn
+    if cfg.flash_attn != "auto":
+        return cfg.flash_attn
+    if llama_cpp.llama_supports_gpu_offload() and cfg.n_gpu_layers != 0:
+        return "auto"
+    if cfg.type_v.lower() not in _UNQUANTIZED:
+        return "auto"  # a quantized V needs flash attention
+    return "off" if attention_scratch(cfg, model) <= AUTO_OFF_SCRATCH else "auto"
+
+
+def attention_scratch(cfg: SessionConfig, model: Any) -> int:
+    """Bytes of the K x Q product attention without flash attention keeps for a batch."""
+    n_batch = min(cfg.n_batch, context_tokens(cfg.n_ctx))
+    n_head = max(1, int(llama_cpp.llama_model_n_head(model)))
+    return context_tokens(cfg.n_ctx) * n_batch * n_head * 4
 
 
 def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
@@ -77,7 +102,8 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     _check_kv_types(cfg, model)
     _check_kv_memory(cfg, model)
     threads = cfg.n_threads or min(MAX_THREADS, max(1, os.cpu_count() or 1))
-    ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads))
+    flash_attn = flash_attn_setting(cfg, model)
+    ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads, flash_attn))
     if not ctx:
         raise ModelLoadError(_context_failure(cfg))
     stack.callback(llama_cpp.llama_free, ctx)
@@ -97,10 +123,11 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
         n_batch=n_batch,
         batch=batch,
         n_threads=threads,
+        flash_attn=flash_attn,
     )
 
 
-def _context_params(cfg: SessionConfig, threads: int) -> Any:
+def _context_params(cfg: SessionConfig, threads: int, flash_attn: str) -> Any:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = cfg.n_ctx
     cparams.n_batch = cfg.n_batch
@@ -110,7 +137,7 @@ def _context_params(cfg: SessionConfig, threads: int) -> Any:
     cparams.n_threads_batch = threads
     cparams.type_k = ggml_type_id(cfg.type_k)
     cparams.type_v = ggml_type_id(cfg.type_v)
-    cparams.flash_attn_type = FLASH_ATTN_TYPES[flash_attn_setting(cfg)]
+    cparams.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
     cparams.rope_freq_base = cfg.rope_freq_base
     cparams.rope_freq_scale = cfg.rope_freq_scale
     cparams.no_perf = True
@@ -191,7 +218,7 @@ def _context_failure(cfg: SessionConfig) -> str:
         f"llama.cpp could not create a context of {cfg.n_ctx:,} tokens "
         f"(type_k={cfg.type_k}, type_v={cfg.type_v}, flash_attn={cfg.flash_attn})"
     )
-    if cfg.type_v.lower() not in ("f16", "f32", "bf16") and cfg.flash_attn == "off":
+    if cfg.type_v.lower() not in _UNQUANTIZED and cfg.flash_attn == "off":
         return text + ": a quantized type_v needs flash attention (--flash-attn on or auto)"
     return text + ": not enough memory for its buffers? lower --ctx"
 

@@ -24,7 +24,7 @@ import numpy as np
 from localkv.kv import codec
 from localkv.kv.windows import WindowLog
 from localkv.model.config import LoraSpec, SessionConfig
-from localkv.model.loading import ModelLoadError, flash_attn_setting, large_buffer, open_native
+from localkv.model.loading import ModelLoadError, large_buffer, open_native
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
 from localkv.model.schedule import ends_after, request_ends
@@ -98,7 +98,7 @@ class ModelSession:
         self.model = native.model
         self.vocab = native.vocab
         self.n_vocab = native.n_vocab
-        self.n_threads = native.n_threads
+        self.n_threads, self._flash_attn = native.n_threads, native.flash_attn
         self.ctx = native.ctx
         self.memory = native.memory
         self.n_ctx = native.n_ctx
@@ -110,7 +110,7 @@ class ModelSession:
 
     def flash_attn_setting(self) -> str:
         """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
-        return flash_attn_setting(self.config)
+        return self._flash_attn
 
     def close(self) -> None:
         """Free the native handles (idempotent)."""

@@ -35,8 +35,7 @@ def base(tiny_models: TinyModels) -> Identity:
         ("base", {"lora": 0.5}, "loras"),
         ("base", {"type_k": "q8_0"}, "type_k"),
         ("base", {"rope_freq_base": 20000.0}, "rope_freq_base"),
-        ("base", {"flash_attn": "off"}, "v_trans"),
-        ("base", {"n_threads": 2}, "attn_threads"),  # auto: flash attention on
+        ("base", {"flash_attn": "on"}, "v_trans"),  # auto on a CPU: off
     ],
 )
 def test_digest_changes_with_the_computation(
@@ -60,6 +59,15 @@ def test_thread_count_matters_only_with_flash_attention(tiny_models: TinyModels)
     one = _identity(tiny_models.base, flash_attn="on", n_threads=1)
     two = _identity(tiny_models.base, flash_attn="on", n_threads=2)
     assert "attn_threads: 1 → 2" in one.diff(two)
+    assert _identity(tiny_models.base, n_threads=2) == _identity(tiny_models.base)
+
+
+def test_auto_on_a_cpu_is_off_and_shares_its_cache(tiny_models: TinyModels, base: Identity) -> None:
+    """``auto`` is off here (a CPU build, a small scratch): the cache of ``off``, not ``on``."""
+    off = _identity(tiny_models.base, flash_attn="off")
+    on = _identity(tiny_models.base, flash_attn="on")
+    assert base.digest == off.digest and not base.flash_attn and base.v_trans
+    assert on.digest != base.digest and on.flash_attn
 
 
 @pytest.mark.parametrize(
@@ -67,15 +75,15 @@ def test_thread_count_matters_only_with_flash_attention(tiny_models: TinyModels)
     [
         {"n_ctx": 512},
         {"n_batch": 64},
-        {"n_ctx": 512, "flash_attn": "off"},
-        {"n_batch": 64, "flash_attn": "off"},
-        {"n_threads": 2, "flash_attn": "off"},
+        {"n_threads": 2},
+        {"n_ctx": 512, "flash_attn": "on"},
+        {"n_batch": 64, "flash_attn": "on"},
     ],
 )
 def test_digest_ignores_what_does_not_change_kv(
     tiny_models: TinyModels, base: Identity, kw: dict[str, object]
 ) -> None:
-    reference = base if "flash_attn" not in kw else _identity(tiny_models.base, flash_attn="off")
+    reference = base if "flash_attn" not in kw else _identity(tiny_models.base, flash_attn="on")
     other = _identity(tiny_models.base, **kw)
     assert other.digest == reference.digest
     assert reference.diff(other) == []
