@@ -30,7 +30,8 @@ machine, ``--runs`` times each, localkv and the peer in turn:
   Seconds from sending to the first content chunk.
 - ``http-repeat``: the same request again, to the same server.
 
-Both sides use the same model, n_ctx, thread count and flash attention; the
+Both sides use the same model, n_ctx, thread count and flash attention (``--flash-attn``,
+off by default: what localkv's ``auto`` is on a CPU at this size); the
 peer's prompt is the token ids localkv builds. Neither has OpenMP variables set
 by the bench: localkv chooses its wait policy from the load, the peer runs with
 libgomp's defaults. Medians per face and load; every run and the load average
@@ -83,7 +84,7 @@ def _prompts(args: argparse.Namespace, docs: dict[str, Path], work: Path, n: int
     """localkv's token ids of each document's prompt and questions, for the peer."""
     import localkv
 
-    opts = {"n_ctx": args.ctx, "n_threads": args.threads, "flash_attn": "on"}
+    opts = {"n_ctx": args.ctx, "n_threads": args.threads, "flash_attn": args.flash_attn}
     rt = localkv.Runtime.open(args.model, use_cache=False, **opts)
     out: dict[str, Any] = {}
     with rt:
@@ -96,7 +97,7 @@ def _prompts(args: argparse.Namespace, docs: dict[str, Path], work: Path, n: int
             out[name] = {"prefix": asks[0][:k], "questions": [t[k:] for t in asks]}
     path = work / "prompts.json"
     settings = {"model": str(args.model), "n_ctx": args.ctx, "threads": args.threads}
-    settings |= {"flash_attn": True, "max_tokens": MAX_TOKENS, "work": str(work)}
+    settings |= {"flash_attn": args.flash_attn == "on", "max_tokens": MAX_TOKENS, "work": str(work)}
     path.write_text(json.dumps({**settings, "docs": out}))
     return path
 
@@ -123,7 +124,7 @@ API_WORKER = """
 import json, sys, time
 import localkv
 p = json.loads(sys.argv[1])
-rt = localkv.Runtime.open(p["model"], n_ctx=p["n_ctx"], n_threads=p["threads"], flash_attn="on")
+rt = localkv.Runtime.open(p["model"], n_ctx=p["n_ctx"], n_threads=p["threads"], flash_attn=p["fa"])
 docs = [localkv.read_document(d) for d in p["docs"]]
 params = localkv.SamplingParams(temperature=0, max_tokens=p["max_tokens"])
 out = []
@@ -231,7 +232,8 @@ class Bench:
         self.n_questions = 16 * args.runs
         self.prompts = _prompts(args, self.docs, work, self.n_questions) if args.peer else None
         self.system_a = f"{SYSTEM}\n\n{self.docs['A'].read_text(encoding='utf-8')}"
-        common = ["--ctx", str(args.ctx), "--threads", str(args.threads), "--flash-attn", "on"]
+        common = ["--ctx", str(args.ctx), "--threads", str(args.threads)]
+        common += ["--flash-attn", args.flash_attn]
         self.common = ["--model", str(args.model), *common]
 
     def lkv(self, *rest: str) -> list[str]:
@@ -262,7 +264,7 @@ class Bench:
             a = self.args
             cmd = [a.peer_python, "-m", "llama_cpp.server", "--model", str(a.model)]
             cmd += ["--host", "127.0.0.1", "--n_ctx", str(a.ctx), "--n_threads", str(a.threads)]
-            cmd += ["--n_threads_batch", str(a.threads), "--flash_attn", "True"]
+            cmd += ["--n_threads_batch", str(a.threads), "--flash_attn", str(a.flash_attn == "on")]
             cmd += ["--cache", "True", "--cache_type", "disk"]
             out["peer"] = Server(cmd, peer_dir, self.env, "/v1/models")
         return out
@@ -283,6 +285,7 @@ class Bench:
         if who == "localkv":
             p = {"model": str(self.args.model), "n_ctx": self.args.ctx, "runs": runs}
             p |= {"threads": self.args.threads, "max_tokens": MAX_TOKENS, "system": SYSTEM}
+            p["fa"] = self.args.flash_attn
             p |= {"docs": [str(self.docs["A"]), str(self.docs["B"])]}
             p["questions"] = [question(base + i) for i in range(runs)]
             cmd = [self.args.localkv_python, "-c", API_WORKER, json.dumps(p)]
@@ -360,6 +363,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "load": args.load,
         "ctx": args.ctx,
         "threads": args.threads,
+        "flash_attn": args.flash_attn,
         "cpus": len(os.sched_getaffinity(0)),
         "when": time.strftime("%Y-%m-%dT%H:%M%z"),
         "command": " ".join(["benchmarks/faces.py", *sys.argv[1:]]),
@@ -396,7 +400,8 @@ def render(sets: list[dict[str, Any]]) -> str:
             "```",
             "",
             f"{data['runs']} runs per face and load, medians; n_ctx {data['ctx']}, "
-            f"{data['threads']} threads on {data['cpus']} usable cores; busy = "
+            f"{data['threads']} threads on {data['cpus']} usable cores, flash attention "
+            f"{data.get('flash_attn', 'on')}; busy = "
             f"{busy} CPU-bound processes. `load` is the median 1-minute load average "
             "when the runs began (idle and busy).",
             "",
@@ -433,6 +438,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--load", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    # off: what localkv's auto chooses on a CPU at this size (loading.flash_attn_setting)
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="off")
     ap.add_argument("--peer-python", help="a Python with llama-cpp-python[server]")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--localkv-python", default=sys.executable)
