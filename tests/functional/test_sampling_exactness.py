@@ -36,7 +36,9 @@ TEXT = (
     "having nothing to do: once or twice she had peeped into the book her sister was reading. "
 )
 DOC = " ".join(f"Chapter {i}. {TEXT}" for i in range(24))  # about 900 tokens: 3 blocks
-SEEDED = ("--temperature", "1", "--seed", "5")
+# seeded over the whole vocabulary: at the default top-k/top-p/min-p a random model's
+# answers can be newlines whatever the seed, which would not show a seed's effect
+SEEDED = ("--temperature", "1", "--seed", "5", "--top-k", "0", "--top-p", "1", "--min-p", "0")
 GREEDY = ("--temperature", "0")
 # a random model's chat answers are newlines at the default top-k/top-p/min-p: draw wider
 WIDE = ("--temperature", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", "5")
@@ -52,7 +54,7 @@ def _params(seed: int | None, **extra: Any) -> SamplingParams:
     "params",
     [
         _params(None),
-        _params(5),
+        _params(5, top_k=0, top_p=1.0, min_p=0.0),
         _params(5, repeat_penalty=1.5, repeat_last_n=256),
         _params(5, grammar='root ::= [a-z ,.]+ "."'),
     ],
