@@ -1,7 +1,9 @@
-"""The one compiled part of localkv: the compact blocks' decoder (``storage/_planes.c``).
+"""The compiled parts of localkv: the compact blocks' decoder (``storage/_planes.c``)
+and llama.cpp's log filter (``localkv/model/_quietlog.c``).
 
-Everything else is configured in pyproject.toml. The extension is optional:
-where it cannot be built, ``localkv.storage.formats.q6`` decodes with numpy.
+Everything else is configured in pyproject.toml. Both extensions are optional:
+where one cannot be built, ``localkv.storage.formats.q6`` decodes with numpy and
+``localkv.model.native`` hands llama.cpp's every log line to Python.
 """
 
 import sys
@@ -15,6 +17,12 @@ setup(
             ["storage/_planes.c"],
             extra_compile_args=[] if sys.platform == "win32" else ["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "localkv.model._quietlog",
+            ["localkv/model/_quietlog.c"],
+            extra_compile_args=[] if sys.platform == "win32" else ["-O2"],
+            optional=True,
+        ),
     ]
 )

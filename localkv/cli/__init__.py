@@ -90,6 +90,10 @@ def cli(verbose: int) -> None:
     probe token reproduces the stored logits exactly.
     """
     _check_environment()
+    _configure_logging(verbose)
+
+
+def _configure_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if verbose < 2:  # localkv says what failed in its own words; -vv shows llama.cpp's
@@ -127,6 +131,13 @@ def _settings() -> dict[str, Callable[[str], object]]:
 
 
 def main() -> None:
+    import sys
+
+    from localkv.cli import early
+
+    if sys.argv[1:2] and sys.argv[1] in early.COMMANDS:  # no global options: -v is not given
+        _configure_logging(0)  # before the thread logs what it opens
+        early.start(sys.argv[1:])
     cli(prog_name="localkv")
 
 

@@ -5,7 +5,9 @@
 context and the batch, attaches LoRA adapters, and registers every handle's
 free on the stack, so the session that owns the stack frees each once.
 Also here: ``large_buffer``, the memory a restore assembles llama.cpp's
-state in.
+state in, and ``open_early``: a model and context opened ahead of need (by the
+command line, in a thread, while the rest of it loads), which ``open_native``
+takes when it is asked for the same configuration.
 """
 
 from __future__ import annotations
@@ -16,16 +18,31 @@ import logging
 import mmap
 import os
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from localkv.model.config import FLASH_ATTN_TYPES, MAX_THREADS, LoraSpec, SessionConfig
-from localkv.model.native import ggml_type_id, llama_cpp, recent_errors
+from localkv.model.native import (
+    ensure_backend,
+    ggml_type_id,
+    llama_cpp,
+    recent_errors,
+    sync_log_detail,
+)
 
-__all__ = ["ModelLoadError", "Native", "flash_attn_setting", "large_buffer", "open_native"]
+__all__ = [
+    "ModelLoadError",
+    "Native",
+    "drop_early",
+    "flash_attn_setting",
+    "large_buffer",
+    "open_early",
+    "open_native",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +103,71 @@ def attention_scratch(cfg: SessionConfig, model: Any) -> int:
     return context_tokens(cfg.n_ctx) * n_batch * n_head * 4
 
 
+# what ``open_early`` opened: its configuration, the handles, their frees
+_early: tuple[SessionConfig, Native, contextlib.ExitStack] | None = None
+_early_lock = threading.Lock()
+
+
+def open_early(cfg: SessionConfig) -> bool:
+    """Open ``cfg``'s model and context now, for the next ``open_native`` of ``cfg``.
+
+    What fails here is not reported (False): the command opens the model again
+    and says what failed in its own words. Any earlier one not taken is freed.
+    """
+    global _early
+    ensure_backend()
+    stack = contextlib.ExitStack()
+    try:
+        native = open_native(cfg, stack)
+    except Exception:  # ModelLoadError, an unreadable file: the command reports it
+        stack.close()
+        return False
+    with _early_lock:
+        early, _early = _early, (cfg, native, stack)
+    if early is not None:
+        early[2].close()
+    return True
+
+
+def drop_early() -> None:
+    """Free what ``open_early`` opened and no ``open_native`` took."""
+    global _early
+    with _early_lock:
+        early, _early = _early, None
+    if early is not None:
+        early[2].close()
+
+
+def _take_early(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native | None:
+    """The context ``open_early`` opened, if for exactly ``cfg``; otherwise it is freed.
+
+    Only a context nothing has decoded into is kept there, and only an equal
+    configuration takes it (the chat template aside: it only shapes the tokens).
+    """
+    global _early
+    with _early_lock:
+        early, _early = _early, None
+    if early is None:
+        return None
+    opened, native, frees = early
+    if replace(opened, chat_template=cfg.chat_template) != cfg:
+        frees.close()
+        return None
+    stack.enter_context(frees)
+    return native
+
+
 def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     """Load ``cfg``'s model and create its context; frees go on ``stack``."""
+    early = _take_early(cfg, stack)
+    if early is not None:
+        return early
     path = Path(cfg.model_path)
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = 2**31 - 1 if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+    sync_log_detail()  # llama.cpp's info lines, as the logging now set up wants them
     recent_errors()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:

@@ -51,6 +51,11 @@ WAIT_CHOICE = _choose_wait_policy()
 
 import llama_cpp  # noqa: E402  (after the wait policy: libgomp reads it when it loads)
 
+try:
+    from localkv.model import _quietlog
+except ImportError:  # not built (setup.py: it is optional): every line goes to Python
+    _quietlog = None  # type: ignore[assignment]
+
 __all__ = [
     "GGML_TYPES",
     "WAIT_CHOICE",
@@ -61,6 +66,7 @@ __all__ = [
     "llama_cpp_version",
     "openmp_settings",
     "recent_errors",
+    "sync_log_detail",
     "system_info",
 ]
 
@@ -90,6 +96,7 @@ _TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 
 _state_lock = threading.Lock()
 _started = False
+_log_callback: Any = None  # what llama_log_set was given, kept alive
 _last_level = logging.DEBUG
 _errors: collections.deque[str] = collections.deque(maxlen=8)
 
@@ -119,14 +126,31 @@ def recent_errors() -> list[str]:
 
 
 def ensure_backend() -> None:
-    """Start llama.cpp's backend once per process and route its log."""
-    global _started
+    """Start llama.cpp's backend once per process and route its log.
+
+    Through ``_quietlog`` where it was built: llama.cpp's debug and info lines
+    reach Python only while ``localkv.llama`` logs at DEBUG (``sync_log_detail``),
+    so a model loading in a thread does not wait for the GIL at each of its
+    ~2,000 lines. Without it, every line goes to ``_route_log``.
+    """
+    global _started, _log_callback
     with _state_lock:
         if _started:
             return
-        llama_cpp.llama_log_set(_route_log, ctypes.c_void_p(0))
+        _log_callback = _route_log
+        if _quietlog is not None:
+            forward = ctypes.cast(_route_log, ctypes.c_void_p).value or 0
+            address = _quietlog.install(forward, log.isEnabledFor(logging.DEBUG))
+            _log_callback = llama_cpp.llama_log_callback(address)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _started = True
+
+
+def sync_log_detail() -> None:
+    """Pass llama.cpp's debug and info lines to Python while ``localkv.llama`` logs them."""
+    if _quietlog is not None:
+        _quietlog.set_detail(log.isEnabledFor(logging.DEBUG))
 
 
 def ggml_type_id(name: str) -> int:

@@ -67,7 +67,7 @@ class BlockIndex:
             conn = self._connect(path)
         except sqlite3.DatabaseError as exc:
             raise IndexDamaged(path, str(exc)) if is_damage(exc) else exc from None
-        self.db = sqlite_utils.Database(conn)
+        self.db = sqlite_utils.Database(conn, execute_plugins=False)  # no third-party hooks
         try:
             self._prepare(path)
         except sqlite3.DatabaseError as exc:

@@ -1,0 +1,184 @@
+"""The model opened beside the command line's imports (``localkv.cli.early``).
+
+``localkv ask`` and ``prefill`` open the model their arguments name in a thread
+as the process starts; the command's own ``open_native`` takes that context only
+when the configuration it builds from the parsed options is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.tinymodels import TinyModels, tiny_config
+
+from localkv.cli import early
+from localkv.cli.docs import ask, prefill
+from localkv.cli.options import session_config
+from localkv.model import loading, native
+from localkv.model.loading import drop_early, open_early, open_native
+from localkv.model.session import LoraSpec, ModelSession
+
+ARGS = [
+    [],
+    ["--ctx", "1024"],
+    ["--ctx=2048", "--threads", "1"],
+    ["--type-k", "Q8_0", "--type-v=q8_0", "--flash-attn", "on"],
+    ["--n-gpu-layers", "0", "--flash-attn=off"],
+    ["--ctx", "512", "--ctx", "768"],  # the last one given counts, as in click
+    ["--system", "--ctx 8", "--json"],  # an option's value is not read as an option
+]
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_open() -> None:
+    yield
+    drop_early()
+
+
+@pytest.mark.parametrize("command", [ask, prefill], ids=["ask", "prefill"])
+@pytest.mark.parametrize("args", ARGS, ids=[" ".join(a) or "defaults" for a in ARGS])
+@pytest.mark.parametrize("named", [False, True], ids=["default-model", "--model"])
+def test_the_guess_is_the_config_the_command_builds(
+    tiny_models: TinyModels, command: object, args: list[str], named: bool
+) -> None:
+    model = ["--model", str(tiny_models.base)] if named else []
+    argv = [*model, *args, "doc.txt", "question"]
+    parsed = command.make_context(command.name, list(argv))  # type: ignore[attr-defined]
+    built = session_config(parsed.params)
+    guess = early.guess_config([command.name, *argv])  # type: ignore[attr-defined]
+    assert guess is not None
+    assert dataclasses.replace(guess, chat_template=built.chat_template) == built
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["chat"],
+        ["serve"],
+        ["ask", "--help"],
+        ["ask", "doc.txt", "q", "-h"],
+        ["ask", "--ctx", "many", "doc.txt", "q"],
+        ["ask", "--model", "/no/such/model.gguf", "doc.txt", "q"],
+        ["ask", "doc.txt", "q", "--ctx"],
+    ],
+)
+def test_no_guess_where_the_arguments_make_no_configuration(argv: list[str]) -> None:
+    assert early.guess_config(argv) is None
+
+
+def test_an_equal_configuration_takes_the_early_context(tiny_models: TinyModels) -> None:
+    cfg = tiny_config(tiny_models.base)
+    assert open_early(cfg)
+    opened = loading._early
+    assert opened is not None
+    with contextlib.ExitStack() as stack:
+        native = open_native(dataclasses.replace(cfg, chat_template="chatml"), stack)
+        assert native is opened[1]
+        assert loading._early is None  # taken once
+        with contextlib.ExitStack() as again:
+            assert open_native(cfg, again) is not native  # the next one opens its own
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"n_ctx": 1024}, {"n_threads": 2}, {"type_v": "q8_0", "flash_attn": "on"}, {"n_batch": 256}],
+    ids=["n_ctx", "threads", "kv-type", "batch"],
+)
+def test_another_configuration_gets_its_own_context(
+    tiny_models: TinyModels, change: dict[str, object]
+) -> None:
+    cfg = tiny_config(tiny_models.base)
+    assert open_early(cfg)
+    opened = loading._early
+    assert opened is not None
+    other = dataclasses.replace(cfg, **change)  # type: ignore[arg-type]
+    with contextlib.ExitStack() as stack:
+        native = open_native(other, stack)
+        assert native is not opened[1]
+        assert loading._early is None  # the early one was freed, not kept
+        assert native.n_ctx == max(other.n_ctx, 256)
+
+
+@pytest.mark.parametrize("other", ["other_weights", "lora"])
+def test_another_model_or_adapter_gets_its_own_context(tiny_models: TinyModels, other: str) -> None:
+    cfg = tiny_config(tiny_models.base)
+    assert open_early(cfg)
+    opened = loading._early
+    assert opened is not None
+    if other == "lora":
+        asked = dataclasses.replace(cfg, loras=(LoraSpec(tiny_models.lora, 1.0),))
+    else:
+        asked = tiny_config(tiny_models.other_weights)
+    with contextlib.ExitStack() as stack:
+        assert open_native(asked, stack) is not opened[1]
+        assert loading._early is None
+
+
+def test_a_session_on_the_early_context_computes_what_a_fresh_one_does(
+    tiny_models: TinyModels,
+) -> None:
+    cfg = tiny_config(tiny_models.base)
+    with ModelSession(cfg) as fresh:
+        tokens = fresh.tokenize("The early context holds nothing: these logits are the same.")
+        fresh.prefill(tokens)
+        want = np.array(fresh.last_logits, copy=True)
+    assert open_early(cfg)
+    with ModelSession(cfg) as taken:
+        assert loading._early is None
+        taken.prefill(tokens)
+        got = taken.last_logits
+    assert got is not None
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_model_that_cannot_load_is_left_to_the_command(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    assert not open_early(tiny_config(bad))
+    assert loading._early is None
+
+
+def test_llama_cpp_info_lines_reach_python_when_logged(
+    tiny_models: TinyModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert native._quietlog is not None  # setup.py builds it; `make test` installs that
+    with (
+        caplog.at_level(logging.DEBUG, logger="localkv.llama"),
+        ModelSession(tiny_config(tiny_models.base)),
+    ):
+        pass
+    loud = [r for r in caplog.records if r.name == "localkv.llama" and r.levelno == logging.DEBUG]
+    assert len(loud) > 100  # llama.cpp describes the model it loads, line by line
+
+
+def test_the_filter_passes_warnings_errors_and_their_continuations() -> None:
+    quietlog = native._quietlog
+    assert quietlog is not None
+    seen: list[tuple[int, bytes]] = []
+
+    def collect(level: int, text: bytes, user_data: object) -> None:
+        seen.append((level, text))
+
+    collector = native.llama_cpp.llama_log_callback(collect)
+    lines = [(2, b"info"), (5, b"info goes on"), (3, b"warn"), (5, b"warn goes on"), (4, b"err")]
+    lines += [(1, b"debug"), (0, b"none")]
+    try:
+        address = quietlog.install(ctypes.cast(collector, ctypes.c_void_p).value, False)
+        filtered = native.llama_cpp.llama_log_callback(address)
+        for level, text in lines:
+            filtered(level, text, None)
+        assert seen == [(3, b"warn"), (5, b"warn goes on"), (4, b"err")]
+        seen.clear()
+        quietlog.set_detail(True)
+        for level, text in lines:
+            filtered(level, text, None)
+        assert seen == lines
+    finally:
+        quietlog.install(ctypes.cast(native._route_log, ctypes.c_void_p).value, False)
+        native.sync_log_detail()
