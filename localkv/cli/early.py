@@ -110,10 +110,13 @@ def start(argv: list[str]) -> None:
     global _thread
     if _thread is not None:
         return
-    cfg = guess_config(argv)
+    try:
+        cfg = guess_config(argv)
+        from localkv.model.loading import open_early
+    except Exception:  # a broken install, say: the command imports it again and says so
+        return
     if cfg is None:
         return
-    from localkv.model.loading import open_early
 
     _thread = threading.Thread(target=open_early, args=(cfg,), name="localkv-early", daemon=True)
     _thread.start()

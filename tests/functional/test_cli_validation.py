@@ -81,3 +81,29 @@ def test_a_file_that_is_not_a_model_gets_one_line_in_llama_cpp_s_words(tmp_path:
         timeout=120,
     )
     assert "ERROR localkv.llama: gguf_init_from_reader: invalid magic" in loud.stderr
+
+
+def test_a_command_refused_while_its_model_opens_exits_with_its_usage_error(
+    tmp_path: Path,
+) -> None:
+    # `ask` starts opening the model as the process starts (localkv.cli.early); a
+    # command refused at once waits for that load, frees it and exits as before
+    command = [sys.executable, "-m", "localkv", "ask", "--threads", "1", "only-a-question"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "give at least one FILE and then the QUESTION" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_broken_model_named_on_the_command_line_is_reported_by_the_command(
+    tmp_path: Path,
+) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document.", encoding="utf-8")
+    command = [sys.executable, "-m", "localkv", "ask", "--model", str(bad), str(doc), "Why?"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "llama.cpp could not load" in result.stderr and str(bad) in result.stderr
+    assert "Traceback" not in result.stderr
