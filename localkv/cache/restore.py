@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -112,20 +113,22 @@ def _read(
     """The blocks, and (where it can) the state buffer their K/V rows were read into
     and the array the last block's partial rows were read into.
 
-    With untransposed V every block file is read straight into its rows of
-    llama.cpp's state buffer, minus the chain's final token, the buffer
-    leaving room after them for the last block's partial part (if any);
-    otherwise the blocks come back as arrays to assemble.
+    Every block file is read straight into its rows of llama.cpp's state
+    buffer, minus the chain's final token, the buffer leaving room after them
+    for the last block's partial part (if any). A transposed V (flash attention
+    off) is read into reused staging rows and transposed into the buffer, a
+    layer at a time. An empty chain or layout comes back as arrays to assemble.
     """
     # a partial part is used from the chain's last block only: the others' are not read
     drops = [{PARTIAL} if PARTIAL in o.specs else set() for o in opened[:-1]] + [set()]
     found = chain_layout(opened)
     v_trans, layout = found.v_trans, found.layers
     n = opened[-1].row.end - 1  # chain_layout refused an empty chain
-    if v_trans or n <= 0 or not layout:
+    if n <= 0 or not layout:
         return store.fill_blocks(opened, [None] * len(opened), drops), None, None
     tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER
-    buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail))
+    buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail), v_trans)
+    v_places = _staged_v(layout, n) if v_trans else v_rows
     tip = opened[-1].specs.get(PARTIAL)
     tip_rows = _tip_rows(session, tip.shape, tip.nbytes) if tip is not None else None
     # the chain's final token is read (the checksum covers it) but not loaded:
@@ -139,7 +142,7 @@ def _read(
         spilled = 0
         for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
             places[f"k.{i}"] = [k_rows[i][start : start + keep]]
-            places[f"v.{i}"] = [v_rows[i][start : start + keep]]
+            places[f"v.{i}"] = [v_places[i][start : start + keep]]
             if end > n:
                 k_spill = spill[spilled : spilled + k_bytes]
                 v_spill = spill[spilled + k_bytes : spilled + k_bytes + v_bytes]
@@ -149,14 +152,31 @@ def _read(
         targets.append(places)
     if tip_rows is not None:  # pages reused from the last restore: no page faults
         targets[-1][PARTIAL] = [tip_rows]
-    return store.fill_blocks(opened, targets, drops), buffer, tip_rows
+    blocks = store.fill_blocks(opened, targets, drops)
+    if v_trans:  # each layer's V rows, token-major as stored, go in as llama.cpp's columns
+        for staged, columns in zip(v_places, v_rows, strict=True):
+            columns[...] = staged.view(columns.dtype).T
+    return blocks, buffer, tip_rows
 
 
 class _Rows(threading.local):
     buffer: np.ndarray | None = None
+    staged: np.ndarray | None = None
 
 
 _ROWS = _Rows()
+
+
+def _staged_v(layout: Sequence[codec.LayerLayout], n: int) -> list[np.ndarray]:
+    """This thread's reused rows, ``[n, v_row_bytes]`` per layer, for V read token-major."""
+    total = n * sum(x[3] for x in layout)
+    if _ROWS.staged is None or _ROWS.staged.shape[0] < total:
+        _ROWS.staged = large_buffer(total)
+    rows, at = [], 0
+    for _, _, _, v_bytes in layout:
+        rows.append(_ROWS.staged[at : at + n * v_bytes].reshape(n, v_bytes))
+        at += n * v_bytes
+    return rows
 
 
 def _tip_rows(session: ModelSession, shape: tuple[int, ...], nbytes: int) -> np.ndarray:

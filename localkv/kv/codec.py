@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv.kv.layout import LayerLayout, assembly, scratch_view, state_size
 from localkv.kv.section import ELEMENT_BYTES as _ELEMENT_BYTES
 from localkv.kv.section import (
     EXT_CELL,
@@ -52,6 +53,7 @@ __all__ = [
     "assembly",
     "concat",
     "parse",
+    "state_size",
 ]
 
 
@@ -198,13 +200,6 @@ def _check_same_layout(parts: Sequence[KVState]) -> None:
             raise StateFormatError("blocks of different KV layouts cannot be joined")
 
 
-def _buffer(size: int, scratch: np.ndarray | None) -> np.ndarray:
-    """``size`` bytes: a view into ``scratch`` when it is a large enough uint8 array."""
-    if scratch is not None and scratch.dtype == np.uint8 and scratch.shape[0] >= size:
-        return scratch[:size]
-    return np.empty(size, dtype=np.uint8)
-
-
 def concat(parts: Sequence[KVState]) -> KVState:
     """Join consecutive pieces of one sequence (block after block)."""
     if not parts:
@@ -235,69 +230,9 @@ def _cell_tokens(parts: Sequence[KVState], n: int) -> np.ndarray | None:
     return np.concatenate([p.cell_tokens for p in parts if p.cell_tokens is not None])[:n]
 
 
-# per layer: (k_type, k_row_bytes, v_type, v_row_bytes), as KVState.layout() gives
-LayerLayout = tuple[int, int, int, int]
-
-
-def state_size(layout: Sequence[LayerLayout], v_trans: bool, n: int, cell_ext: bool = False) -> int:
-    """Bytes of a sequence state of ``n`` tokens with this layout (and cell layout)."""
-    size = 4 + 4 + 4 + 4 + n * (EXT_CELL if cell_ext else PLAIN_CELL) + 8
-    for _, k_row_bytes, _, v_row_bytes in layout:
-        size += 4 + 8 + n * k_row_bytes
-        size += (4 + 4 + 4) if v_trans else (4 + 8)
-        size += n * v_row_bytes
-    return size
-
-
 def assembled_size(parts: Sequence[KVState], n: int, cell_ext: bool | None = None) -> int:
     ext = parts[0].cell_ext if cell_ext is None else cell_ext
     return state_size(parts[0].layout(), parts[0].v_trans, n, ext)
-
-
-def assembly(
-    layout: Sequence[LayerLayout],
-    n: int,
-    seq_id: int = 0,
-    scratch: np.ndarray | None = None,
-    cell_ext: bool = False,
-    *,
-    first: int = 0,
-    header: bool = True,
-) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-    """A ``set_data`` buffer for ``n`` tokens at positions ``first..first+n-1``, rows to fill.
-
-    For untransposed V only. Every field but the K and V rows (and, with
-    ``cell_ext``, the cells' tokens: ``section.name_cell_tokens``) is written;
-    returns the buffer (a view into ``scratch`` when it is large enough) and,
-    per layer, the K and V row arrays (uint8 ``[n, row_bytes]`` views into it)
-    that the caller fills, e.g. straight from block files. ``header=False``
-    leaves out the leading magic and sequence id: a KV section to follow another
-    (an SWA state's sliding part after its full-attention part).
-    """
-    if n <= 0 or not layout:
-        raise ValueError(f"cannot lay out {n} tokens of {len(layout)} layers")
-    skip = 0 if header else 8
-    size = state_size(layout, False, n, cell_ext) - skip
-    out = _buffer(size, scratch)
-    if header:
-        struct.pack_into("<Ii", out, 0, STATE_MAGIC, seq_id)  # type: ignore[arg-type]
-    struct.pack_into("<II", out, 8 - skip, 1, n)  # type: ignore[arg-type]
-    off = 16 - skip + n * (EXT_CELL if cell_ext else PLAIN_CELL)
-    positions = np.arange(first, first + n, dtype=np.int32)
-    write_cells(out[16 - skip : off], positions, seq_id, cell_ext, None)
-    struct.pack_into("<II", out, off, 0, len(layout))  # type: ignore[arg-type]
-    off += 8
-    rows: list[list[np.ndarray]] = [[], []]
-    for which, (type_at, bytes_at) in enumerate(((0, 1), (2, 3))):
-        for layer in layout:
-            row_bytes = layer[bytes_at]
-            struct.pack_into("<iQ", out, off, layer[type_at], row_bytes)  # type: ignore[arg-type]
-            off += 12
-            rows[which].append(out[off : off + n * row_bytes].reshape(n, row_bytes))
-            off += n * row_bytes
-    if off != size:
-        raise RuntimeError(f"laid out {off} of {size} bytes")
-    return out, rows[0], rows[1]
 
 
 _Span = tuple["KVState", int, int]  # (part, offset in the sequence, rows used)
@@ -380,7 +315,7 @@ def assemble(
         raise ValueError(f"cannot assemble {n} of {total} tokens")
     spans = _spans(parts, n)
     ext = first.cell_ext if cell_ext is None else cell_ext
-    w = _StateWriter(_buffer(assembled_size(parts, n, ext), scratch))
+    w = _StateWriter(scratch_view(assembled_size(parts, n, ext), scratch))
     w.put("<IiII", STATE_MAGIC, seq_id, 1, n)
     positions = np.concatenate([p.positions[:rows] for p, _, rows in spans])
     cells = w.take(n * (EXT_CELL if ext else PLAIN_CELL))

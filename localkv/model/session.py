@@ -352,15 +352,13 @@ class ModelSession:
         self.load_state(buf, tokens)
 
     def restore_buffer(
-        self, layout: Sequence[codec.LayerLayout], n: int, tail: int = 0
+        self, layout: Sequence[codec.LayerLayout], n: int, tail: int = 0, v_trans: bool = False
     ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-        """A state buffer for ``n`` tokens (untransposed V), then ``tail`` bytes (a partial part).
-
-        ``codec.assembly`` in reused scratch memory: fill rows and tail, then ``load_state``.
-        """
-        size = codec.state_size(layout, False, n, self.cell_ext)
+        """``codec.assembly`` of ``n`` tokens in reused scratch, then ``tail`` bytes (partial)."""
+        size = codec.state_size(layout, v_trans, n, self.cell_ext)
         scratch = self._scratch_for(size, n, tail)
-        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch, cell_ext=self.cell_ext)
+        ext, trans = self.cell_ext, v_trans
+        _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch, cell_ext=ext, v_trans=trans)
         return scratch[: size + tail], k_rows, v_rows
 
     def _scratch_for(self, size: int, n: int, tail: int = 0) -> np.ndarray:

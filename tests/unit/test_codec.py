@@ -66,6 +66,28 @@ def test_slice_restores_the_state_of_a_shorter_prefill(
     assert np.array_equal(restored, uncached)
 
 
+@pytest.mark.parametrize(("type_k", "type_v", "flash"), [*LAYOUTS[:2], ("f32", "f32", "off")])
+def test_an_assembly_filled_row_by_row_is_llama_cpps_own_state(
+    tiny_models: TinyModels, prompt: list[int], type_k: str, type_v: str, flash: str
+) -> None:
+    """What a restore fills in place (K rows, V rows or, transposed, V columns) is the state."""
+    cfg = tiny_config(tiny_models.base, type_k=type_k, type_v=type_v, flash_attn=flash)
+    with ModelSession(cfg) as s:
+        s.prefill(prompt)
+        raw = s.capture_state()
+    state = codec.parse(raw)
+    n = state.n_tokens
+    out, k_rows, v_rows = codec.assembly(state.layout(), n, v_trans=state.v_trans)
+    for layer, k, v in zip(state.layers, k_rows, v_rows, strict=True):
+        k[...] = layer.k
+        if state.v_trans:
+            assert v.shape == (layer.v_row_bytes // layer.v_elem_bytes, n)
+            v[...] = layer.v.view(v.dtype).T  # the codec keeps V token-major
+        else:
+            v[...] = layer.v
+    assert bytes(out) == raw
+
+
 def test_concat_of_slices_is_the_whole(tiny_models: TinyModels, prompt: list[int]) -> None:
     with ModelSession(tiny_config(tiny_models.base, flash_attn="off")) as s:
         s.prefill(prompt)
