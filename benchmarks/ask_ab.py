@@ -1,7 +1,7 @@
 """Two checkouts' fresh ``localkv ask`` (or ``Runtime.ask``) in turn: the warm first token.
 
     .venv/bin/python benchmarks/ask_ab.py --python NAME=PY --python NAME=PY [--runs 8]
-        [--tokens 2000] [--set VAR=VALUE ...] [--face ask|api]
+        [--tokens 2000] [--set VAR=VALUE ...] [--face ask|api] [--flash-attn off|on]
 
 Each ``PY`` is a checkout's own venv Python. One document of about ``--tokens``
 tokens is prefilled into a fresh cache per checkout; then the checkouts answer a
@@ -12,7 +12,9 @@ in both environments (e.g. ``GOMP_SPINCOUNT=300000`` to compare with one OpenMP
 setting); OpenMP variables are otherwise removed. ``--face api`` measures
 ``faces.py``'s ``api`` face instead: per turn, one process per checkout answers 7
 new questions about two documents in turn (the first, in a cold process, is not
-counted), seconds from the call to the first text. Prints the medians and runs.
+counted), seconds from the call to the first text. Both checkouts run with
+``--flash-attn`` (off by default: what localkv's ``auto`` is on a CPU at this
+size, as in ``faces.py``). Prints the medians and runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from faces import API_WORKER, SYSTEM, first_byte, question
 
@@ -32,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _api(
-    py: str, model: Path, ctx: int, docs: dict[str, Path], base: int, env: dict[str, str], at: Path
+    py: str, opened: dict[str, Any], docs: dict[str, Path], base: int, env: dict[str, str], at: Path
 ) -> list[float]:
-    p = {"model": str(model), "n_ctx": ctx, "runs": 7, "threads": len(os.sched_getaffinity(0))}
+    """``opened``: ``Runtime.open``'s model, n_ctx and flash attention (``fa``)."""
+    p = {**opened, "runs": 7, "threads": len(os.sched_getaffinity(0))}
     p |= {"max_tokens": 16, "system": SYSTEM, "docs": [str(docs["A"]), str(docs["B"])]}
     p["questions"] = [question(base + i) for i in range(7)]
     cmd = [py, "-c", API_WORKER, json.dumps(p)]
@@ -49,6 +53,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--set", action="append", default=[], help="VAR=VALUE for both")
     ap.add_argument("--face", choices=("ask", "api"), default="ask")
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="off")
     args = ap.parse_args()
     from faces import _documents
 
@@ -62,7 +67,9 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "LOCALKV_"))}
     env |= dict(s.split("=", 1) for s in args.set)
     ctx = (args.tokens + 512 + 255) // 256 * 256
-    common = ["--model", str(model), "--ctx", str(ctx), "--flash-attn", "on", "--system", SYSTEM]
+    common = ["--model", str(model), "--ctx", str(ctx), "--flash-attn", args.flash_attn]
+    common += ["--system", SYSTEM]
+    opened = {"model": str(model), "n_ctx": ctx, "fa": args.flash_attn}
     for name, py in pythons.items():
         home = {**env, "LOCALKV_HOME": str(work / name)}
         for d in docs.values():
@@ -73,13 +80,15 @@ def main() -> None:
         for name, py in pythons.items():
             if args.face == "api":
                 home = {**env, "LOCALKV_HOME": str(work / name)}
-                runs[name] += _api(py, model, ctx, docs, 7 * (i * len(pythons) + 1), home, work)
+                runs[name] += _api(py, opened, docs, 7 * (i * len(pythons) + 1), home, work)
                 continue
             cmd = [py, "-m", "localkv", "ask", *common, "--temperature", "0"]
             cmd += ["--max-tokens", "8", str(doc), question(i)]
             home = {**env, "LOCALKV_HOME": str(work / name)}
             runs[name].append(first_byte(cmd, home, work / f"{name}.log"))
-    print(f"load average after: {os.getloadavg()[0]:.2f}; set: {' '.join(args.set) or 'nothing'}")
+    said = " ".join(args.set) or "nothing"
+    fa = f"flash attention {args.flash_attn}"
+    print(f"load average after: {os.getloadavg()[0]:.2f}; {fa}; set: {said}")
     for name, seconds in runs.items():
         each = ", ".join(f"{s * 1000:.0f}" for s in seconds)
         print(f"{name}: median {statistics.median(seconds) * 1000:.0f} ms ({each})")
