@@ -1,9 +1,11 @@
-"""The compiled parts of localkv: the compact blocks' decoder (``storage/_planes.c``)
-and llama.cpp's log filter (``localkv/model/_quietlog.c``).
+"""The compiled parts of localkv: the compact blocks' decoder (``storage/_planes.c``),
+llama.cpp's log filter (``localkv/model/_quietlog.c``) and the vocabulary scan
+(``localkv/model/_vocab.c``).
 
-Everything else is configured in pyproject.toml. Both extensions are optional:
-where one cannot be built, ``localkv.storage.formats.q6`` decodes with numpy and
-``localkv.model.native`` hands llama.cpp's every log line to Python.
+Everything else is configured in pyproject.toml. The extensions are optional:
+where one cannot be built, ``localkv.storage.formats.q6`` decodes with numpy,
+``localkv.model.native`` hands llama.cpp's every log line to Python and
+``localkv.prompt.markup`` asks for each token's attributes through ctypes.
 """
 
 import sys
@@ -21,6 +23,12 @@ setup(
         Extension(
             "localkv.model._quietlog",
             ["localkv/model/_quietlog.c"],
+            extra_compile_args=[] if sys.platform == "win32" else ["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "localkv.model._vocab",
+            ["localkv/model/_vocab.c"],
             extra_compile_args=[] if sys.platform == "win32" else ["-O2"],
             optional=True,
         ),

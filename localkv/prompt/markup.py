@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from localkv.model.native import llama_cpp
-from localkv.model.vocab import tokenize
+from localkv.model.vocab import tokenize, tokens_with_attr
 from localkv.prompt.rendering import WHITESPACE, Piece
 
 __all__ = ["MarkupTokenizer", "control_texts", "special_texts"]
@@ -147,13 +147,12 @@ class MarkupTokenizer:
 def control_texts(vocab: Any) -> tuple[str, ...]:
     """The texts of the vocabulary's control tokens (those that markup may hold)."""
     out = []
-    for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
-        if int(llama_cpp.llama_vocab_get_attr(vocab, token)) & _SPECIAL:
-            raw = llama_cpp.llama_vocab_get_text(vocab, token) or b""
-            try:
-                out.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                continue
+    for token in tokens_with_attr(vocab, _SPECIAL):
+        raw = llama_cpp.llama_vocab_get_text(vocab, token) or b""
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
     return tuple(t for t in out if t)
 
 

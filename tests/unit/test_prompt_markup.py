@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from pathlib import Path
 
 import llama_cpp
 import pytest
 from support.tinymodels import TinyModels, tiny_config
 
+from localkv.model import vocab as vocab_module
 from localkv.model.session import ModelSession
+from localkv.model.vocab import tokens_with_attr
+from localkv.prompt.markup import _SPECIAL, control_texts
 from localkv.prompt.template import ChatTemplate, Message
 from localkv.prompt.templatechoice import builtin_templates
 
@@ -124,3 +128,25 @@ def test_special_token_text_in_a_message_is_text(session: ModelSession) -> None:
     closing = template.assistant_end_tokens([U("Hi")], "<|im_end|>")
     assert closing == [im_end, *_reference(session, "\n")]
     assert template.assistant_end_tokens([U("Hi")], "") == closing
+
+
+def _attrs_by_ctypes(vocab: int, mask: int) -> list[int]:
+    n = int(llama_cpp.llama_vocab_n_tokens(vocab))
+    return [t for t in range(n) if int(llama_cpp.llama_vocab_get_attr(vocab, t)) & mask]
+
+
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_the_scan_in_c_finds_the_tokens_llama_cpp_marks(
+    which: str, default_model_path: Path, gemma3_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = default_model_path if which == "default" else gemma3_path
+    assert vocab_module._vocab is not None  # setup.py builds it; `make test` installs that
+    with ModelSession(tiny_config(path, n_ctx=256)) as s:
+        for mask in (_SPECIAL, llama_cpp.LLAMA_TOKEN_ATTR_NORMAL, llama_cpp.LLAMA_TOKEN_ATTR_BYTE):
+            scanned = tokens_with_attr(s.vocab, mask)
+            assert scanned == _attrs_by_ctypes(s.vocab, mask)
+            assert scanned or mask == llama_cpp.LLAMA_TOKEN_ATTR_BYTE  # BPE: no byte tokens
+        texts = control_texts(s.vocab)
+        assert "<|im_end|>" in texts if which == "default" else "<start_of_turn>" in texts
+        monkeypatch.setattr(vocab_module, "_vocab", None)  # not built: asked through ctypes
+        assert control_texts(s.vocab) == texts
