@@ -24,16 +24,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from .chain import chain_next, chain_root
-from .disk import (
-    check_free_space,
-    link_into_place,
-    replace_into_place,
-    staged_block_file,
-)
+from .disk import check_free_space, link_into_place, replace_into_place, staged_block_file
 from .formats.blockcodec import encode, index_row
 from .formats.readinto import OpenedBlock
 from .index import events
@@ -53,6 +47,9 @@ from .values import (
     SnapshotRow,
     StoreStats,
 )
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 __all__ = [
     "MAX_RAW_BLOCK_BYTES",

@@ -4,6 +4,10 @@
 lock. It knows rows and queries, never files. Writes run inside ``write()``,
 a ``BEGIN IMMEDIATE`` transaction, so two processes never interleave a
 read-check-write sequence; ``busy_timeout`` makes the other one wait.
+
+Reads go to the ``sqlite3`` connection itself; ``sqlite_utils`` (about 40 ms
+of imports) is imported by the first write or migration, so a cache hit's
+first token does not wait for it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import faults
 from ..values import BlockRow, SnapshotRow
@@ -31,6 +33,9 @@ from .rows import (
     readable_rows,
     snapshot_row,
 )
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 __all__ = ["BlockIndex"]
 
@@ -67,7 +72,8 @@ class BlockIndex:
             conn = self._connect(path)
         except sqlite3.DatabaseError as exc:
             raise IndexDamaged(path, str(exc)) if is_damage(exc) else exc from None
-        self.db = sqlite_utils.Database(conn, execute_plugins=False)  # no third-party hooks
+        self.conn = conn
+        self._db: sqlite_utils.Database | None = None
         try:
             self._prepare(path)
         except sqlite3.DatabaseError as exc:
@@ -88,38 +94,49 @@ class BlockIndex:
         uri = read_only_uri(path, immutable=True)
         return sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False)
 
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """The connection as a ``sqlite_utils.Database`` (imported on first use)."""
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn, execute_plugins=False)  # no plugins
+        return self._db
+
     def _prepare(self, path: Path | None) -> None:
-        self.db.execute("PRAGMA busy_timeout = 30000")
+        self.conn.execute("PRAGMA busy_timeout = 30000")
         if self.read_only:
             return  # pending migrations wait for a writer; reads of what is there work
         applied: set[str] = set()
         # deleted rows (a forgotten document's tokens) are overwritten, not left in free pages
-        self.db.execute("PRAGMA secure_delete = ON")
+        self.conn.execute("PRAGMA secure_delete = ON")
         if path is not None:
-            self.db.execute("PRAGMA journal_mode = WAL")
-            self.db.execute("PRAGMA synchronous = NORMAL")
-        if self.db["_migrations"].exists():
-            applied = {r[0] for r in self.db.execute("SELECT name FROM _migrations")}
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+        made = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_migrations'"
+        if self.conn.execute(made).fetchone() is not None:
+            applied = {r[0] for r in self.conn.execute("SELECT name FROM _migrations")}
         if any(fn.__name__ not in applied for fn in MIGRATIONS):
             with self.write():
                 migrate(self.db)
 
     def close(self) -> None:
         with self.lock:
-            self.db.close()
+            self.conn.close()
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
         """A ``BEGIN IMMEDIATE`` transaction: committed on success, rolled back on error."""
         with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
+            db = self.db
+            self.conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self.db
+                yield db
                 faults.point("before_commit")
-                self.db.execute("COMMIT")
+                self.conn.execute("COMMIT")
             except BaseException:
-                if self.db.conn.in_transaction:
-                    self.db.conn.rollback()
+                if self.conn.in_transaction:
+                    self.conn.rollback()
                 raise
             faults.point("after_commit")
 
@@ -130,18 +147,18 @@ class BlockIndex:
         when a reader in another process kept the WAL from being emptied.
         """
         with self.lock:
-            row = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            row = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
     def vacuum(self) -> None:
         """Rebuild the database file without free pages (outside any transaction)."""
         with self.lock:
-            self.db.execute("VACUUM")
+            self.conn.execute("VACUUM")
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """All rows of a read query."""
         with self.lock:
-            return list(self.db.execute(sql, params).fetchall())
+            return list(self.conn.execute(sql, params).fetchall())
 
     # ------------------------------------------------------------------ blocks
     def has_block(self, block_hash: str) -> bool:
@@ -304,6 +321,16 @@ class BlockIndex:
 
     # -------------------------------------------------------------- identities
     def put_identity(self, digest: str, json_text: str, now: float) -> None:
+        """Store an identity's JSON once; ValueError if its digest holds other JSON.
+
+        Read first: an identity already stored (every open after the first)
+        takes no write transaction, so opening waits for no other writer.
+        """
+        stored = self.get_identity(digest)
+        if stored == json_text:
+            return
+        if stored is not None:
+            raise ValueError(f"identity {digest} is already stored with other JSON")
         with self.write() as db:
             found = db.execute("SELECT json FROM identities WHERE digest = ?", (digest,)).fetchone()
             if found is None:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import sqlite_utils
+if TYPE_CHECKING:  # imported by the index's first write (BlockIndex.db), not here
+    import sqlite_utils
 
 __all__ = ["MIGRATIONS", "Migration", "Migrations", "migrate", "migration"]
 
 logger = logging.getLogger(__name__)
 
-Migration = Callable[[sqlite_utils.Database], None]
+Migration = Callable[["sqlite_utils.Database"], None]
 
 
 class Migrations:

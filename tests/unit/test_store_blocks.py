@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,6 +124,41 @@ def test_identities(store: SnapshotStore) -> None:
     assert store.get_identity(IDENTITY) == '{"model": "x"}'
     with pytest.raises(ValueError, match="other JSON"):
         store.put_identity(IDENTITY, '{"model": "y"}')
+
+
+def test_a_stored_identity_takes_no_write_transaction(tmp_path: Path) -> None:
+    with SnapshotStore.open(tmp_path / "s") as store:
+        store.put_identity(IDENTITY, '{"model": "x"}')
+        other = sqlite3.connect(store.layout.index, timeout=0.0)
+        other.execute("BEGIN IMMEDIATE")  # another process writing
+        try:
+            store._index.conn.execute("PRAGMA busy_timeout = 0")  # a wait would fail, not hang
+            store.put_identity(IDENTITY, '{"model": "x"}')  # read, found: no write
+            with pytest.raises(ValueError, match="other JSON"):
+                store.put_identity(IDENTITY, '{"model": "y"}')
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                store.put_identity("f" * 64, '{"model": "z"}')  # a new one is a write
+        finally:
+            other.rollback()
+            other.close()
+        assert store.get_identity("f" * 64) is None
+
+
+def test_reads_of_a_migrated_index_do_not_import_sqlite_utils(tmp_path: Path) -> None:
+    BlockIndex(tmp_path / "index.db").close()  # created and migrated
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from localkv.storage.index.blockindex import BlockIndex\n"
+        f"index = BlockIndex(Path({str(tmp_path / 'index.db')!r}))\n"
+        "assert index.all_blocks() == [] and index.get_identity('x') is None\n"
+        "assert 'sqlite_utils' not in sys.modules, 'imported by a read'\n"
+        "with index.write() as db:\n"
+        "    db.execute('SELECT 1')\n"
+        "assert 'sqlite_utils' in sys.modules\n"
+        "index.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_bad_blocks_are_refused(store: SnapshotStore) -> None:
