@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from localkv.cache.background import BackgroundWork
+from localkv.cache.background import BackgroundWork, first_then
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import covering_snapshot, has_room, save_prefill, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
@@ -349,12 +349,14 @@ class Runtime:
         request = self.build(documents, system=system, question=question)
         self._check_fits(request, 1)
         ends = self.schedule(request)
+        release = self._work.hold()  # the restore's bookkeeping waits for the first text
         restored, report = self.restore(request.tokens, ends)
         reused = self.session.n_tokens
         t1 = time.perf_counter()
         self.session.prefill(request.tokens[reused:], ends=ends, progress=progress)
         prefill_s = time.perf_counter() - t1
-        answer = stream_answer(self.session, params, t0, on_text, cancel)
+        answer = stream_answer(self.session, params, t0, first_then(on_text, release), cancel)
+        release()
         total = time.perf_counter() - t0
         self.note_prefill(prefill_s, len(request.tokens) - reused)
         self.save_prefix(request.boundaries)
