@@ -13,7 +13,6 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -116,8 +115,9 @@ def _read(
     Every block file is read straight into its rows of llama.cpp's state
     buffer, minus the chain's final token, the buffer leaving room after them
     for the last block's partial part (if any). A transposed V (flash attention
-    off) is read into reused staging rows and transposed into the buffer, a
-    layer at a time. An empty chain or layout comes back as arrays to assemble.
+    off) is read token-major into its own area of the buffer, then transposed
+    in place a layer at a time through one layer's reused staging rows. An
+    empty chain or layout comes back as arrays to assemble.
     """
     # a partial part is used from the chain's last block only: the others' are not read
     drops = [{PARTIAL} if PARTIAL in o.specs else set() for o in opened[:-1]] + [set()]
@@ -128,7 +128,8 @@ def _read(
         return store.fill_blocks(opened, [None] * len(opened), drops), None, None
     tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER
     buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail), v_trans)
-    v_places = _staged_v(layout, n) if v_trans else v_rows
+    # a transposed V is read token-major into its own area, then transposed a layer at a time
+    v_places = [_bytes_of(v, n) for v in v_rows] if v_trans else v_rows
     tip = opened[-1].specs.get(PARTIAL)
     tip_rows = _tip_rows(session, tip.shape, tip.nbytes) if tip is not None else None
     # the chain's final token is read (the checksum covers it) but not loaded:
@@ -154,9 +155,16 @@ def _read(
         targets[-1][PARTIAL] = [tip_rows]
     blocks = store.fill_blocks(opened, targets, drops)
     if v_trans:  # each layer's V rows, token-major as stored, go in as llama.cpp's columns
-        for staged, columns in zip(v_places, v_rows, strict=True):
+        for rows, columns in zip(v_places, v_rows, strict=True):
+            staged = _staging(rows.nbytes)[: rows.nbytes].reshape(rows.shape)
+            staged[...] = rows
             columns[...] = staged.view(columns.dtype).T
     return blocks, buffer, tip_rows
+
+
+def _bytes_of(columns: np.ndarray, n: int) -> np.ndarray:
+    """The bytes of a layer's V columns (``[n_embd_v, n]``) as ``n`` token-major rows."""
+    return columns.reshape(-1).view(np.uint8).reshape(n, -1)
 
 
 class _Rows(threading.local):
@@ -167,16 +175,16 @@ class _Rows(threading.local):
 _ROWS = _Rows()
 
 
-def _staged_v(layout: Sequence[codec.LayerLayout], n: int) -> list[np.ndarray]:
-    """This thread's reused rows, ``[n, v_row_bytes]`` per layer, for V read token-major."""
-    total = n * sum(x[3] for x in layout)
-    if _ROWS.staged is None or _ROWS.staged.shape[0] < total:
-        _ROWS.staged = large_buffer(total)
-    rows, at = [], 0
-    for _, _, _, v_bytes in layout:
-        rows.append(_ROWS.staged[at : at + n * v_bytes].reshape(n, v_bytes))
-        at += n * v_bytes
-    return rows
+def _staging(nbytes: int) -> np.ndarray:
+    """This thread's reused rows for one layer's V on its way to being transposed.
+
+    One layer's, not the chain's: every page a fresh process touches costs a
+    page fault, and one that the host backs lazily (a virtual machine that
+    hands freed memory back, as here) costs more than the extra copy.
+    """
+    if _ROWS.staged is None or _ROWS.staged.shape[0] < nbytes:
+        _ROWS.staged = large_buffer(nbytes)
+    return _ROWS.staged
 
 
 def _tip_rows(session: ModelSession, shape: tuple[int, ...], nbytes: int) -> np.ndarray:

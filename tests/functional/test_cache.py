@@ -301,6 +301,7 @@ def test_bookkeeping_runs_off_the_restore_path(
         rt.prefill([doc], system=SYSTEM)
         assert rt.cache is not None
         ran_on: list[str] = []
+        seen_texts: list[int] = []  # answer texts sent when an event was recorded
         store = rt.cache.store
         original = store.record_event
 
@@ -308,10 +309,34 @@ def test_bookkeeping_runs_off_the_restore_path(
             import threading
 
             ran_on.append(threading.current_thread().name)
+            seen_texts.append(len(texts))
             original(*args, **kw)  # type: ignore[arg-type]
 
         store.record_event = spy  # type: ignore[method-assign]
-        rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)
+        texts: list[str] = []
+        answer = rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY, on_text=texts.append)
         rt.wait_for_saves()
+        assert answer.text and answer.cache.hit
         assert ran_on and all(name.startswith("localkv-save") for name in ran_on)
         assert store.stats()["hits"] >= 1
+        # and not during the question's prefill either: after the first text went out
+        assert seen_texts and min(seen_texts) >= 1
+
+
+def test_a_transposed_v_is_staged_one_layer_at_a_time(
+    tiny_models: TinyModels, tmp_path: Path, doc: Document
+) -> None:
+    from localkv.cache import restore
+
+    with _runtime(tiny_models.base, tmp_path) as rt:
+        rt.prefill([doc], system=SYSTEM)
+        answer = rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)
+        kv = rt.session.capture()
+        assert answer.cache.hit and kv.v_trans  # flash attention off: the CPU default here
+        staged = restore._ROWS.staged
+        assert staged is not None
+        v_bytes = {layer.v_row_bytes for layer in kv.layers}
+        assert len(v_bytes) == 1 and len(kv.layers) >= 2  # all layers would be twice the rows
+        rows, left = divmod(staged.shape[0], v_bytes.pop())
+        # the restored rows of one layer (the chain's final token is probed, not loaded)
+        assert left == 0 and rows == answer.tokens.reused - 1
