@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from localkv.cache.background import BackgroundWork, first_then
+from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import covering_snapshot, has_room, save_prefill, snapshot_listing
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
@@ -71,7 +71,7 @@ class Runtime:
         self.namespace = namespace
         self.cache: PrefixCache | None = None
         self.cache_error: str | None = None if use_cache else "cache disabled"
-        self._work = BackgroundWork()  # saves and bookkeeping, after the answer
+        self.work = BackgroundWork()  # saves and bookkeeping, after the answer
         self._rate = 1 / 240  # updated from measured prefills
         if use_cache:
             self._open_cache(cache_dir, compact_cache)
@@ -102,7 +102,7 @@ class Runtime:
 
     def _open_cache(self, cache_dir: str | Path | None, compact: bool) -> None:
         self.cache, self.cache_error = open_prefix_cache(
-            self.session, cache_dir, compact, self.namespace, self._work.defer
+            self.session, cache_dir, compact, self.namespace, self.work.defer
         )
         if self.cache is not None:
             self._rate = self.cache.seconds_per_token(self.session.n_ctx) or self._rate
@@ -112,7 +112,7 @@ class Runtime:
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Finish pending saves, then free the store and the model (idempotent)."""
-        self._work.close()
+        self.work.close()
         if self.cache is not None:
             self.cache.store.close()
             self.cache = None
@@ -126,7 +126,7 @@ class Runtime:
 
     def wait_for_saves(self) -> list[SaveResult]:
         """Wait for the blocks being written in the background; their results."""
-        return self._work.wait()
+        return self.work.wait()
 
     # ------------------------------------------------------------ information
     def model_info(self) -> dict[str, object]:
@@ -349,14 +349,13 @@ class Runtime:
         request = self.build(documents, system=system, question=question)
         self._check_fits(request, 1)
         ends = self.schedule(request)
-        release = self._work.hold()  # the restore's bookkeeping waits for the first text
-        restored, report = self.restore(request.tokens, ends)
-        reused = self.session.n_tokens
-        t1 = time.perf_counter()
-        self.session.prefill(request.tokens[reused:], ends=ends, progress=progress)
-        prefill_s = time.perf_counter() - t1
-        answer = stream_answer(self.session, params, t0, first_then(on_text, release), cancel)
-        release()
+        with self.work.held():  # the restore's bookkeeping waits for the answer
+            restored, report = self.restore(request.tokens, ends)
+            reused = self.session.n_tokens
+            t1 = time.perf_counter()
+            self.session.prefill(request.tokens[reused:], ends=ends, progress=progress)
+            prefill_s = time.perf_counter() - t1
+            answer = stream_answer(self.session, params, t0, on_text, cancel)
         total = time.perf_counter() - t0
         self.note_prefill(prefill_s, len(request.tokens) - reused)
         self.save_prefix(request.boundaries)
@@ -397,4 +396,4 @@ class Runtime:
                     on_saved(result)
                 return result
 
-            self._work.submit(write_then_evict)
+            self.work.submit(write_then_evict)

@@ -4,19 +4,20 @@ Writing new blocks, evicting down to the budget, and the bookkeeping of a
 restore (hit counts, statistics) never run on the path to the first token:
 the runtime queues them here. Jobs run in order; a finished job's error is
 logged when the next one is queued, and ``wait`` returns every result.
-Bookkeeping queued while ``hold`` is in force (a restore before its answer's
-first token) is queued when the release it returns is called, or by ``close``.
+Bookkeeping queued inside ``held`` (a restore, until its answer has ended) is
+queued when that block ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from localkv.cache.prefix import SaveResult
 
-__all__ = ["BackgroundWork", "first_then"]
+__all__ = ["BackgroundWork"]
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class BackgroundWork:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localkv-save")
         self._pending: list[Future[SaveResult]] = []
-        self._held: list[Callable[[], None]] | None = None  # bookkeeping kept back by hold()
+        self._held: list[Callable[[], None]] | None = None  # kept back inside held()
 
     def submit(self, fn: Callable[[], SaveResult]) -> None:
         """Queue a save; finished jobs are dropped (their errors logged)."""
@@ -41,7 +42,7 @@ class BackgroundWork:
         self._pending = keep
 
     def defer(self, fn: Callable[[], None]) -> None:
-        """Queue bookkeeping that returns nothing (kept back while ``hold`` is in force)."""
+        """Queue bookkeeping that returns nothing (kept back inside ``held``)."""
         if self._held is not None:
             self._held.append(fn)
             return
@@ -52,18 +53,24 @@ class BackgroundWork:
 
         self.submit(run)
 
-    def hold(self) -> Callable[[], None]:
-        """Keep bookkeeping back until the returned release is called (a no-op after the first).
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep bookkeeping back while the block runs; queue it at the end (even on error).
 
         The worker's Python work (the index's imports, its write) would take a
-        core and the GIL from the prefill and decode that lead to a first token.
+        core and the GIL from the prefill and the decode of the answer. Inside
+        another ``held`` the outer one queues it.
         """
-        if self._held is None:
-            self._held = []
-        return self.release
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            self._release()
 
-    def release(self) -> None:
-        """Queue the bookkeeping ``hold`` kept back, and stop holding."""
+    def _release(self) -> None:
         held, self._held = self._held, None
         for fn in held or ():
             self.defer(fn)
@@ -80,25 +87,7 @@ class BackgroundWork:
         return done
 
     def close(self) -> None:
-        """Queue what ``hold`` kept back, wait for the queued jobs and stop the thread
-        (idempotent)."""
-        self.release()
+        """Wait for the queued jobs and stop the thread (idempotent)."""
+        self._release()
         self.wait()
         self._pool.shutdown(wait=True)
-
-
-def first_then(
-    on_text: Callable[[str], None] | None, then: Callable[[], None]
-) -> Callable[[str], None]:
-    """``on_text``, calling ``then`` once, after the first piece of text has gone out."""
-    called = False
-
-    def send(piece: str) -> None:
-        nonlocal called
-        if on_text is not None:
-            on_text(piece)
-        if not called and piece:
-            called = True
-            then()
-
-    return send

@@ -254,8 +254,9 @@ class ChatSession:
             self._drop_last(n_messages, n_tokens)
             raise ContextFullError(needed, self.n_ctx)
         t0 = time.perf_counter()
-        sync = self.sync(quiet=True)
-        answer = stream_answer(self.runtime.session, params, t0, on_text, cancel)
+        with self.runtime.work.held():  # the restore's bookkeeping waits for the answer
+            sync = self.sync(quiet=True)
+            answer = stream_answer(self.runtime.session, params, t0, on_text, cancel)
         stopped = cancel is not None and cancel()
         self._close_turn(answer)
         return TurnReport(

@@ -183,7 +183,8 @@ class ModelWorker:
             if ticket.cancelled():
                 ticket._put("error", asyncio.CancelledError())
             else:
-                result = ticket.job(engine, ticket)
+                with engine.runtime.work.held():  # a restore's bookkeeping waits for the answer
+                    result = ticket.job(engine, ticket)
                 ticket._put("done", result)
         except ApiError as exc:  # the request's own fault: its answer says why
             log.debug("request refused: %s %s", exc.status, exc.message)
