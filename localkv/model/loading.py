@@ -21,9 +21,7 @@ import re
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from localkv.model.config import FLASH_ATTN_TYPES, MAX_THREADS, LoraSpec, SessionConfig
 from localkv.model.native import (
@@ -33,6 +31,9 @@ from localkv.model.native import (
     recent_errors,
     sync_log_detail,
 )
+
+if TYPE_CHECKING:  # numpy is imported by the restore buffer's first use: the early open needs none
+    import numpy as np
 
 __all__ = [
     "ModelLoadError",
@@ -342,6 +343,8 @@ def large_buffer(nbytes: int) -> np.ndarray:
     Its pages are touched for the first time by a restore; with huge pages that
     costs one page fault per huge page instead of one per 4 KiB page.
     """
+    import numpy as np
+
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if advice is None or not flags:

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import importlib
+import importlib.util
 import logging
 import os
+import re
+import sys
 import threading
+import types
 from typing import Any
 
 from localkv.model.machine import runnable_others, wait_settings
@@ -48,6 +53,68 @@ def _settings_text() -> str:
 
 
 WAIT_CHOICE = _choose_wait_policy()
+
+# llama-cpp-python 0.3.36's whole package __init__: the ctypes bindings, then the Llama class
+_PACKAGE_INIT = re.compile(
+    r'from \.llama_cpp import \*\nfrom \.llama import \*\n\n__version__ = "(?P<version>[^"\n]+)"\n'
+)
+
+
+def _bindings_first() -> None:
+    """Import llama-cpp-python's ctypes bindings now and its high-level half when first used.
+
+    The package's ``__init__`` is ``from .llama_cpp import *`` then ``from .llama import
+    *``; the second (the ``Llama`` class and its chat formats: jinja2, numpy and
+    ~45 ms of imports in a fresh process) is nothing localkv calls, and it would
+    hold back the model load that ``localkv.cli.early`` starts beside the imports.
+    Where ``__init__`` is exactly those lines, the package is made here from the
+    first, and the second runs when a name only it gives is asked for (a module
+    ``__getattr__``, PEP 562): ``llama_cpp.Llama`` and ``from llama_cpp import *``
+    still work. Another ``__init__`` (another version), or a package already
+    imported, is left to the import system.
+    """
+    if "llama_cpp" in sys.modules:
+        return
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.loader is None or not spec.submodule_search_locations:
+        return
+    try:
+        source = spec.loader.get_source("llama_cpp")  # type: ignore[attr-defined]
+    except (ImportError, OSError):
+        return
+    found = _PACKAGE_INIT.fullmatch(source or "")
+    if found is None:
+        return
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["llama_cpp"] = package
+    try:
+        bindings = importlib.import_module("llama_cpp.llama_cpp")
+    except BaseException:
+        sys.modules.pop("llama_cpp", None)
+        raise
+    package.__dict__.update(_star(bindings))
+    package.__version__ = found["version"]  # type: ignore[attr-defined]
+
+    def rest(name: str) -> Any:
+        if not name.startswith("__"):  # a dunder (__all__, __wrapped__...) is no name it gives
+            package.__dict__.update(_star(importlib.import_module("llama_cpp.llama")))
+            package.__dict__.pop("__getattr__", None)
+            if name in package.__dict__:
+                return package.__dict__[name]
+        raise AttributeError(f"module 'llama_cpp' has no attribute {name!r}")
+
+    package.__getattr__ = rest  # type: ignore[method-assign]
+
+
+def _star(module: types.ModuleType) -> dict[str, Any]:
+    """What ``from module import *`` binds."""
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [name for name in vars(module) if not name.startswith("_")]
+    return {name: getattr(module, name) for name in names}
+
+
+_bindings_first()
 
 import llama_cpp  # noqa: E402  (after the wait policy: libgomp reads it when it loads)
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +185,35 @@ def test_the_filter_passes_warnings_errors_and_their_continuations() -> None:
     finally:
         quietlog.install(ctypes.cast(native._route_log, ctypes.c_void_p).value, False)
         native.sync_log_detail()
+
+
+_NAMES = "sorted(n for n in dir(llama_cpp) if not n.startswith('_'))"
+
+
+def _python(code: str) -> list[str]:
+    """Lines a fresh interpreter prints for ``code`` (this process imported everything)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.splitlines()
+
+
+def test_the_early_open_waits_for_no_high_level_llama_cpp_or_numpy() -> None:
+    code = "import sys, localkv.cli.early, localkv.model.loading\n"
+    code += "print(sorted(m for m in ('llama_cpp.llama', 'jinja2', 'numpy') if m in sys.modules))"
+    assert _python(code) == ["[]"]
+
+
+def test_the_llama_cpp_package_is_whole_when_its_high_level_names_are_used() -> None:
+    plain = _python(f"import json, llama_cpp; print(json.dumps({_NAMES}))")
+    code = "import json, sys, localkv.model.native, llama_cpp\n"
+    code += f"print(json.dumps({_NAMES})); print(llama_cpp.__version__)\n"
+    code += "from llama_cpp import Llama, LlamaGrammar\n"
+    code += f"print(json.dumps({_NAMES})); print(Llama is sys.modules['llama_cpp.llama'].Llama)\n"
+    code += "print(all(getattr(llama_cpp, n) is getattr(sys.modules['llama_cpp.llama'], n)"
+    code += " for n in vars(sys.modules['llama_cpp.llama']) if not n.startswith('_')))"
+    before, version, after, same, every = _python(code)
+    assert version == native.llama_cpp.__version__
+    assert "llama_decode" in json.loads(before) and "Llama" not in json.loads(before)
+    assert json.loads(after) == json.loads(plain[0])  # what `import llama_cpp` binds, and no more
+    assert same == every == "True"
