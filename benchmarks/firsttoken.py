@@ -84,6 +84,7 @@ def _ask(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
         "decode_tok_s": (generated - 1) / after if generated > 1 and after > 0 else 0.0,
         "reused": out["tokens"]["reused"],
         "load1": load,
+        "openmp": str(timing.get("openmp", {}).get("chosen", "?")),
     }
 
 
@@ -112,19 +113,31 @@ def render(data: dict[str, object]) -> str:
         "taken while other work ran on the machine says so. `first text` is the command's "
         "`timing.since_start_s` (process start to the answer's first text). Where `load` "
         "exceeds the cores in the rows without spinners, the machine was not idle: other "
-        "work was that load, and an idle machine needs its own run of the same command.",
+        "work was that load, and an idle machine needs its own run of the same command. "
+        "`wait chosen` counts the runs by the OpenMP wait the command ran with "
+        "(`timing.openmp.chosen`: `idle` a short spin, `busy` passive waits, `user` the "
+        "setting's own variables).",
         "",
-        "| OpenMP setting | spinners | first text | engine ttft | decode tok/s | wall | load |",
-        "|---|---|---|---|---|---|---|",
+        "| OpenMP setting | spinners | first text | engine ttft | decode tok/s | wall | load "
+        "| wait chosen |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         m = row["median"]
         lines.append(
             f"| {row['setting']} | {row['load']} | {m['since_start_s']:.2f} s "
             f"| {m['ttft_s'] * 1000:.0f} ms | {m['decode_tok_s']:.1f} | {m['wall_s']:.2f} s "
-            f"| {m['load1']:.2f} |"
+            f"| {m['load1']:.2f} | {_chosen(row['runs'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _chosen(runs: list[dict[str, Any]]) -> str:
+    """How many runs chose each OpenMP wait, e.g. ``idle 6, busy 1``."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[str(run.get("openmp", "?"))] = counts.get(str(run.get("openmp", "?")), 0) + 1
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda x: -x[1]))
 
 
 def main() -> None:
@@ -167,13 +180,13 @@ def main() -> None:
             for name, extra in chosen.items():
                 env = _env(home, extra)
                 runs = [_ask([*ask, QUESTION.format(next(asked))], env) for _ in range(args.runs)]
-                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "openmp"}
                 rows.append({"setting": name, "load": load, "median": med, "runs": runs})
                 print(
                     f"{name:13} +{load} spinners: first text {med['since_start_s']:.2f} s "
                     f"after start, ttft {med['ttft_s'] * 1000:.0f} ms, "
                     f"decode {med['decode_tok_s']:.1f} tok/s, wall {med['wall_s']:.2f} s, "
-                    f"load {med['load1']:.2f}",
+                    f"load {med['load1']:.2f}, wait chosen {_chosen(runs)}",
                     flush=True,
                 )
         finally:

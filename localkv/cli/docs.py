@@ -25,6 +25,7 @@ from localkv.cli.options import (
     system_text,
     text_value,
 )
+from localkv.model.native import openmp_settings
 from localkv.model.sampling import GrammarError
 from localkv.model.session import ContextFullError, ModelLoadError
 from localkv.prompt.request import (
@@ -322,6 +323,7 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
         data = answer.as_json()
         timing = cast(dict[str, object], data["timing"])
         timing["since_start_s"] = round(first[0], 6) if first else None
+        timing["openmp"] = openmp_settings()  # the wait llama.cpp's threads ran with, and why
         click.echo(json.dumps(data))
     else:
         click.echo()

@@ -113,7 +113,16 @@ def test_prefill_then_ask_in_a_new_process(env: dict[str, str], docs: tuple[Path
     assert (cache["common"], cache["recomputed"]) == (tokens["reused"], 0)
     timing = cached["timing"]
     assert isinstance(timing, dict)
-    assert set(timing) == {"restore_s", "prefill_s", "ttft_s", "total_s", "since_start_s"}
+    assert set(timing) == {"restore_s", "prefill_s", "ttft_s", "total_s", "since_start_s", "openmp"}
+    openmp = timing["openmp"]  # the wait llama.cpp ran with: chosen from the load unless given
+    given = {name: env.get(name) or None for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if any(given.values()) and not env.get("LOCALKV_OPENMP_CHOSEN"):  # not localkv's own choice
+        assert openmp == {**given, "chosen": "user"}
+    else:
+        assert openmp in (
+            {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "3000", "chosen": "idle"},
+            {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": None, "chosen": "busy"},
+        )
     # the first text as the user sees it: after the process started, so after the engine's own
     assert timing["since_start_s"] > timing["ttft_s"] > 0
     hits = [row for row in _index_rows(env, "events") if row[0] == "hit"]
