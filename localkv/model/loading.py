@@ -66,6 +66,9 @@ class Native:
     batch: Any
     n_threads: int
     flash_attn: str  # the setting passed to llama.cpp (``flash_attn_setting``)
+    # ``open_early`` (plain KV memory): the layout probe's token, decoded alone at
+    # position 0, and the raw state of sequence 0 after it; the sequence emptied again
+    probed: tuple[int, Any] | None = None
 
 
 # ``auto`` on a CPU: flash attention off while its scratch stays this small.
@@ -120,6 +123,7 @@ def open_early(cfg: SessionConfig) -> bool:
     stack = contextlib.ExitStack()
     try:
         native = open_native(cfg, stack)
+        native = replace(native, probed=_probe_early(native))
     except Exception:  # ModelLoadError, an unreadable file: the command reports it
         stack.close()
         return False
@@ -128,6 +132,35 @@ def open_early(cfg: SessionConfig) -> bool:
     if early is not None:
         early[2].close()
     return True
+
+
+def _probe_early(native: Native) -> tuple[int, Any] | None:
+    """Decode what ``cache.identity.probe_kv_layout`` decodes first, and read the state.
+
+    The probe's one decode then runs here, beside the command line's imports,
+    not after them. Plain KV memory only (the others' probes read more); the
+    sequence is emptied after, as the probe leaves it. None where it fails.
+    """
+    model, ctx = native.model, native.ctx
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return None
+    if int(llama_cpp.llama_model_n_swa(model)) > 0:
+        return None
+    bos = int(llama_cpp.llama_vocab_bos(native.vocab))
+    token = bos if bos >= 0 else 0  # as the probe chooses it
+    b = native.batch
+    b.n_tokens, b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = 1, token, 0, 1, 1
+    b.seq_id[0][0] = 0
+    try:
+        if llama_cpp.llama_decode(ctx, b) != 0:
+            return None
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+        raw = (ctypes.c_uint8 * size)()
+        if llama_cpp.llama_state_seq_get_data(ctx, raw, size, 0) != size:
+            return None
+        return token, raw
+    finally:
+        llama_cpp.llama_memory_clear(native.memory, False)
 
 
 def drop_early() -> None:
@@ -142,8 +175,9 @@ def drop_early() -> None:
 def _take_early(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native | None:
     """The context ``open_early`` opened, if for exactly ``cfg``; otherwise it is freed.
 
-    Only a context nothing has decoded into is kept there, and only an equal
-    configuration takes it (the chat template aside: it only shapes the tokens).
+    Only a context whose sequence is empty is kept there (the layout probe's
+    decode emptied again, ``_probe_early``), and only an equal configuration
+    takes it (the chat template aside: it only shapes the tokens).
     """
     global _early
     with _early_lock:

@@ -18,14 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from localkv.storage.filehash import FileHasher
+from support.tinyarch import TinyArchModels, build_tiny_arch_models
 from support.tinymodels import TinyModels, tiny_config
 
-from localkv.cli import early
+from localkv.cache.identity import Identity, identity_of, probe_kv_layout
+from localkv.cli import BLAS_THREADS, early
 from localkv.cli.docs import ask, prefill
 from localkv.cli.options import session_config
 from localkv.model import loading, native
 from localkv.model.loading import drop_early, open_early, open_native
 from localkv.model.session import LoraSpec, ModelSession
+from localkv.model.state import STATE_WORK
 
 ARGS = [
     [],
@@ -217,3 +221,96 @@ def test_the_llama_cpp_package_is_whole_when_its_high_level_names_are_used() -> 
     assert "llama_decode" in json.loads(before) and "Llama" not in json.loads(before)
     assert json.loads(after) == json.loads(plain[0])  # what `import llama_cpp` binds, and no more
     assert same == every == "True"
+
+
+def _threads_after_numpy(call_main: bool, blas: str | None) -> tuple[str, int]:
+    """OPENBLAS_NUM_THREADS and the process's threads once numpy is loaded."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != BLAS_THREADS}
+    env.update({BLAS_THREADS: blas} if blas is not None else {})
+    code = "import os, sys\n"
+    if call_main:
+        code += "sys.argv = ['localkv', '--version']\nfrom localkv.cli import main\n"
+        code += "try:\n    main()\nexcept SystemExit:\n    pass\n"
+    code += f"import numpy\nprint(os.environ.get({BLAS_THREADS!r}))\n"
+    code += "print(len(os.listdir('/proc/self/task')))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    value, threads = done.stdout.splitlines()[-2:]
+    return value, int(threads)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_the_command_line_loads_numpy_with_one_blas_thread_unless_the_user_set_it() -> None:
+    import os
+
+    value, ours = _threads_after_numpy(True, None)
+    assert value == "1"
+    assert ours == _threads_after_numpy(False, "1")[1]
+    if len(os.sched_getaffinity(0)) > 1:  # OpenBLAS's own default: a thread for each core
+        assert _threads_after_numpy(False, None)[1] > ours
+    value, theirs = _threads_after_numpy(True, "2")
+    assert value == "2" and theirs == _threads_after_numpy(False, "2")[1]
+
+
+def test_the_early_open_decodes_the_layout_probe_and_the_identity_is_unchanged(
+    tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny_config(tiny_models.base)
+    with ModelSession(cfg) as fresh:
+        expected = identity_of(fresh, FileHasher())
+        token = fresh.bos_token()
+        fresh.decode_one(0 if token is None else token)
+        fresh_state = fresh.capture_array()
+    assert open_early(cfg)
+    opened = loading._early
+    assert opened is not None and opened[1].probed is not None
+    probed_token, raw = opened[1].probed
+    assert probed_token == (0 if token is None else token)
+    assert np.array_equal(np.frombuffer(raw, dtype=np.uint8), fresh_state)  # the same bytes
+    with ModelSession(cfg) as s:
+        assert s.probed is opened[1].probed and s.n_tokens == 0
+        assert native.llama_cpp.llama_memory_seq_pos_max(s.memory, 0) == -1  # emptied
+
+        def no_decode(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the layout probe decoded again")
+
+        monkeypatch.setattr(s, "decode_one", no_decode)
+        captures = STATE_WORK.captures
+        assert identity_of(s, FileHasher()) == expected
+        assert STATE_WORK.captures == captures + 1  # counted as the capture it stands for
+        assert s.probed is None  # taken once
+        monkeypatch.undo()
+        kv, _ = probe_kv_layout(s)  # a second probe decodes as before
+        assert kv is not None and kv.layout() == expected_layout(expected)
+
+
+def expected_layout(identity: Identity) -> tuple[tuple[int, int, int, int], ...]:
+    return tuple(
+        (native.ggml_type_id(kt), kb, native.ggml_type_id(vt), vb)
+        for kt, kb, vt, vb in identity.kv_layout
+    )
+
+
+@pytest.fixture(scope="module")
+def arch_models(
+    tmp_path_factory: pytest.TempPathFactory, default_model_path: Path
+) -> TinyArchModels:
+    return build_tiny_arch_models(tmp_path_factory.mktemp("arch"), default_model_path)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "lfm2", "mamba2", "qwen35"])
+def test_the_early_open_leaves_other_memory_kinds_to_the_probe(
+    arch: str, arch_models: TinyArchModels
+) -> None:
+    cfg = tiny_config(arch_models.all()[arch])
+    with ModelSession(cfg) as fresh:
+        expected = identity_of(fresh, FileHasher())
+    assert open_early(cfg)
+    opened = loading._early
+    assert opened is not None and opened[1].probed is None  # their probe reads more than this
+    with ModelSession(cfg) as s:
+        assert identity_of(s, FileHasher()) == expected
