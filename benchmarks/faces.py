@@ -221,6 +221,42 @@ def stream_ttft(port: int, system: str, question: str) -> tuple[float, dict[str,
     return first, extra
 
 
+BYTECODE_CHECK = """
+import importlib.util, json, os, sys
+spec = importlib.util.find_spec
+dirs = [*spec("localkv").submodule_search_locations]
+for sub in ("localkv.storage", "localkv.tui"):
+    found = spec(sub)
+    if found is not None:
+        dirs += [d for d in found.submodule_search_locations if d not in dirs]
+fresh = total = 0
+for top in dirs:
+    for root, _, files in os.walk(top):
+        for name in (f for f in files if f.endswith(".py")):
+            src = os.path.join(root, name)
+            total += 1
+            try:
+                with open(importlib.util.cache_from_source(src), "rb") as f:
+                    head = f.read(16)
+            except OSError:
+                continue
+            st = os.stat(src)
+            flags, mtime, size = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
+            same = mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF
+            fresh += head[:4] == importlib.util.MAGIC_NUMBER and flags == 0 and same
+writes = not (sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"))
+print(json.dumps({"fresh": fresh, "modules": total, "write": writes}))
+"""
+
+
+def bytecode(python: str, env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    """How many of localkv's modules ``python`` loads from cached bytecode, and whether it writes
+    it: a process that compiles ~80 modules from source before its first token pays ~0.1 s that a
+    pip-installed (or once-run) localkv does not (``make`` compiles them)."""
+    out = subprocess.run([python, "-c", BYTECODE_CHECK], env=env, cwd=cwd, capture_output=True)
+    return cast(dict[str, Any], json.loads(out.stdout)) if out.returncode == 0 else {}
+
+
 # ------------------------------------------------------------------ the run
 class Bench:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
@@ -345,6 +381,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         bench = Bench(args, work)
         bench.setup()
+        compiled = bytecode(args.localkv_python, bench.env, work)
         phases = {}
         for spinners in (0, args.load):
             procs = _spin(spinners)
@@ -367,6 +404,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": len(os.sched_getaffinity(0)),
         "when": time.strftime("%Y-%m-%dT%H:%M%z"),
         "command": " ".join(["benchmarks/faces.py", *sys.argv[1:]]),
+        "bytecode": compiled,
         "phases": phases,
     }
 
@@ -378,6 +416,15 @@ def _med(runs: list[dict[str, float]], key: str = "s") -> float:
 
 def _ms(s: float) -> str:
     return f"{s * 1000:,.0f} ms"
+
+
+def _bytecode_line(found: dict[str, Any] | None) -> str:
+    if not found:
+        return ""
+    return (
+        f" localkv's modules from cached bytecode: {found['fresh']} of {found['modules']}"
+        f" (Python {'writes' if found['write'] else 'does not write'} it)."
+    )
 
 
 def render(sets: list[dict[str, Any]]) -> str:
@@ -403,7 +450,7 @@ def render(sets: list[dict[str, Any]]) -> str:
             f"{data['threads']} threads on {data['cpus']} usable cores, flash attention "
             f"{data.get('flash_attn', 'on')}; busy = "
             f"{busy} CPU-bound processes. `load` is the median 1-minute load average "
-            "when the runs began (idle and busy).",
+            f"when the runs began (idle and busy).{_bytecode_line(data.get('bytecode'))}",
             "",
             "| face | who | idle | busy | busy / idle | load |",
             "|---|---|---:|---:|---:|---|",
