@@ -284,6 +284,11 @@ METHOD = [
     "and under a fixed load of CPU-bound processes, with the load average of every run: "
     "`benchmarks/firsttoken.py --write-docs docs/FIRSTTOKEN.md` (one command), in "
     "[FIRSTTOKEN.md](FIRSTTOKEN.md).",
+    "- **the warm first token in every face**: a fresh `ask`, `Runtime.ask`, `serve` after "
+    "a restart and a live repeat, idle and with two CPU-bound processes, each beside "
+    "llama-cpp-python's own path (its state file, `llama_cpp.server` with its disk cache), "
+    "medians of 5, with how many of localkv's modules ran from compiled bytecode: "
+    "`benchmarks/faces.py --peer-python PY --write-docs docs/FACES.md`, in [FACES.md](FACES.md).",
     "- **get_data / set_data**: llama.cpp's state calls alone, on a buffer allocated beforehand.",
     "- **peak RSS**: the resident set size high-water mark during one restore, and how far "
     "it rose above the size before. Memory the allocator kept from earlier steps is reused "
