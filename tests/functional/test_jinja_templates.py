@@ -217,3 +217,21 @@ def test_the_cache_stays_exact_over_turns(
     assert [text for text, _ in cached] == [text for text, _ in uncached]
     assert all(n == 0 for _, n in uncached)
     assert cached[-1][1] > 0  # the later turns reused the earlier ones from disk
+
+
+def test_a_template_is_compiled_once_per_process_and_renders_the_same_again() -> None:
+    from localkv.prompt.jinja import TemplateRenderError, compile_template
+
+    source = (FIXTURES / "qwen2.5-tools.jinja").read_text(encoding="utf-8")
+    first = compile_template(source)
+    assert compile_template(source) is first  # the choice's check and the renderer share it
+    one = [{"role": "user", "content": "one"}]
+    two = [{"role": "system", "content": "s"}, {"role": "user", "content": "two"}]
+    alone = [first.render(messages=m, add_generation_prompt=True) for m in (one, two)]
+    again = [
+        compile_template(source).render(messages=m, add_generation_prompt=True) for m in (one, two)
+    ]
+    assert alone == again and alone[0] != alone[1]
+    for _ in range(2):  # a template that does not compile is refused every time, not cached
+        with pytest.raises(TemplateRenderError):
+            compile_template("{% if %}")
