@@ -8,11 +8,17 @@ is loaded for ``--help``, ``ask`` or ``prefill``.
 from __future__ import annotations
 
 import importlib
-import logging
+import sys
 import time
-from collections.abc import Callable
 
-import click
+from localkv.cli import early
+
+early.hold_collector(sys.argv)  # `localkv ask ...`: no garbage collections while it loads
+
+import logging  # noqa: E402  (after the collector is held off)
+from collections.abc import Callable  # noqa: E402
+
+import click  # noqa: E402
 
 __all__ = ["BLAS_THREADS", "COMMANDS", "SETTINGS", "cli", "main", "process_age"]
 
@@ -139,9 +145,6 @@ BLAS_THREADS = "OPENBLAS_NUM_THREADS"
 
 def main() -> None:
     import os
-    import sys
-
-    from localkv.cli import early
 
     if "numpy" not in sys.modules and not os.environ.get(BLAS_THREADS):
         os.environ[BLAS_THREADS] = "1"

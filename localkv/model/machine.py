@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 
 __all__ = ["IDLE_SPINCOUNT", "note_start", "runnable_others", "wait_settings"]
@@ -71,7 +70,15 @@ def runnable_others(
         counts = [*(_started if with_start else ()), *_sample(samples, gap_s)]
     except (OSError, ValueError, IndexError):
         return None
-    return float(statistics.median(counts))
+    return _median(counts)
+
+
+def _median(counts: list[int]) -> float:
+    """The median (of an even count, the mean of the middle two): ``statistics.median``,
+    whose import (decimal, fractions) costs a fresh command more than the samples."""
+    ordered = sorted(counts)
+    mid = len(ordered) // 2
+    return float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def wait_settings(others: float, cpus: int) -> tuple[str, dict[str, str]]:

@@ -314,3 +314,63 @@ def test_the_early_open_leaves_other_memory_kinds_to_the_probe(
     assert opened is not None and opened[1].probed is None  # their probe reads more than this
     with ModelSession(cfg) as s:
         assert identity_of(s, FileHasher()) == expected
+
+
+_COLLECTOR = """
+import gc, sys
+sys.argv = {argv!r}
+seen = []
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(1))
+import localkv.cli.early as early
+held, before = not gc.isenabled(), len(seen)
+wait = early.wait
+def waited():
+    if not getattr(early, "seen_wait", False):
+        early.seen_wait = True
+        print("at wait:", gc.isenabled(), len(seen) - before)
+    wait()
+early.wait = waited
+from localkv.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+print("held:", held, "after:", gc.isenabled(), gc.get_freeze_count() > 0)
+"""
+
+
+def _collector(argv: list[str], env: dict[str, str]) -> list[str]:
+    code = _COLLECTOR.format(argv=argv)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if line.startswith(("at wait", "held"))]
+
+
+def test_the_collector_is_off_while_ask_loads_and_on_after(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    import os
+
+    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "home")}
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The meeting is on Friday.")
+    ask_argv = ["ask", "--model", str(tiny_models.base), "--max-tokens", "1", str(doc), "When?"]
+    for prog in ("/venv/bin/localkv", "/src/localkv/__main__.py"):
+        # no collection from the command line's imports to the model it opened, then on again
+        assert _collector([prog, *ask_argv], env) == [
+            "at wait: False 0",
+            "held: True after: True True",
+        ]
+    # --help opens nothing: the collector is on again, as for other commands and programs
+    assert _collector(["/venv/bin/localkv", "ask", "--help"], env) == [
+        "held: True after: True True"
+    ]
+    assert _collector(["/venv/bin/localkv", "cache", "ls"], env) == [
+        "held: False after: True False"
+    ]
+    # another program that runs the command line is left alone: its collector ran throughout
+    at_wait, last = _collector(["/venv/bin/pytest", *ask_argv], env)
+    assert last == "held: False after: True False"
+    assert at_wait.startswith("at wait: True ") and int(at_wait.split()[-1]) > 0

@@ -113,3 +113,15 @@ def test_this_processes_own_threads_are_not_other_work() -> None:
         for t in threads:
             t.join()
     assert seen >= 3
+
+
+def test_the_load_median_is_statistics_median() -> None:
+    import random
+    import statistics
+
+    from localkv.model.machine import _median
+
+    rng = random.Random(5)
+    for n in range(1, 9):
+        counts = [rng.randrange(6) for _ in range(n)]
+        assert _median(counts) == statistics.median(counts)
