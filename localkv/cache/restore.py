@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from localkv.cache.pieces import fill_targets, read_in_pieces, token_rows, transpose_v
 from localkv.cache.windowread import chain_layout, read_window_chain
 from localkv.kv import codec, partial
 from localkv.kv.blocks import PARTIAL, block_partial, tensors_to_state
@@ -38,10 +39,13 @@ def load_chain(
 ) -> np.ndarray:
     """Read, check and load the chain minus its final token; return the stored tokens."""
     opened = store.open_blocks(chain)
-    tip_rows = None
+    tip_rows = buffer = None
+    loaded = False  # read and loaded a piece at a time (``cache.pieces``)
     try:
         if session.memory_kind == "swa":
             blocks, window_state = read_window_chain(store, session, opened)
+        elif (found := _in_pieces(session, opened)) is not None:
+            blocks, loaded = read_in_pieces(store, session, opened, *found, root), True
         else:
             blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
@@ -62,6 +66,8 @@ def load_chain(
         session.settled_at = n  # the state the writer settled to before token n
     elif session.memory_kind != "kv":
         _load_with_partial(session, blocks, buffer, held, tip_rows)
+    elif loaded:
+        pass
     elif buffer is not None:
         session.load_state(buffer, held)
     elif n > 0:
@@ -106,6 +112,19 @@ def _load_with_partial(
     session.partials[n] = blob
 
 
+def _in_pieces(
+    session: ModelSession, opened: list[OpenedBlock]
+) -> tuple[tuple[codec.LayerLayout, ...], bool] | None:
+    """The layout and V transposition of a chain to load a piece at a time, or None:
+    plain KV memory in a context with a second sequence, and more than one token."""
+    if session.memory_kind != "kv" or not session.in_pieces:
+        return None
+    found = chain_layout(opened)
+    if opened[-1].row.end - 1 <= 0 or not found.layers or PARTIAL in opened[-1].specs:
+        return None
+    return tuple(found.layers), found.v_trans
+
+
 def _read(
     store: SnapshotStore, session: ModelSession, opened: list[OpenedBlock]
 ) -> tuple[list[Block], np.ndarray | None, np.ndarray | None]:
@@ -129,62 +148,26 @@ def _read(
     tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER
     buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail), v_trans)
     # a transposed V is read token-major into its own area, then transposed a layer at a time
-    v_places = [_bytes_of(v, n) for v in v_rows] if v_trans else v_rows
+    v_places = [token_rows(v, n) for v in v_rows] if v_trans else v_rows
     tip = opened[-1].specs.get(PARTIAL)
     tip_rows = _tip_rows(session, tip.shape, tip.nbytes) if tip is not None else None
     # the chain's final token is read (the checksum covers it) but not loaded:
     # its rows go to a spill area, one row per tensor
     spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
-    targets = []
-    for block_file in opened:
-        start, end = block_file.row.start, block_file.row.end
-        keep = min(end, n) - start
-        places: dict[str, list[np.ndarray]] = {}
-        spilled = 0
-        for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
-            places[f"k.{i}"] = [k_rows[i][start : start + keep]]
-            places[f"v.{i}"] = [v_places[i][start : start + keep]]
-            if end > n:
-                k_spill = spill[spilled : spilled + k_bytes]
-                v_spill = spill[spilled + k_bytes : spilled + k_bytes + v_bytes]
-                places[f"k.{i}"].append(k_spill)
-                places[f"v.{i}"].append(v_spill)
-                spilled += k_bytes + v_bytes
-        targets.append(places)
+    targets = fill_targets(opened, layout, k_rows, v_places, n, spill)
     if tip_rows is not None:  # pages reused from the last restore: no page faults
         targets[-1][PARTIAL] = [tip_rows]
     blocks = store.fill_blocks(opened, targets, drops)
     if v_trans:  # each layer's V rows, token-major as stored, go in as llama.cpp's columns
-        for rows, columns in zip(v_places, v_rows, strict=True):
-            staged = _staging(rows.nbytes)[: rows.nbytes].reshape(rows.shape)
-            staged[...] = rows
-            columns[...] = staged.view(columns.dtype).T
+        transpose_v(v_places, v_rows)
     return blocks, buffer, tip_rows
-
-
-def _bytes_of(columns: np.ndarray, n: int) -> np.ndarray:
-    """The bytes of a layer's V columns (``[n_embd_v, n]``) as ``n`` token-major rows."""
-    return columns.reshape(-1).view(np.uint8).reshape(n, -1)
 
 
 class _Rows(threading.local):
     buffer: np.ndarray | None = None
-    staged: np.ndarray | None = None
 
 
 _ROWS = _Rows()
-
-
-def _staging(nbytes: int) -> np.ndarray:
-    """This thread's reused rows for one layer's V on its way to being transposed.
-
-    One layer's, not the chain's: every page a fresh process touches costs a
-    page fault, and one that the host backs lazily (a virtual machine that
-    hands freed memory back, as here) costs more than the extra copy.
-    """
-    if _ROWS.staged is None or _ROWS.staged.shape[0] < nbytes:
-        _ROWS.staged = large_buffer(nbytes)
-    return _ROWS.staged
 
 
 def _tip_rows(session: ModelSession, shape: tuple[int, ...], nbytes: int) -> np.ndarray:

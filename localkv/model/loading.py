@@ -66,6 +66,7 @@ class Native:
     batch: Any
     n_threads: int
     flash_attn: str  # the setting passed to llama.cpp (``flash_attn_setting``)
+    n_seq_max: int = 1  # 2: a restore may load a state in pieces (``state.append_state``)
     # ``open_early`` (plain KV memory): the layout probe's token, decoded alone at
     # position 0, and the raw state of sequence 0 after it; the sequence emptied again
     probed: tuple[int, Any] | None = None
@@ -142,9 +143,7 @@ def _probe_early(native: Native) -> tuple[int, Any] | None:
     sequence is emptied after, as the probe leaves it. None where it fails.
     """
     model, ctx = native.model, native.ctx
-    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-        return None
-    if int(llama_cpp.llama_model_n_swa(model)) > 0:
+    if not _plain_kv(model):
         return None
     bos = int(llama_cpp.llama_vocab_bos(native.vocab))
     token = bos if bos >= 0 else 0  # as the probe chooses it
@@ -213,7 +212,8 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     _check_kv_memory(cfg, model)
     threads = cfg.n_threads or min(MAX_THREADS, max(1, os.cpu_count() or 1))
     flash_attn = flash_attn_setting(cfg, model)
-    ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads, flash_attn))
+    n_seq = 2 if _plain_kv(model) else 1
+    ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads, flash_attn, n_seq))
     if not ctx:
         raise ModelLoadError(_context_failure(cfg))
     stack.callback(llama_cpp.llama_free, ctx)
@@ -234,15 +234,26 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
         batch=batch,
         n_threads=threads,
         flash_attn=flash_attn,
+        n_seq_max=n_seq,
     )
 
 
-def _context_params(cfg: SessionConfig, threads: int, flash_attn: str) -> Any:
+# A plain KV cache gets a second sequence in the same (unified) cells, through which
+# a restore loads a state a piece at a time (``model.state.append_state``): never a
+# second copy of the whole state. The same bits as with one sequence (tested).
+def _plain_kv(model: Any) -> bool:
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return False
+    return int(llama_cpp.llama_model_n_swa(model)) == 0
+
+
+def _context_params(cfg: SessionConfig, threads: int, flash_attn: str, n_seq: int) -> Any:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = cfg.n_ctx
     cparams.n_batch = cfg.n_batch
     cparams.n_ubatch = cfg.n_batch
-    cparams.n_seq_max = 1
+    cparams.n_seq_max = n_seq
+    cparams.kv_unified = True  # one set of cells for all sequences, as with one
     cparams.n_threads = threads
     cparams.n_threads_batch = threads
     cparams.type_k = ggml_type_id(cfg.type_k)

@@ -39,6 +39,7 @@ from localkv.model.state import (
     ContextFullError,
     PrefillCancelled,
     PrefillResult,
+    append_state,
     cell_ext_of,
     check_cells,
     read_state,
@@ -71,11 +72,11 @@ class ModelSession:
         self._stack = contextlib.ExitStack()
         self.tokens: list[int] = []
         self._last_logits: np.ndarray | None = None
-        # logits of tokens decoded alone at block ends and boundaries: the probes
+        # logits of tokens decoded alone at block ends and boundaries: the probes;
+        # partial states by position; SWA: the sliding rows blocks will store
+        # (``kv.windows``), the last settle's position (``model.snapshots``)
         self.probes: dict[int, np.ndarray] = {}
-        self.partials: dict[int, np.ndarray] = {}  # by position (``model.snapshots``)
-        # SWA: the sliding rows blocks will store (``kv.windows``), the last settle's
-        # position; recurrent: where states are kept (``model.snapshots``)
+        self.partials: dict[int, np.ndarray] = {}
         self.windows = WindowLog()
         self.settled_at: int | None = None
         self.segment_ends: set[int] = set()
@@ -95,22 +96,17 @@ class ModelSession:
     # ----------------------------------------------------------------- setup
     def _open(self) -> None:
         native = open_native(self.config, self._stack)
-        self.model = native.model
-        self.vocab = native.vocab
-        self.n_vocab = native.n_vocab
+        self.model, self.vocab, self.n_vocab = native.model, native.vocab, native.n_vocab
         self.n_threads, self._flash_attn = native.n_threads, native.flash_attn
-        self.ctx = native.ctx
-        self.memory = native.memory
-        self.n_ctx = native.n_ctx
-        self.n_batch = native.n_batch
-        self._batch = native.batch
+        self.ctx, self.memory, self._batch = native.ctx, native.memory, native.batch
+        self.n_ctx, self.n_batch = native.n_ctx, native.n_batch
+        self.in_pieces = native.n_seq_max > 1  # a state may be loaded a piece at a time
         self.memory_kind, self.memory_refusal = memory_of(self.model)
         self.swa_window = int(llama_cpp.llama_model_n_swa(self.model))
         self.cell_ext = cell_ext_of(self.model, self.memory_kind)  # cells name their tokens
         self.probed = native.probed  # the early open's probe (``cache.identity``)
 
-    def flash_attn_setting(self) -> str:
-        """The flash attention setting passed to llama.cpp (see ``loading.flash_attn_setting``)."""
+    def flash_attn_setting(self) -> str:  # what llama.cpp got (``loading.flash_attn_setting``)
         return self._flash_attn
 
     def close(self) -> None:
@@ -328,18 +324,27 @@ class ModelSession:
             self.windows.harvest(window_of(state))
         return check_cells(attention_state(state, self.memory_kind), self.tokens, self.cell_ext)
 
-    def load_state(self, data: bytes | bytearray | np.ndarray, tokens: list[int]) -> None:
-        """Replace sequence 0 with a raw state holding ``tokens`` at positions 0..n-1."""
-        self.reset()
-        if len(tokens) > self.n_ctx:
-            raise ContextFullError(len(tokens), self.n_ctx)
+    def load_state(
+        self, data: bytes | bytearray | np.ndarray, tokens: list[int], *, first: int = 0
+    ) -> None:
+        """Sequence 0 := a raw state of ``tokens`` at 0..n-1 (``first``: added at ``first``..)."""
+        if first and (not self.in_pieces or first != len(self.tokens)):
+            raise ValueError(f"cannot add a state at {first} to {len(self.tokens)} tokens")
+        if not first:
+            self.reset()
+        if first + len(tokens) > self.n_ctx:
+            raise ContextFullError(first + len(tokens), self.n_ctx)
+        named = tokens if self.cell_ext else None
         try:
-            write_state(self.ctx, data, tokens if self.cell_ext else None)
+            if first:
+                append_state(self.ctx, self.memory, data, named)  # type: ignore[arg-type]
+            else:
+                write_state(self.ctx, data, named)
         except codec.StateFormatError:
             self.reset()
             raise
-        self.tokens = list(tokens)
-        self.batch_ends = [len(tokens)]  # as far as this process knows
+        self.tokens = [*self.tokens[:first], *tokens]
+        self.batch_ends = [len(self.tokens)]  # as far as this process knows
 
     def restore(self, state: codec.KVState | Sequence[codec.KVState], tokens: list[int]) -> None:
         """Load a parsed state, or consecutive pieces of one, holding ``tokens`` at 0..n-1."""
@@ -390,10 +395,6 @@ class ModelSession:
         # metadata only: zeroing the whole KV buffer costs milliseconds per call, and
         # freed cells are masked out (llama.cpp's own seq_rm does not zero them either)
         llama_cpp.llama_memory_clear(self.memory, False)
-        self.tokens = []
-        self.probes = {}
-        self.partials = {}
+        self.tokens, self.probes, self.partials, self.batch_ends = [], {}, {}, []
         self.windows.clear()
-        self.settled_at = None
-        self.batch_ends = []
-        self._last_logits = None
+        self.settled_at = self._last_logits = None

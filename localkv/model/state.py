@@ -20,12 +20,16 @@ from localkv.kv import codec
 from localkv.kv.section import name_cell_tokens
 from localkv.model.native import llama_cpp
 
+RESTORE_SEQ = 1  # the sequence a piece of a state goes through (``append_state``)
+
 __all__ = [
+    "RESTORE_SEQ",
     "STATE_WORK",
     "ContextFullError",
     "PrefillCancelled",
     "PrefillResult",
     "StateWork",
+    "append_state",
     "cell_ext_of",
     "check_cells",
     "read_state",
@@ -88,9 +92,13 @@ def read_state(ctx: Any) -> np.ndarray:
 
 
 def write_state(
-    ctx: Any, data: bytes | bytearray | np.ndarray, cell_tokens: Sequence[int] | None = None
+    ctx: Any,
+    data: bytes | bytearray | np.ndarray,
+    cell_tokens: Sequence[int] | None = None,
+    seq_id: int = 0,
 ) -> None:
-    """Load a raw state into sequence 0 (``StateFormatError`` unless llama.cpp takes it all).
+    """Load a raw state into sequence ``seq_id`` (``StateFormatError`` unless llama.cpp
+    takes it all), replacing what that sequence held.
 
     With ``cell_tokens``, they are first written into the state's extended
     cells (in place where ``data`` is a writable array).
@@ -104,9 +112,28 @@ def write_state(
         name_cell_tokens(arr, cell_tokens)
     size = int(arr.shape[0])
     ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-    read = llama_cpp.llama_state_seq_set_data(ctx, ptr, size, 0)
+    read = llama_cpp.llama_state_seq_set_data(ctx, ptr, size, seq_id)
     if read != size:
         raise codec.StateFormatError(f"llama.cpp accepted {read} of {size} state bytes")
+
+
+def append_state(
+    ctx: Any, memory: Any, data: np.ndarray, cell_tokens: Sequence[int] | None = None
+) -> None:
+    """Add a raw state of the positions after sequence 0's to sequence 0.
+
+    llama.cpp loads a sequence's state only whole, emptying the sequence first;
+    so the piece goes into ``RESTORE_SEQ`` (a second sequence in the same cells:
+    ``loading.open_native`` makes one for plain KV memory), whose cells then join
+    sequence 0. Its cells follow sequence 0's, as a prefill's would. Sequence ``RESTORE_SEQ``
+    is empty after, whatever happens.
+    """
+    llama_cpp.llama_memory_seq_rm(memory, RESTORE_SEQ, -1, -1)
+    try:
+        write_state(ctx, data, cell_tokens, RESTORE_SEQ)
+        llama_cpp.llama_memory_seq_cp(memory, RESTORE_SEQ, 0, -1, -1)
+    finally:
+        llama_cpp.llama_memory_seq_rm(memory, RESTORE_SEQ, -1, -1)
 
 
 class ContextFullError(ValueError):

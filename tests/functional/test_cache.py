@@ -326,19 +326,20 @@ def test_bookkeeping_runs_off_the_restore_path(
 def test_a_transposed_v_is_staged_one_layer_at_a_time(
     tiny_models: TinyModels, tmp_path: Path, doc: Document
 ) -> None:
-    from localkv.cache import restore
+    from localkv.cache import pieces
 
     with _runtime(tiny_models.base, tmp_path) as rt:
         rt.prefill([doc], system=SYSTEM)
         # the staging only grows, per thread: an earlier restore here may have left a longer one
-        restore._ROWS.staged = None
+        pieces._PIECE.staged = None
         answer = rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)
         kv = rt.session.capture()
         assert answer.cache.hit and kv.v_trans  # flash attention off: the CPU default here
-        staged = restore._ROWS.staged
+        staged = pieces._PIECE.staged
         assert staged is not None
         v_bytes = {layer.v_row_bytes for layer in kv.layers}
         assert len(v_bytes) == 1 and len(kv.layers) >= 2  # all layers would be twice the rows
         rows, left = divmod(staged.shape[0], v_bytes.pop())
-        # the restored rows of one layer (the chain's final token is probed, not loaded)
+        # the restored rows of one layer (the chain's final token is probed, not loaded): the
+        # tiny model's whole chain is one piece (``cache.pieces``)
         assert left == 0 and rows == answer.tokens.reused - 1

@@ -1,0 +1,164 @@
+"""Restoring plain KV memory a piece at a time, so no second copy of the whole state is held.
+
+llama.cpp loads a sequence's state only whole (``llama_state_seq_set_data``
+empties the sequence first), so a restore used to assemble the whole state in
+a buffer as large as the KV cells it fills: twice the state's memory while it
+loads, kept for the next restore, and on a machine that backs fresh memory
+lazily (a virtual machine handing freed pages back to its host, as here) the
+dearest part of a fresh process's restore. Here consecutive blocks are read,
+up to ``PIECE_BYTES`` of rows at a time (one block at least), into one reused
+piece buffer: each piece's checksums are checked as it is read, its chain hashes
+before it is loaded, and it goes in after the pieces before it
+(``ModelSession.load_state(first=...)``, through the context's second
+sequence). The cells, and so the bits, are those a whole restore gives (tested).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from localkv.kv import codec
+from localkv.kv.layout import LayerLayout, state_size
+from localkv.model.loading import large_buffer
+from localkv.model.session import ModelSession
+from localkv.storage.chain import chain_next
+from localkv.storage.formats.readinto import OpenedBlock
+from localkv.storage.store import SnapshotStore
+from localkv.storage.values import Block, BlockCorrupt
+
+__all__ = ["PIECE_BYTES", "fill_targets", "groups", "read_in_pieces", "token_rows", "transpose_v"]
+
+PIECE_BYTES = 16 << 20
+
+
+def groups(opened: list[OpenedBlock], n: int, per_token: int) -> list[list[OpenedBlock]]:
+    """Consecutive blocks whose rows of tokens ``< n`` make up to ``PIECE_BYTES`` (one at
+    least); a block with no such token joins the group before it."""
+    out: list[list[OpenedBlock]] = []
+    held = 0
+    for block_file in opened:
+        start, end = block_file.row.start, min(block_file.row.end, n)
+        rows = max(0, end - start) * per_token
+        if out and (rows == 0 or held + rows <= PIECE_BYTES):
+            out[-1].append(block_file)
+            held += rows
+        else:
+            out.append([block_file])
+            held = rows
+    return out
+
+
+class _Piece(threading.local):
+    buffer: np.ndarray | None = None
+    staged: np.ndarray | None = None
+
+
+_PIECE = _Piece()
+
+
+def _buffer(nbytes: int) -> np.ndarray:
+    """This thread's reused piece buffer, of ``nbytes`` at least."""
+    if _PIECE.buffer is None or _PIECE.buffer.shape[0] < nbytes:
+        _PIECE.buffer = large_buffer(nbytes)
+    return _PIECE.buffer
+
+
+def read_in_pieces(
+    store: SnapshotStore,
+    session: ModelSession,
+    opened: list[OpenedBlock],
+    layout: tuple[LayerLayout, ...],
+    v_trans: bool,
+    parent: str,
+) -> list[Block]:
+    """Read and load the chain but its final token, a piece at a time; the blocks read.
+
+    ``parent`` is the chain's root. The session holds the tokens loaded so far if a
+    piece fails (``BlockCorrupt``, ``StateFormatError``); the caller empties it.
+    """
+    n = opened[-1].row.end - 1
+    per_token = sum(x[1] + x[3] for x in layout)
+    spill = np.empty(per_token, dtype=np.uint8)
+    blocks: list[Block] = []
+    for group in groups(opened, n, per_token):
+        first, stop = group[0].row.start, min(group[-1].row.end, n)
+        size = state_size(layout, v_trans, stop - first, session.cell_ext)
+        buf, k_rows, v_rows = codec.assembly(
+            layout,
+            stop - first,
+            scratch=_buffer(size),
+            cell_ext=session.cell_ext,
+            first=first,
+            v_trans=v_trans,
+        )
+        v_places = [token_rows(v, stop - first) for v in v_rows] if v_trans else v_rows
+        targets = fill_targets(group, layout, k_rows, v_places, n, spill, first)
+        got = store.fill_blocks(group, targets, [set()] * len(group))
+        if v_trans:
+            transpose_v(v_places, v_rows)
+        for row, block in zip((g.row for g in group), got, strict=True):
+            expected = chain_next(parent, block.tokens, block.ends)
+            if block.hash != expected or block.hash != row.hash:
+                raise BlockCorrupt("tokens do not match the chain hash", row.hash)
+            parent = block.hash
+        tokens = np.concatenate([b.tokens for b in got])[: stop - first]
+        session.load_state(buf, [int(t) for t in tokens], first=first)
+        blocks.extend(got)
+    return blocks
+
+
+def fill_targets(
+    opened: list[OpenedBlock],
+    layout: tuple[LayerLayout, ...],
+    k_rows: list[np.ndarray],
+    v_places: list[np.ndarray],
+    n: int,
+    spill: np.ndarray,
+    first: int = 0,
+) -> list[dict[str, list[np.ndarray]]]:
+    """Where each block's K and V rows go: rows ``first..`` of ``k_rows``/``v_places``;
+    a token at ``n`` or after (the chain's final one: read, not loaded) to ``spill``."""
+    targets = []
+    for block_file in opened:
+        start, end = block_file.row.start - first, block_file.row.end - first
+        keep = max(0, min(end, n - first) - start)
+        places: dict[str, list[np.ndarray]] = {}
+        spilled = 0
+        for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
+            places[f"k.{i}"] = [k_rows[i][start : start + keep]]
+            places[f"v.{i}"] = [v_places[i][start : start + keep]]
+            if end > n - first:
+                k_spill = spill[spilled : spilled + k_bytes]
+                v_spill = spill[spilled + k_bytes : spilled + k_bytes + v_bytes]
+                places[f"k.{i}"].append(k_spill)
+                places[f"v.{i}"].append(v_spill)
+                spilled += k_bytes + v_bytes
+        targets.append(places)
+    return targets
+
+
+def token_rows(columns: np.ndarray, n: int) -> np.ndarray:
+    """The bytes of a layer's V columns (``[n_embd_v, n]``) as ``n`` token-major rows."""
+    return columns.reshape(-1).view(np.uint8).reshape(n, -1)
+
+
+def transpose_v(v_places: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
+    """Each layer's V rows, read token-major as stored, into llama.cpp's columns."""
+    for rows, columns in zip(v_places, v_rows, strict=True):
+        staged = _staging(rows.nbytes)[: rows.nbytes].reshape(rows.shape)
+        staged[...] = rows
+        columns[...] = staged.view(columns.dtype).T
+
+
+def _staging(nbytes: int) -> np.ndarray:
+    """This thread's reused rows for one layer's V on its way to being transposed.
+
+    One layer's, not the chain's: every page a fresh process touches costs a
+    page fault, and one that the host backs lazily (a virtual machine that
+    hands freed memory back, as here) costs more than the extra copy.
+    """
+    if _PIECE.staged is None or _PIECE.staged.shape[0] < nbytes:
+        _PIECE.staged = large_buffer(nbytes)
+    return _PIECE.staged

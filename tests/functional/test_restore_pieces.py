@@ -1,0 +1,140 @@
+"""A plain KV restore a piece at a time (``localkv.cache.pieces``): the same bits, less memory.
+
+The context gets a second sequence in the same cells for it; a prefill there must
+give the bits a one-sequence context gives, and a restore in pieces the state a
+whole restore gives. A damaged block in a later piece leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.tinymodels import TinyModels, tiny_config
+
+from localkv.cache import pieces
+from localkv.model import loading
+from localkv.model.native import llama_cpp
+from localkv.model.session import ModelSession
+from localkv.model.state import RESTORE_SEQ
+from localkv.runtime import Runtime
+
+BLOCK = 16
+KV_SETTINGS = [("off", "f16"), ("on", "f16"), ("on", "q8_0")]  # a quantized V needs it on
+
+
+def _tokens(n: int, seed: int = 3) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(200, 40000, n)]
+
+
+def _after(session: ModelSession, token: int) -> tuple[bytes, np.ndarray]:
+    """The state of sequence 0, then the logits of ``token`` decoded next."""
+    return session.capture_state(), session.decode_one(token)
+
+
+@pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
+def test_a_second_sequence_changes_no_bit(
+    tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch, flash_attn: str, kv: str
+) -> None:
+    cfg = tiny_config(tiny_models.base, flash_attn=flash_attn, type_k=kv, type_v=kv)
+    tokens = _tokens(3 * 64 + 7)
+    with ModelSession(cfg) as two:
+        assert two.in_pieces
+        two.prefill(tokens[:-1], boundaries=[50, len(tokens) - 1])
+        with_two = _after(two, tokens[-1])
+    monkeypatch.setattr(loading, "_plain_kv", lambda model: False)
+    with ModelSession(cfg) as one:
+        assert not one.in_pieces
+        one.prefill(tokens[:-1], boundaries=[50, len(tokens) - 1])
+        with_one = _after(one, tokens[-1])
+    assert with_two[0] == with_one[0]
+    assert np.array_equal(with_two[1], with_one[1])
+
+
+def _restored(rt: Runtime, tokens: list[int], stored: int) -> tuple[int, bytes, np.ndarray]:
+    """Restore ``tokens``, whose first ``stored`` are a segment the cache holds."""
+    assert rt.cache is not None
+    ends = rt.session.schedule(len(tokens), [stored, len(tokens)])
+    result = rt.cache.restore(rt.session, tokens, ends)
+    assert result.verified is True
+    # nothing is left in the sequence a piece goes through
+    assert llama_cpp.llama_memory_seq_pos_max(rt.session.memory, RESTORE_SEQ) == -1
+    state, logits = _after(rt.session, tokens[result.reused])
+    return result.reused, state, logits
+
+
+@pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
+def test_a_restore_in_pieces_is_the_whole_restore(
+    tiny_models: TinyModels,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flash_attn: str,
+    kv: str,
+) -> None:
+    cfg = tiny_config(
+        tiny_models.base, block_size=BLOCK, flash_attn=flash_attn, type_k=kv, type_v=kv
+    )
+    tokens = _tokens(10 * BLOCK + 5)
+    request = [*tokens, 7, 8, 9]
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        assert rt.cache is not None
+        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
+        rt.session.in_pieces = False
+        whole = _restored(rt, request, len(tokens))
+        assert rt.session._scratch is not None  # the whole state, assembled in one buffer
+        rt.session.in_pieces, rt.session._scratch = True, None
+        in_one = _restored(rt, request, len(tokens))  # every block fits one piece
+        per_token = len(whole[1]) // whole[0]
+        monkeypatch.setattr(pieces, "PIECE_BYTES", 3 * BLOCK * per_token // 2)
+        assert len(_groups(rt, request)) == 10  # a block each, the short last one with another
+        pieces._PIECE.buffer = None  # it only grows, per thread
+        each_block = _restored(rt, request, len(tokens))
+        assert rt.session._scratch is None  # no buffer of the whole state was made
+        assert pieces._PIECE.buffer is not None
+        assert pieces._PIECE.buffer.shape[0] < len(whole[1])
+    assert whole[0] == len(tokens) and in_one[0] == each_block[0] == whole[0]
+    assert in_one[1] == each_block[1] == whole[1]
+    assert np.array_equal(in_one[2], whole[2]) and np.array_equal(each_block[2], whole[2])
+
+
+def _groups(rt: Runtime, request: list[int]) -> list[list[object]]:
+    """How the chain ``request`` restores is read in pieces."""
+    assert rt.cache is not None
+    ends = rt.session.schedule(len(request), [len(request) - 3, len(request)])
+    plan = rt.cache.plan(request, ends)
+    opened = rt.cache.store.open_blocks(plan.chain)
+    try:
+        n = opened[-1].row.end - 1
+        per_token = len(rt.session.capture_state()) // max(1, rt.session.n_tokens)
+        return pieces.groups(opened, n, per_token)  # type: ignore[return-value]
+    finally:
+        for block_file in opened:
+            block_file.close()
+
+
+def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
+    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK)
+    tokens = _tokens(8 * BLOCK + 3, seed=4)
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        assert rt.cache is not None
+        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
+        rows = sorted(rt.cache.store.all_blocks(), key=lambda r: r.start)
+        bad = next(r for r in rows if r.start == 5 * BLOCK)
+        path = tmp_path / bad.file
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10  # in its rows: the checksum catches it as it is read
+        path.write_bytes(bytes(data))
+        monkeypatch.setattr(pieces, "PIECE_BYTES", 1)  # a piece for each block
+        reused, state, logits = _restored(rt, [*tokens, 7], len(tokens))
+        assert reused == 5 * BLOCK  # the blocks before the damaged one, verified again
+        assert not rt.cache.store.has_block(bad.hash)  # quarantined
+    with ModelSession(cfg) as fresh:  # the same prefix, computed in the same batches
+        fresh.prefill(tokens[:reused], ends=fresh.schedule(len(tokens), [len(tokens)]))
+        fresh_state, fresh_logits = _after(fresh, tokens[reused])
+    assert fresh_state == state
+    assert np.array_equal(fresh_logits, logits)
