@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv.kv import codec
 from localkv.kv.blocks import add_partial, add_window, state_to_tensors
 from localkv.kv.codec import KVState
 from localkv.model.session import ModelSession
+from localkv.model.state import check_cells, read_after
 from localkv.storage.chain import block_ends, chain_next
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, Probe
@@ -74,9 +76,10 @@ def prepare_blocks(
     kind = session.memory_kind
     captured: list[KVState | None] = []  # the state, captured once a block needs it
 
-    def state() -> KVState | None:
+    def state(start: int) -> KVState | None:
+        """The state from ``start`` on (the first block that needs it) at least."""
         if not captured:  # (SWA: the capture hands the last window's rows to their blocks)
-            captured.append(None if kind == "recurrent" else session.capture())
+            captured.append(None if kind == "recurrent" else _capture(session, start))
         return captured[0]
 
     tokens = session.tokens
@@ -101,13 +104,28 @@ def prepare_blocks(
                 full_hash_at[end] = block_hash
             out.append(_block(scope, block_hash, parent, start, block_tokens, offsets))
             continue
-        made = _content(session, state(), (start, end), seconds_per_token)
+        made = _content(session, state(start), (start, end), seconds_per_token)
         if made is None:
             continue
         if full:
             full_hash_at[end] = block_hash
         out.append(_block(scope, block_hash, parent, start, block_tokens, offsets, *made))
     return out
+
+
+def _capture(session: ModelSession, first: int) -> KVState:
+    """The session's state, from position ``first`` on where the context can read only
+    that (plain KV memory with a second sequence: ``state.read_after``), else whole.
+
+    The blocks before ``first`` are stored, so a new turn's save reads its own
+    tokens' rows, not the whole conversation's again.
+    """
+    if not first or session.memory_kind != "kv" or not session.in_pieces:
+        return session.capture()
+    kv = codec.parse(read_after(session.ctx, session.memory, first).data, copy=False)
+    if not np.array_equal(kv.positions, np.arange(first, session.n_tokens)):
+        raise codec.StateFormatError(f"the cells after {first} are not its positions")
+    return check_cells(kv, session.tokens[first:], session.cell_ext)
 
 
 def _content(
@@ -142,8 +160,9 @@ def _tensors(
     if state is None:  # recurrent: no attention rows
         tensors: dict[str, np.ndarray] = {}
         meta = {"kv_layout": "[]", "v_trans": "0"}
-    else:
-        tensors, meta = state_to_tensors(state.slice(start, end))
+    else:  # the capture may begin after 0 (``_capture``)
+        first = int(state.positions[0]) if state.n_tokens else 0
+        tensors, meta = state_to_tensors(state.slice(start - first, end - first))
     if partial is not None:
         add_partial(tensors, meta, partial, end - start)
     return tensors, meta

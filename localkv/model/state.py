@@ -32,6 +32,7 @@ __all__ = [
     "append_state",
     "cell_ext_of",
     "check_cells",
+    "read_after",
     "read_state",
     "write_state",
 ]
@@ -69,7 +70,7 @@ def check_cells(state: codec.KVState, tokens: Sequence[int], cell_ext: bool) -> 
 
 @dataclass(slots=True)
 class StateWork:
-    """Whole-state captures in this process and their bytes (the server reports them)."""
+    """State captures in this process (whole, or from a position on) and their bytes."""
 
     captures: int = 0
     captured_bytes: int = 0
@@ -78,17 +79,28 @@ class StateWork:
 STATE_WORK = StateWork()
 
 
-def read_state(ctx: Any) -> np.ndarray:
-    """The raw state of sequence 0, written straight into a new uint8 array."""
-    size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+def read_state(ctx: Any, seq_id: int = 0) -> np.ndarray:
+    """The raw state of a sequence (0), written straight into a new uint8 array."""
+    size = int(llama_cpp.llama_state_seq_get_size(ctx, seq_id))
     STATE_WORK.captures += 1
     STATE_WORK.captured_bytes += size
     arr = np.empty(size, dtype=np.uint8)
     ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-    written = llama_cpp.llama_state_seq_get_data(ctx, ptr, size, 0)
+    written = llama_cpp.llama_state_seq_get_data(ctx, ptr, size, seq_id)
     if written != size:
         raise RuntimeError(f"state capture wrote {written} of {size} bytes")
     return arr
+
+
+def read_after(ctx: Any, memory: Any, first: int) -> np.ndarray:
+    """The raw state of sequence 0's positions ``first``.. alone (``append_state``'s
+    context): its cells join ``RESTORE_SEQ``, which is read and emptied again."""
+    llama_cpp.llama_memory_seq_rm(memory, RESTORE_SEQ, -1, -1)
+    try:
+        llama_cpp.llama_memory_seq_cp(memory, 0, RESTORE_SEQ, first, -1)
+        return read_state(ctx, RESTORE_SEQ)
+    finally:
+        llama_cpp.llama_memory_seq_rm(memory, RESTORE_SEQ, -1, -1)
 
 
 def write_state(

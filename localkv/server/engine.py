@@ -76,7 +76,7 @@ class Outcome:
     diverged_at: int | None
     ttft_s: float
     total_s: float
-    # this request's whole-state captures and tokenize calls (characters), counted
+    # this request's state captures and tokenize calls (characters), counted
     work: tuple[int, int, int] = (0, 0, 0)
     queued_s: float = 0.0  # from the request's arrival to the start of its work
     reasoning: str | None = None  # the answer's thinking (``reasoning_content``)
@@ -345,7 +345,7 @@ class Engine:
         )
 
     def _work(self) -> tuple[int, int, int]:
-        """Whole-state captures, tokenize calls and characters tokenized so far."""
+        """State captures, tokenize calls and characters tokenized so far."""
         tokenizer = self.runtime.template.tokenizer
         return STATE_WORK.captures, tokenizer.calls, tokenizer.tokenized_chars
 

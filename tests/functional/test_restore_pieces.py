@@ -138,3 +138,43 @@ def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
         fresh_state, fresh_logits = _after(fresh, tokens[reused])
     assert fresh_state == state
     assert np.array_equal(fresh_logits, logits)
+
+
+@pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
+def test_a_save_after_stored_blocks_reads_only_the_rows_after_them(
+    tiny_models: TinyModels, tmp_path: Path, flash_attn: str, kv: str
+) -> None:
+    from localkv.cache.save import _capture
+    from localkv.model.state import STATE_WORK
+
+    cfg = tiny_config(
+        tiny_models.base, block_size=BLOCK, flash_attn=flash_attn, type_k=kv, type_v=kv
+    )
+    tokens = _tokens(6 * BLOCK + 5, seed=6)
+    turn = 4 * BLOCK + 2  # the first turn's end: its blocks are stored before the second's
+    with Runtime(cfg, cache_dir=tmp_path / "two") as rt:
+        assert rt.cache is not None
+        ends = rt.session.schedule(len(tokens), [turn, len(tokens)])
+        rt.session.prefill(tokens[:turn], ends=ends)
+        rt.cache.write(rt.cache.prepare(rt.session, [turn], 0.001))
+        rt.session.prefill(tokens[turn:], ends=ends)
+        whole = rt.session.capture()
+        part = _capture(rt.session, 4 * BLOCK)
+        assert part.positions.tolist() == list(range(4 * BLOCK, len(tokens)))
+        for a, b in zip(whole.slice(4 * BLOCK, len(tokens)).layers, part.layers, strict=True):
+            assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+        before = STATE_WORK.captured_bytes
+        rt.cache.write(rt.cache.prepare(rt.session, [turn, len(tokens)], 0.001))
+        read = STATE_WORK.captured_bytes - before
+        assert 0 < read < len(rt.session.capture_state()) * 3 // 5  # 2 of 6 blocks and a bit
+        rt.session.reset()
+        # what the second save wrote restores, verified, as the whole prefix
+        request = [*tokens, 5]
+        ends = rt.session.schedule(len(request), [turn, len(tokens), len(request)])
+        result = rt.cache.restore(rt.session, request, ends)
+        assert result.verified and result.reused == len(tokens)
+        restored = _after(rt.session, 5)
+    with Runtime(cfg, use_cache=False) as rt:  # no cache: the same tokens in the same batches
+        rt.session.prefill(tokens, ends=rt.session.schedule(len(tokens), [turn, len(tokens)]))
+        fresh = _after(rt.session, 5)
+    assert restored[0] == fresh[0] and np.array_equal(restored[1], fresh[1])

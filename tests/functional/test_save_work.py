@@ -7,29 +7,25 @@ once, however many blocks it adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from support.tinymodels import TinyModels, tiny_config
 
 from localkv.model.sampling import SamplingParams
+from localkv.model.state import STATE_WORK
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
 
 TEXT = "Alice was beginning to get very tired of sitting by her sister on the bank. "
 
 
-def _counting(rt: Runtime) -> list[int]:
-    """Count the session's state captures (each still captures the state)."""
-    calls: list[int] = []
-    original = rt.session.capture_array
-
-    def capture() -> object:
-        calls.append(rt.session.n_tokens)
-        return original()
-
-    rt.session.capture_array = capture  # type: ignore[method-assign]
-    return calls
+def _counting(rt: Runtime) -> Callable[[], tuple[int, int]]:
+    """State captures from now on, and their bytes (``STATE_WORK``: a capture of the
+    whole state, or of the positions from the first block not stored on)."""
+    captures, captured = STATE_WORK.captures, STATE_WORK.captured_bytes
+    return lambda: (STATE_WORK.captures - captures, STATE_WORK.captured_bytes - captured)
 
 
 @pytest.mark.parametrize("question", ["What?", "Who is by the bank?"])
@@ -42,10 +38,16 @@ def test_a_repeat_captures_no_state_and_new_tokens_one(
         calls = _counting(rt)
         rt.ask([doc], "What?", params=params)
         rt.wait_for_saves()
-        assert len(calls) == 1  # the first ask: blocks to save, one capture
+        assert calls()[0] == 1  # the first ask: blocks to save, one capture
+        whole = len(rt.session.capture_state())
+        calls = _counting(rt)
         rt.ask([doc], question, params=params)
         rt.wait_for_saves()
-    assert len(calls) == (1 if question == "What?" else 2)
+    if question == "What?":
+        assert calls() == (0, 0)
+    else:  # one capture, of the rows from the block the new question starts on
+        captures, captured = calls()
+        assert captures == 1 and 0 < captured < whole // 2
 
 
 def test_a_repeat_before_the_first_save_is_written_captures_nothing(
@@ -59,7 +61,7 @@ def test_a_repeat_before_the_first_save_is_written_captures_nothing(
         calls = _counting(rt)
         first = rt.ask([doc], "What?", params=params)
         rt.ask([doc], "What?", params=params)  # no wait_for_saves in between
-        assert len(calls) == 1
+        assert calls()[0] == 1
         rt.wait_for_saves()
     with Runtime(tiny_config(tiny_models.base, n_ctx=4096), cache_dir=tmp_path) as rt:
         again = rt.ask([doc], "What?", params=params)
