@@ -16,6 +16,7 @@ sequence). The cells, and so the bits, are those a whole restore gives (tested).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,9 +27,17 @@ from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_next
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block, BlockCorrupt
+from localkv.storage.values import Block, BlockCorrupt, BlockRow
 
-__all__ = ["PIECE_BYTES", "fill_targets", "groups", "read_in_pieces", "token_rows", "transpose_v"]
+__all__ = [
+    "PIECE_BYTES",
+    "check_chain",
+    "fill_targets",
+    "groups",
+    "read_in_pieces",
+    "token_rows",
+    "transpose_v",
+]
 
 PIECE_BYTES = 16 << 20
 
@@ -98,15 +107,22 @@ def read_in_pieces(
         got = store.fill_blocks(group, targets, [set()] * len(group))
         if v_trans:
             transpose_v(v_places, v_rows)
-        for row, block in zip((g.row for g in group), got, strict=True):
-            expected = chain_next(parent, block.tokens, block.ends)
-            if block.hash != expected or block.hash != row.hash:
-                raise BlockCorrupt("tokens do not match the chain hash", row.hash)
-            parent = block.hash
+        parent = check_chain(parent, [g.row for g in group], got)
         tokens = np.concatenate([b.tokens for b in got])[: stop - first]
         session.load_state(buf, [int(t) for t in tokens], first=first)
         blocks.extend(got)
     return blocks
+
+
+def check_chain(parent: str, rows: Sequence[BlockRow], blocks: Sequence[Block]) -> str:
+    """Each block's chain hash, recomputed from ``parent``, its tokens and batch ends, is
+    its own and its row's (``BlockCorrupt`` if not); the last block's hash."""
+    for row, block in zip(rows, blocks, strict=True):
+        expected = chain_next(parent, block.tokens, block.ends)
+        if block.hash != expected or block.hash != row.hash:
+            raise BlockCorrupt("tokens do not match the chain hash", row.hash)
+        parent = block.hash
+    return parent
 
 
 def fill_targets(

@@ -16,16 +16,21 @@ import time
 
 import numpy as np
 
-from localkv.cache.pieces import fill_targets, read_in_pieces, token_rows, transpose_v
+from localkv.cache.pieces import (
+    check_chain,
+    fill_targets,
+    read_in_pieces,
+    token_rows,
+    transpose_v,
+)
 from localkv.cache.windowread import chain_layout, read_window_chain
 from localkv.kv import codec, partial
 from localkv.kv.blocks import PARTIAL, block_partial, tensors_to_state
 from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
-from localkv.storage.chain import chain_next
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block, BlockCorrupt, BlockRow
+from localkv.storage.values import Block, BlockRow
 
 __all__ = ["load_chain", "probe_matches"]
 
@@ -52,12 +57,8 @@ def load_chain(
         for block_file in opened:
             block_file.close()
     marks.append(time.perf_counter())
-    parent: str | None = None
-    for row, block in zip(chain, blocks, strict=True):
-        expected = chain_next(parent if parent is not None else root, block.tokens, block.ends)
-        if block.hash != expected or block.hash != row.hash:
-            raise BlockCorrupt("tokens do not match the chain hash", row.hash)
-        parent = block.hash
+    if not loaded:  # (a piece's chain hashes are checked before it goes in)
+        check_chain(root, chain, blocks)
     tokens = np.concatenate([b.tokens for b in blocks])
     n = int(tokens.shape[0]) - 1
     held = [int(t) for t in tokens[:n]]
