@@ -309,6 +309,7 @@ def test_the_early_open_leaves_other_memory_kinds_to_the_probe(
     cfg = tiny_config(arch_models.all()[arch])
     with ModelSession(cfg) as fresh:
         expected = identity_of(fresh, FileHasher())
+        assert not fresh.in_pieces  # one sequence: only plain KV memory restores in pieces
     assert open_early(cfg)
     opened = loading._early
     assert opened is not None and opened[1].probed is None  # their probe reads more than this
