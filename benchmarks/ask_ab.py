@@ -38,7 +38,7 @@ def _api(
     py: str, opened: dict[str, Any], docs: dict[str, Path], base: int, env: dict[str, str], at: Path
 ) -> list[float]:
     """``opened``: ``Runtime.open``'s model, n_ctx and flash attention (``fa``)."""
-    p = {**opened, "runs": 7, "threads": len(os.sched_getaffinity(0))}
+    p = {**opened, "runs": 7, "threads": None}  # localkv's default (``model.machine.ThreadFit``)
     p |= {"max_tokens": 16, "system": SYSTEM, "docs": [str(docs["A"]), str(docs["B"])]}
     p["questions"] = [question(base + i) for i in range(7)]
     cmd = [py, "-c", API_WORKER, json.dumps(p)]

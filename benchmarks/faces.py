@@ -30,9 +30,11 @@ machine, ``--runs`` times each, localkv and the peer in turn:
   Seconds from sending to the first content chunk.
 - ``http-repeat``: the same request again, to the same server.
 
-Both sides use the same model, n_ctx, thread count and flash attention (``--flash-attn``,
-off by default: what localkv's ``auto`` is on a CPU at this size); the
-peer's prompt is the token ids localkv builds. Neither has OpenMP variables set
+Both sides use the same model, n_ctx and flash attention (``--flash-attn``, off by
+default: what localkv's ``auto`` is on a CPU at this size); the peer's prompt is the
+token ids localkv builds. The peer runs with every core; localkv with its default,
+one thread per core the other work leaves free (``localkv.model.machine.ThreadFit``), unless
+``--threads N`` sets both. Neither has OpenMP variables set
 by the bench: localkv chooses its wait policy from the load, the peer runs with
 libgomp's defaults. Medians per face and load; every run and the load average
 when it began are in ``--out``.
@@ -96,7 +98,8 @@ def _prompts(args: argparse.Namespace, docs: dict[str, Path], work: Path, n: int
                 k += 1
             out[name] = {"prefix": asks[0][:k], "questions": [t[k:] for t in asks]}
     path = work / "prompts.json"
-    settings = {"model": str(args.model), "n_ctx": args.ctx, "threads": args.threads}
+    threads = args.threads or len(os.sched_getaffinity(0))
+    settings = {"model": str(args.model), "n_ctx": args.ctx, "threads": threads}
     settings |= {"flash_attn": args.flash_attn == "on", "max_tokens": MAX_TOKENS, "work": str(work)}
     path.write_text(json.dumps({**settings, "docs": out}))
     return path
@@ -268,8 +271,8 @@ class Bench:
         self.n_questions = 16 * args.runs
         self.prompts = _prompts(args, self.docs, work, self.n_questions) if args.peer else None
         self.system_a = f"{SYSTEM}\n\n{self.docs['A'].read_text(encoding='utf-8')}"
-        common = ["--ctx", str(args.ctx), "--threads", str(args.threads)]
-        common += ["--flash-attn", args.flash_attn]
+        common = ["--ctx", str(args.ctx), "--flash-attn", args.flash_attn]
+        common += ["--threads", str(args.threads)] if args.threads else []
         self.common = ["--model", str(args.model), *common]
 
     def lkv(self, *rest: str) -> list[str]:
@@ -299,8 +302,9 @@ class Bench:
             peer_dir.mkdir(exist_ok=True)
             a = self.args
             cmd = [a.peer_python, "-m", "llama_cpp.server", "--model", str(a.model)]
-            cmd += ["--host", "127.0.0.1", "--n_ctx", str(a.ctx), "--n_threads", str(a.threads)]
-            cmd += ["--n_threads_batch", str(a.threads), "--flash_attn", str(a.flash_attn == "on")]
+            threads = str(a.threads or len(os.sched_getaffinity(0)))
+            cmd += ["--host", "127.0.0.1", "--n_ctx", str(a.ctx), "--n_threads", threads]
+            cmd += ["--n_threads_batch", threads, "--flash_attn", str(a.flash_attn == "on")]
             cmd += ["--cache", "True", "--cache_type", "disk"]
             out["peer"] = Server(cmd, peer_dir, self.env, "/v1/models")
         return out
@@ -418,6 +422,12 @@ def _ms(s: float) -> str:
     return f"{s * 1000:,.0f} ms"
 
 
+def _threads_text(data: dict[str, Any]) -> str:
+    if data.get("threads"):
+        return f"{data['threads']} threads"
+    return "the peer with every core, localkv one thread per core the other work leaves"
+
+
 def _bytecode_line(found: dict[str, Any] | None) -> str:
     if not found:
         return ""
@@ -447,7 +457,7 @@ def render(sets: list[dict[str, Any]]) -> str:
             "```",
             "",
             f"{data['runs']} runs per face and load, medians; n_ctx {data['ctx']}, "
-            f"{data['threads']} threads on {data['cpus']} usable cores, flash attention "
+            f"{_threads_text(data)} on {data['cpus']} usable cores, flash attention "
             f"{data.get('flash_attn', 'on')}; busy = "
             f"{busy} CPU-bound processes. `load` is the median 1-minute load average "
             f"when the runs began (idle and busy).{_bytecode_line(data.get('bytecode'))}",
@@ -484,7 +494,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--load", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--threads", type=int, help="both sides' threads (default: see above)")
     # off: what localkv's auto chooses on a CPU at this size (loading.flash_attn_setting)
     ap.add_argument("--flash-attn", choices=("on", "off"), default="off")
     ap.add_argument("--peer-python", help="a Python with llama-cpp-python[server]")

@@ -323,7 +323,8 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
         data = answer.as_json()
         timing = cast(dict[str, object], data["timing"])
         timing["since_start_s"] = round(first[0], 6) if first else None
-        timing["openmp"] = openmp_settings()  # the wait llama.cpp's threads ran with, and why
+        # the wait llama.cpp's threads ran with and why; their count at the end (``ThreadFit``)
+        timing |= {"openmp": openmp_settings(), "threads": runtime.session.threads.current}
         click.echo(json.dumps(data))
     else:
         click.echo()

@@ -108,7 +108,10 @@ _MODEL_OPTIONS = [
         "--threads",
         type=click.IntRange(min=1, max=MAX_THREADS),
         default=None,
-        help=f"CPU threads, 1 to {MAX_THREADS} (llama.cpp's limit; default: all cores).",
+        help=(
+            f"CPU threads, 1 to {MAX_THREADS} (llama.cpp's limit; default: one per core"
+            " that other work leaves free, all of them on an idle machine)."
+        ),
     ),
 ]
 

@@ -13,6 +13,22 @@ process's own running threads, sampled when localkv starts to import
 (``note_start``) and again just before llama.cpp loads: the 1-minute average
 lags a load by a minute and counts the user's own earlier commands, and a single
 moment can catch a process that is just ending.
+
+The thread count (``ThreadFit``): on cores other processes use, each of
+llama.cpp's threads gets a share of a core, and every barrier of a decode
+(several per layer) waits for the slowest to be scheduled again. So a decode
+uses one thread per core the other work leaves free, at least one, and every
+core when they are idle. Measured on 2 cores (``benchmarks/ask_ab.py --face
+api``, 30 restores each, medians): with one CPU-bound process besides, the first
+token of a new question about a restored 2k prompt came after 387 ms against
+449 ms with two threads; with two, after 531 against 669 ms, and the slowest
+after 781 against 1,190 ms. The count follows the machine: before a decode,
+once the last look is older than ``RECHECK_S``, the runnable tasks are sampled
+again (~1 ms). It changes only where it cannot change a result: with flash
+attention off on a CPU, where llama.cpp computes the same bits at every thread
+count (tested), so the count is no part of the cache identity. A ``--threads``
+the user gave, flash attention ``on`` or left to llama.cpp, or a GPU keep the
+count the context was made with.
 """
 
 from __future__ import annotations
@@ -20,12 +36,24 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["IDLE_SPINCOUNT", "note_start", "runnable_others", "wait_settings"]
+__all__ = [
+    "IDLE_SPINCOUNT",
+    "RECHECK_S",
+    "ThreadFit",
+    "fitting_threads",
+    "latest_others",
+    "note_start",
+    "runnable_others",
+    "wait_settings",
+]
 
 IDLE_SPINCOUNT = "3000"
 _SAMPLES = 3
 _started: list[int] = []  # samples taken when localkv started to import
+_latest: list[tuple[float, float]] = []  # (time.monotonic(), runnable_others()) last seen
 
 
 def _own_running() -> int:
@@ -70,7 +98,14 @@ def runnable_others(
         counts = [*(_started if with_start else ()), *_sample(samples, gap_s)]
     except (OSError, ValueError, IndexError):
         return None
-    return _median(counts)
+    others = _median(counts)
+    _latest[:] = [(time.monotonic(), others)]
+    return others
+
+
+def latest_others() -> tuple[float, float] | None:
+    """When ``runnable_others`` last looked (``time.monotonic()``) and what it saw."""
+    return _latest[0] if _latest else None
 
 
 def _median(counts: list[int]) -> float:
@@ -86,3 +121,52 @@ def wait_settings(others: float, cpus: int) -> tuple[str, dict[str, str]]:
     if others >= max(1, cpus // 2):
         return "busy", {"OMP_WAIT_POLICY": "passive"}
     return "idle", {"GOMP_SPINCOUNT": IDLE_SPINCOUNT}
+
+
+RECHECK_S = 0.5
+
+
+def fitting_threads(cores: int, others: float) -> int:
+    """Threads for ``cores`` with ``others`` tasks runnable besides this process: one
+    per core they leave, at least one."""
+    return max(1, min(cores, round(cores - others)))
+
+
+class ThreadFit:
+    """The thread count of one context, fitted before decodes (``check``)."""
+
+    def __init__(self, set_threads: Callable[[int], object], cores: int, adapt: bool) -> None:
+        self._set_threads, self.cores, self.adapt = set_threads, cores, adapt
+        self.current = cores
+        self._checked = float("-inf")
+        seen = latest_others()  # the look taken as llama.cpp loaded, if recent
+        if adapt and seen is not None and time.monotonic() - seen[0] < RECHECK_S:
+            self._set(fitting_threads(cores, seen[1]))
+            self._checked = seen[0]
+
+    @classmethod
+    def of(cls, native: Any, config: Any) -> ThreadFit:
+        """A fit for a ``loading.Native`` opened with ``config`` (a ``SessionConfig``)."""
+        from localkv.model.native import llama_cpp  # (loaded by then: ``native`` imports this)
+
+        gpu = config.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+        adapt = config.n_threads is None and native.flash_attn == "off" and not gpu
+        ctx = native.ctx
+        return cls(lambda n: llama_cpp.llama_set_n_threads(ctx, n, n), native.n_threads, adapt)
+
+    def check(self) -> int:
+        """The thread count for the next decode (looked at again when the last look is old)."""
+        if not self.adapt:
+            return self.current
+        now = time.monotonic()
+        if now - self._checked >= RECHECK_S:
+            self._checked = now
+            others = runnable_others(3, 0.0005, with_start=False)
+            if others is not None:
+                self._set(fitting_threads(self.cores, others))
+        return self.current
+
+    def _set(self, n: int) -> None:
+        if n != self.current:
+            self._set_threads(n)
+            self.current = n

@@ -1,14 +1,14 @@
 """A loaded model with one KV sequence: tokenize, prefill, generate, capture, restore.
 
-The session owns its native handles (model, context, batch, LoRA adapters)
-through an ``ExitStack``; ``close()`` frees them once and is safe to repeat.
+The session owns its native handles (model, context, batch, LoRA adapters) through an
+``ExitStack``; ``close()`` frees them once. Decodes use the free cores (``machine.ThreadFit``).
 
-Prefill follows the request's canonical batch schedule (``localkv.model.schedule``):
-positions are 0..n-1 of sequence 0; the last token of every block, segment and request
-is decoded alone. The logits of a token decoded alone are that position's probe:
-restoring the state of the tokens before it and decoding it alone reproduces them bit
-for bit. ``batch_ends`` records how the sequence was actually batched; the cache keys
-blocks by it. ``generate`` samples with llama.cpp's sampler chain (``model.sampling``).
+Prefill follows the request's canonical batch schedule (``localkv.model.schedule``): positions are
+0..n-1 of sequence 0; the last token of every block, segment and request is decoded alone. The
+logits of a token decoded alone are that position's probe: restoring the state of the tokens before
+it and decoding it alone reproduces them bit for bit. ``batch_ends`` records how the sequence was
+actually batched; the cache keys blocks by it. ``generate`` samples with llama.cpp's sampler chain
+(``model.sampling``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from localkv.kv import codec
 from localkv.kv.windows import WindowLog
 from localkv.model.config import LoraSpec, SessionConfig
 from localkv.model.loading import ModelLoadError, large_buffer, open_native
+from localkv.model.machine import ThreadFit
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
 from localkv.model.schedule import ends_after, request_ends
@@ -98,6 +99,7 @@ class ModelSession:
         native = open_native(self.config, self._stack)
         self.model, self.vocab, self.n_vocab = native.model, native.vocab, native.n_vocab
         self.n_threads, self._flash_attn = native.n_threads, native.flash_attn
+        self.threads = ThreadFit.of(native, self.config)  # fitted to the free cores
         self.ctx, self.memory, self._batch = native.ctx, native.memory, native.batch
         self.n_ctx, self.n_batch = native.n_ctx, native.n_batch
         self.in_pieces = native.n_seq_max > 1  # a state may be loaded a piece at a time
@@ -109,8 +111,7 @@ class ModelSession:
     def flash_attn_setting(self) -> str:  # what llama.cpp got (``loading.flash_attn_setting``)
         return self._flash_attn
 
-    def close(self) -> None:
-        """Free the native handles (idempotent)."""
+    def close(self) -> None:  # free the native handles (idempotent)
         self._stack.close()
 
     def __enter__(self) -> ModelSession:
@@ -151,8 +152,7 @@ class ModelSession:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def bos_token(self) -> int | None:
-        tok = int(llama_cpp.llama_vocab_bos(self.vocab))
-        return tok if tok >= 0 else None
+        return tok if (tok := int(llama_cpp.llama_vocab_bos(self.vocab))) >= 0 else None
 
     # --------------------------------------------------------------- decoding
     @property
@@ -179,8 +179,8 @@ class ModelSession:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
             b.logits[i] = 0
-        if want_last:
-            b.logits[n - 1] = 1
+        b.logits[n - 1] = int(want_last)
+        self.threads.check()
         rc = llama_cpp.llama_decode(self.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with status {rc}")

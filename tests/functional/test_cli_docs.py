@@ -113,7 +113,9 @@ def test_prefill_then_ask_in_a_new_process(env: dict[str, str], docs: tuple[Path
     assert (cache["common"], cache["recomputed"]) == (tokens["reused"], 0)
     timing = cached["timing"]
     assert isinstance(timing, dict)
-    assert set(timing) == {"restore_s", "prefill_s", "ttft_s", "total_s", "since_start_s", "openmp"}
+    names = {"restore_s", "prefill_s", "ttft_s", "total_s", "since_start_s", "openmp", "threads"}
+    assert set(timing) == names
+    assert timing["threads"] in range(1, len(os.sched_getaffinity(0)) + 1)  # fitted to the load
     openmp = timing["openmp"]  # the wait llama.cpp ran with: chosen from the load unless given
     given = {name: env.get(name) or None for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if any(given.values()) and not env.get("LOCALKV_OPENMP_CHOSEN"):  # not localkv's own choice

@@ -1,0 +1,115 @@
+"""Decodes use the cores other work leaves free, only where the thread count changes no result."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import localkv
+from localkv.model.machine import RECHECK_S, fitting_threads
+from localkv.model.session import ModelSession, SessionConfig
+from localkv.prompt.request import Document
+from tests.support.tinymodels import TinyModels
+
+CORES = len(os.sched_getaffinity(0))
+needs_two = pytest.mark.skipif(CORES < 2, reason="one core: one thread either way")
+
+
+@contextlib.contextmanager
+def hogs() -> Iterator[None]:
+    """As many CPU-bound processes as cores, running throughout."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(CORES)]
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_one_thread_per_core_left_free() -> None:
+    assert fitting_threads(2, 0) == 2
+    assert fitting_threads(2, 0.5) == 2  # (a median between one moment's 0 and 1)
+    assert fitting_threads(2, 1) == 1
+    assert fitting_threads(2, 2) == 1
+    assert fitting_threads(2, 9) == 1
+    assert fitting_threads(16, 4) == 12
+    assert fitting_threads(1, 0) == 1
+
+
+def _prefill_logits(path: Path, n_threads: int | None, tokens: list[int]) -> np.ndarray:
+    with ModelSession(SessionConfig(model_path=path, n_ctx=512, n_threads=n_threads)) as s:
+        s.prefill(tokens[:-1], ends=[len(tokens) - 1])
+        return s.decode_one(tokens[-1])
+
+
+@needs_two
+def test_flash_attention_off_gives_the_same_bits_at_every_thread_count(
+    default_model_path: Path,
+) -> None:
+    """What lets the count follow the load: the uncached answer is the same with 1 or 2."""
+    with ModelSession(SessionConfig(model_path=default_model_path, n_ctx=512)) as s:
+        tokens = s.tokenize("The cache must restore exactly what was computed. " * 6)
+    one = _prefill_logits(default_model_path, 1, tokens)
+    two = _prefill_logits(default_model_path, 2, tokens)
+    assert one.tobytes() == two.tobytes()
+
+
+@needs_two
+def test_a_busy_machine_decodes_with_fewer_threads_and_an_idle_one_with_all(
+    tiny_models: TinyModels,
+) -> None:
+    with ModelSession(SessionConfig(model_path=tiny_models.base, n_ctx=512)) as s:
+        assert s.threads.adapt
+        tokens = s.tokenize("one two three four five six")
+        with hogs():
+            time.sleep(RECHECK_S)  # past the last look
+            s.prefill(tokens)
+            busy_threads = s.threads.current
+        assert busy_threads < CORES
+        time.sleep(RECHECK_S + 0.2)
+        s.reset()
+        s.prefill(tokens)
+        assert s.threads.current == CORES
+
+
+@pytest.mark.parametrize("kw", [{"n_threads": 2}, {"flash_attn": "on"}])
+def test_the_count_stays_where_the_user_chose_it_or_it_changes_results(
+    tiny_models: TinyModels, kw: dict[str, object]
+) -> None:
+    config = SessionConfig(model_path=tiny_models.base, n_ctx=512, **kw)  # type: ignore[arg-type]
+    with hogs(), ModelSession(config) as s:
+        assert not s.threads.adapt
+        time.sleep(RECHECK_S)
+        s.prefill(s.tokenize("one two three four"))
+        assert s.threads.current == s.n_threads
+
+
+@needs_two
+def test_a_cache_saved_with_all_cores_restores_exactly_on_a_busy_machine(
+    default_model_path: Path, tmp_path: Path
+) -> None:
+    """Saved at two threads, asked with the machine busy (one thread): verified, same answer."""
+    doc = Document.from_text("The lighthouse keeper logs the tides every hour. " * 30, "notes.txt")
+    params = localkv.SamplingParams(max_tokens=8, temperature=0)
+    options = {"n_ctx": 1024, "cache_dir": tmp_path / "cache"}
+    with localkv.Runtime.open(default_model_path, **options) as rt:  # type: ignore[arg-type]
+        cold = rt.ask([doc], "What does the keeper log?", params=params)
+        rt.wait_for_saves()
+        assert rt.session.threads.current == CORES
+    with hogs(), localkv.Runtime.open(default_model_path, **options) as rt:  # type: ignore[arg-type]
+        time.sleep(RECHECK_S)
+        warm = rt.ask([doc], "What does the keeper log?", params=params)
+        threads = rt.session.threads.current
+    assert threads < CORES
+    assert warm.cache.hit and warm.cache.verified and warm.tokens.reused > 0
+    assert warm.text == cold.text
