@@ -128,8 +128,8 @@ RECHECK_S = 0.5
 
 def fitting_threads(cores: int, others: float) -> int:
     """Threads for ``cores`` with ``others`` tasks runnable besides this process: one
-    per core they leave, at least one."""
-    return max(1, min(cores, round(cores - others)))
+    per core they leave, at least one (half a core left, a median's, counts as one)."""
+    return max(1, min(cores, int(cores - others + 0.5)))
 
 
 class ThreadFit:

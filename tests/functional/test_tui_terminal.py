@@ -45,9 +45,10 @@ class Terminal:
         return self.tmux("capture-pane", "-p", "-t", "chat").stdout
 
     def alive(self) -> bool:
-        """Whether the pane's command still runs."""
+        """Whether the pane's command still runs: only a pane tmux calls dead is dead
+        (a busy tmux that answers nothing yet is asked again, until the deadline)."""
         shown = self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}")
-        return shown.stdout.strip() == "0"
+        return shown.stdout.strip() != "1"
 
     def quit(self, keys: str) -> int:
         """Press ``keys``; the command's exit status."""

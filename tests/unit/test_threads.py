@@ -43,6 +43,7 @@ def test_one_thread_per_core_left_free() -> None:
     assert fitting_threads(2, 2) == 1
     assert fitting_threads(2, 9) == 1
     assert fitting_threads(16, 4) == 12
+    assert fitting_threads(4, 1.5) == 3  # half up, at every count (not round()'s to even)
     assert fitting_threads(1, 0) == 1
 
 
