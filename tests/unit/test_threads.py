@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.tinyarch import build_tiny_arch_models
+from support.tinymodels import TinyModels
 
 import localkv
 from localkv.model.machine import RECHECK_S, fitting_threads
 from localkv.model.session import ModelSession, SessionConfig
 from localkv.prompt.request import Document
-from tests.support.tinymodels import TinyModels
 
 CORES = len(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(CORES < 2, reason="one core: one thread either way")
@@ -63,6 +64,19 @@ def test_flash_attention_off_gives_the_same_bits_at_every_thread_count(
     one = _prefill_logits(default_model_path, 1, tokens)
     two = _prefill_logits(default_model_path, 2, tokens)
     assert one.tobytes() == two.tobytes()
+
+
+@needs_two
+@pytest.mark.parametrize("kind", ["gemma3", "lfm2", "mamba2", "qwen35"])
+def test_every_memory_kind_gives_the_same_bits_at_every_thread_count(
+    kind: str, default_model_path: Path, tmp_path: Path
+) -> None:
+    """Sliding-window, hybrid and recurrent memory too (their count follows the load as well)."""
+    path = build_tiny_arch_models(tmp_path, default_model_path).all()[kind]
+    with ModelSession(SessionConfig(model_path=path, n_ctx=512)) as s:
+        assert s.threads.adapt
+        tokens = s.tokenize("Every state must come back exactly as it was computed. " * 4)
+    assert _prefill_logits(path, 1, tokens).tobytes() == _prefill_logits(path, 2, tokens).tobytes()
 
 
 @needs_two
