@@ -154,17 +154,14 @@ class ThreadFit:
         ctx = native.ctx
         return cls(lambda n: llama_cpp.llama_set_n_threads(ctx, n, n), native.n_threads, adapt)
 
-    def check(self) -> int:
-        """The thread count for the next decode (looked at again when the last look is old)."""
-        if not self.adapt:
-            return self.current
+    def check(self) -> None:
+        """Fit the count for the next decode, when the last look is old (``current``)."""
         now = time.monotonic()
-        if now - self._checked >= RECHECK_S:
+        if self.adapt and now - self._checked >= RECHECK_S:
             self._checked = now
             others = runnable_others(3, 0.0005, with_start=False)
             if others is not None:
                 self._set(fitting_threads(self.cores, others))
-        return self.current
 
     def _set(self, n: int) -> None:
         if n != self.current:
