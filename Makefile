@@ -35,6 +35,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 help:
 	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
 	@echo "make test   - set up dev tools and run ruff, mypy, import contracts and pytest"
+	@echo "make rebuild-llama - build llama-cpp-python again for this CPU, past pip's wheel cache"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
