@@ -12,9 +12,10 @@ PIP := $(PY) -m pip
 # (measured). AVX2 always; AVX-512 (F, CD, VL, DQ, BW together), its VNNI, VBMI and
 # BF16 parts and AVX-VNNI where /proc/cpuinfo reports them: on a CPU with them the
 # 15-token question batch after a 2k restore takes 14-22% less CPU and a decode
-# 3-8% less (benchmarks/build_ab.py, default model). AMX stays off. The build is part of the cache identity (llama.cpp's
-# system info), so caches written by another build miss rather than restore. pip keeps
-# the first wheel it built; `make rebuild-llama` builds it again with these flags.
+# 3-8% less (benchmarks/build_ab.py, default model). AMX stays off. The build is
+# part of the cache identity (llama.cpp's system info), so caches written by another
+# build miss rather than restore. pip keeps the first wheel it built (see
+# rebuild-llama below).
 ifeq ($(shell uname -m),x86_64)
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 has = $(filter $(1),$(CPU_FLAGS))
