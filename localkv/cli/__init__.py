@@ -16,6 +16,39 @@ from localkv.cli import early
 early.hold_collector(sys.argv)  # `localkv ask ...`: no garbage collections while it loads
 
 import logging  # noqa: E402  (after the collector is held off)
+import os  # noqa: E402
+
+# numpy's OpenBLAS starts a thread for each further core as numpy loads; localkv
+# does no BLAS work (no matrix products in numpy), so the command line asks for
+# one: numpy loads ~30% sooner (measured), and on a busy desktop ~35 ms of a fresh
+# `ask`'s first token. A user's own setting wins; `import localkv` sets nothing.
+BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if verbose < 2:  # localkv says what failed in its own words; -vv shows llama.cpp's
+        logging.getLogger("localkv.llama").setLevel(logging.CRITICAL)
+
+
+def _start_early(argv: list[str]) -> None:
+    """``localkv ask|prefill ...`` (no global options: ``-v`` is not given): its model opens now.
+
+    Called as this module loads when the process is that command, so the open
+    runs beside click's and the command's imports (~25 ms more of them), and
+    again from ``main`` (``early.start`` opens once).
+    """
+    if "numpy" not in sys.modules and not os.environ.get(BLAS_THREADS):
+        os.environ[BLAS_THREADS] = "1"
+    if argv[1:2] and argv[1] in early.COMMANDS:
+        _configure_logging(0)  # before the thread logs what it opens
+        early.start(argv[1:])
+
+
+if early.is_command(sys.argv):
+    _start_early(sys.argv)
+
 from collections.abc import Callable  # noqa: E402
 
 import click  # noqa: E402
@@ -99,13 +132,6 @@ def cli(verbose: int) -> None:
     _configure_logging(verbose)
 
 
-def _configure_logging(verbose: int) -> None:
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if verbose < 2:  # localkv says what failed in its own words; -vv shows llama.cpp's
-        logging.getLogger("localkv.llama").setLevel(logging.CRITICAL)
-
-
 # the settings ``_settings`` checks (a test keeps them equal): none set, nothing is loaded
 SETTINGS = ("LOCALKV_BUDGET", "LOCALKV_MIN_FREE", "LOCALKV_FAULT")
 
@@ -136,21 +162,8 @@ def _settings() -> dict[str, Callable[[str], object]]:
     return {ENV_BUDGET: parse_size, disk.ENV_MIN_FREE: min_free, faults.ENV_FAULT: faults.parse}
 
 
-# numpy's OpenBLAS starts a thread for each further core as numpy loads; localkv
-# does no BLAS work (no matrix products in numpy), so the command line asks for
-# one: numpy loads ~30% sooner (measured), and on a busy desktop ~35 ms of a fresh
-# `ask`'s first token. A user's own setting wins; `import localkv` sets nothing.
-BLAS_THREADS = "OPENBLAS_NUM_THREADS"
-
-
 def main() -> None:
-    import os
-
-    if "numpy" not in sys.modules and not os.environ.get(BLAS_THREADS):
-        os.environ[BLAS_THREADS] = "1"
-    if sys.argv[1:2] and sys.argv[1] in early.COMMANDS:  # no global options: -v is not given
-        _configure_logging(0)  # before the thread logs what it opens
-        early.start(sys.argv[1:])
+    _start_early(sys.argv)
     cli(prog_name="localkv")
 
 

@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from localkv.model.config import SessionConfig
 
-__all__ = ["COMMANDS", "guess_config", "hold_collector", "release_collector", "start", "wait"]
+__all__ = [
+    "COMMANDS",
+    "guess_config",
+    "hold_collector",
+    "is_command",
+    "release_collector",
+    "start",
+    "wait",
+]
 
 COMMANDS = ("ask", "prefill")  # the commands that open one model as their first work
 
@@ -52,6 +60,7 @@ _FIELDS = {
 _NO_EARLY = ("--help", "-h", "--version")
 
 _thread: threading.Thread | None = None
+_started = False  # ``start`` ran (it opens at most once)
 _collector: list[bool] = []  # [True] while ``hold_collector`` holds the collector off
 
 
@@ -117,9 +126,10 @@ def start(argv: list[str]) -> None:
     imports it anyway): imports hold the GIL, the model load does not, so the
     load runs beside the command's other imports rather than vying with them.
     """
-    global _thread
-    if _thread is not None:
+    global _thread, _started
+    if _started:
         return
+    _started = True
     try:
         cfg = guess_config(argv)
         from localkv.model.loading import open_early
@@ -144,15 +154,20 @@ def wait() -> None:
     release_collector()
 
 
+def is_command(argv: list[str]) -> bool:
+    """Whether this process is ``localkv COMMAND ...`` (the script or ``-m``) for ``COMMANDS``."""
+    head, name = os.path.split(argv[0] if argv else "")
+    ours = name == "localkv" or (name == "__main__.py" and os.path.basename(head) == "localkv")
+    return ours and bool(argv[1:2]) and argv[1] in COMMANDS
+
+
 def hold_collector(argv: list[str]) -> None:
     """Turn the garbage collector off if this process is ``localkv COMMAND`` for ``COMMANDS``.
 
     Called as the command line's package loads, before its imports; ``wait``
     (or ``start``, where it opens nothing) turns it on again.
     """
-    head, name = os.path.split(argv[0] if argv else "")
-    ours = name == "localkv" or (name == "__main__.py" and os.path.basename(head) == "localkv")
-    if ours and argv[1:2] and argv[1] in COMMANDS and gc.isenabled():
+    if is_command(argv) and gc.isenabled():
         gc.disable()
         _collector[:] = [True]
 

@@ -208,6 +208,34 @@ def test_the_early_open_waits_for_no_high_level_llama_cpp_or_numpy() -> None:
     assert _python(code) == ["[]"]
 
 
+_OPEN_BEFORE_CLICK = """
+import sys
+sys.argv = {argv!r}
+state = []
+def hook(event, args):
+    if event == "import" and args[0] == "click" and not state:
+        early = sys.modules.get("localkv.cli.early")
+        state.append(getattr(early, "_thread", None) is not None)
+sys.addaudithook(hook)
+import localkv.cli
+print("open before click:", state)
+localkv.cli.early.wait()
+"""
+
+
+@pytest.mark.parametrize("prog", ["/venv/bin/localkv", "/src/localkv/__main__.py"])
+def test_the_command_opens_its_model_before_click_and_the_cli_load(
+    tiny_models: TinyModels, prog: str
+) -> None:
+    argv = [prog, "ask", "--model", str(tiny_models.base), "doc.txt", "q"]
+    assert _python(_OPEN_BEFORE_CLICK.format(argv=argv)) == ["open before click: [True]"]
+    # another program (or `-v` before the command) loads click first and opens nothing yet
+    argv = ["/venv/bin/pytest", *argv[1:]]
+    assert _python(_OPEN_BEFORE_CLICK.format(argv=argv)) == ["open before click: [False]"]
+    argv = [prog, "-v", *argv[1:]]
+    assert _python(_OPEN_BEFORE_CLICK.format(argv=argv)) == ["open before click: [False]"]
+
+
 def test_the_llama_cpp_package_is_whole_when_its_high_level_names_are_used() -> None:
     plain = _python(f"import json, llama_cpp; print(json.dumps({_NAMES}))")
     code = "import json, sys, localkv.model.native, llama_cpp\n"
@@ -364,9 +392,9 @@ def test_the_collector_is_off_while_ask_loads_and_on_after(
             "at wait: False 0",
             "held: True after: True True",
         ]
-    # --help opens nothing: the collector is on again, as for other commands and programs
+    # --help opens nothing: the collector is on again as the command line loads (and frozen)
     assert _collector(["/venv/bin/localkv", "ask", "--help"], env) == [
-        "held: True after: True True"
+        "held: False after: True True"
     ]
     assert _collector(["/venv/bin/localkv", "cache", "ls"], env) == [
         "held: False after: True False"
