@@ -1,7 +1,7 @@
 """The warm first token in every face, idle and under load, beside llama-cpp-python's own paths.
 
     .venv/bin/python benchmarks/faces.py --peer-python PY [--model PATH] [--tokens 2000]
-        [--runs 5] [--load 2] [--localkv-python PY --label NAME] [--no-peer]
+        [--runs 5] [--load 2] [--load-group same|own] [--localkv-python PY --label NAME] [--no-peer]
         [--out FIGURES.json] [--write-docs docs/FACES.md]
     .venv/bin/python benchmarks/faces.py --render A.json [B.json ...] --write-docs docs/FACES.md
 
@@ -29,6 +29,17 @@ machine, ``--runs`` times each, localkv and the peer in turn:
   ``llama_cpp.server --cache True --cache_type disk``, its own persistent cache).
   Seconds from sending to the first content chunk.
 - ``http-repeat``: the same request again, to the same server.
+- ``floor-1`` and ``floor-all`` (the machine): fixed CPU work (a Python loop) in one
+  process, and in one process per core, timed to the end of the last. Their busy / idle
+  ratios are what the scheduler gives any work under that load: work on one thread
+  cannot do better than ``floor-1``'s, work spread over every core idle no better than
+  ``floor-all``'s.
+
+``--load-group`` says where the CPU-bound processes run: ``same`` (the default) in the
+bench's own session, beside localkv's processes, so the kernel shares the cores among
+their threads; ``own`` in a session of their own, as another program on a desktop is
+(with the kernel's session autogroup on, or a desktop's per-application groups, the
+cores are shared between the groups first).
 
 Both sides use the same model, n_ctx and flash attention (``--flash-attn``, off by
 default: what localkv's ``auto`` is on a CPU at this size); the peer's prompt is the
@@ -61,6 +72,10 @@ SYSTEM = "Answer from the document."
 HTTP_QUESTION = "Who is in the story, in one sentence?"
 MAX_TOKENS = 16
 FACES = ("ask", "ask-repeat", "api", "http-restart", "http-repeat")
+# The floors: fixed CPU work (about 0.18 s of one idle core here) in one process and in one
+# per core. No face can keep a busy / idle ratio below what the scheduler gives this work.
+FLOORS = ("floor-1", "floor-all")
+FLOOR_SPIN = 6_000_000
 
 
 def question(i: int) -> str:
@@ -375,9 +390,72 @@ class Bench:
                     server.stop()
         return runs
 
+    def floor_phase(self, spinners: int) -> dict[str, Any]:
+        """The floors: the same CPU work on one thread and on every core, under this load."""
+        cores = len(os.sched_getaffinity(0))
+        out: dict[str, dict[str, list[dict[str, float]]]] = {}
+        for face, procs in (("floor-1", 1), ("floor-all", cores)):
+            out[face] = {"machine": []}
+            for _ in range(self.args.runs):
+                load = os.getloadavg()[0]
+                seconds = floor(FLOOR_SPIN, procs)
+                out[face]["machine"].append({"s": seconds, "load1": load})
+                print(f"  +{spinners} {face:12} machine  {seconds * 1000:8.0f} ms", flush=True)
+        return out
 
-def _spin(n: int) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+
+SPIN = "import os\nfor _ in range({}):\n    if os.fork() == 0:\n        break\nwhile 1: pass"
+
+
+def _spin(n: int, own_session: bool) -> subprocess.Popen[bytes] | None:
+    """``n`` CPU-bound processes (one and the ``n - 1`` it forks), in the bench's session or,
+    with ``own_session``, together in a session of their own, as another program on a desktop
+    is (where the kernel groups by session, CPU time is shared between the groups first, then
+    between a group's threads). The first leads their process group."""
+    if n == 0:
+        return None
+    cmd = [sys.executable, "-c", SPIN.format(n - 1)]
+    if own_session:
+        return subprocess.Popen(cmd, start_new_session=True)
+    return subprocess.Popen(cmd, process_group=0)
+
+
+def _stop_spin(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _busy_loop(n: int) -> None:
+    x = 0
+    for i in range(n):
+        x += i
+
+
+def floor(spin: int, procs: int) -> float:
+    """Seconds for ``procs`` processes (forked, one per core at most) to each run ``spin``
+    steps of one Python thread's CPU work: the machine's own figure for fixed CPU work, in
+    the bench's own scheduling place (where localkv's processes run)."""
+    t0 = time.perf_counter()
+    kids = []
+    for _ in range(procs):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _busy_loop(spin)
+            finally:
+                os._exit(0)
+        kids.append(pid)
+    for pid in kids:
+        os.waitpid(pid, 0)
+    return time.perf_counter() - t0
+
+
+def _autogroup() -> str:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "absent"
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -388,13 +466,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         compiled = bytecode(args.localkv_python, bench.env, work)
         phases = {}
         for spinners in (0, args.load):
-            procs = _spin(spinners)
+            spin = _spin(spinners, args.load_group == "own")
             try:
                 phases[str(spinners)] = bench.load_phase(spinners)
+                phases[str(spinners)] |= bench.floor_phase(spinners)
             finally:
-                for p in procs:
-                    p.kill()
-                    p.wait()
+                _stop_spin(spin)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
@@ -402,6 +479,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": args.tokens,
         "runs": args.runs,
         "load": args.load,
+        "load_group": args.load_group,
+        "autogroup": _autogroup(),
         "ctx": args.ctx,
         "threads": args.threads,
         "flash_attn": args.flash_attn,
@@ -426,6 +505,14 @@ def _threads_text(data: dict[str, Any]) -> str:
     if data.get("threads"):
         return f"{data['threads']} threads"
     return "the peer with every core, localkv one thread per core the other work leaves"
+
+
+def _group_text(data: dict[str, Any]) -> str:
+    group = data.get("load_group")
+    if group is None:
+        return ""
+    where = "in a session of their own" if group == "own" else "in the bench's session"
+    return f" {where} (the kernel's session autogroup: {data.get('autogroup', '?')})"
 
 
 def _bytecode_line(found: dict[str, Any] | None) -> str:
@@ -459,14 +546,15 @@ def render(sets: list[dict[str, Any]]) -> str:
             f"{data['runs']} runs per face and load, medians; n_ctx {data['ctx']}, "
             f"{_threads_text(data)} on {data['cpus']} usable cores, flash attention "
             f"{data.get('flash_attn', 'on')}; busy = "
-            f"{busy} CPU-bound processes. `load` is the median 1-minute load average "
-            f"when the runs began (idle and busy).{_bytecode_line(data.get('bytecode'))}",
+            f"{busy} CPU-bound processes{_group_text(data)}. `load` is the median 1-minute "
+            "load average when the runs began (idle and busy)."
+            f"{_bytecode_line(data.get('bytecode'))}",
             "",
             "| face | who | idle | busy | busy / idle | load |",
             "|---|---|---:|---:|---:|---|",
         ]
         idle_p, busy_p = data["phases"]["0"], data["phases"][busy]
-        for face in FACES:
+        for face in (f for f in (*FACES, *FLOORS) if f in idle_p and f in busy_p):
             for who, idle in idle_p[face].items():
                 hot = busy_p[face][who]
                 if not idle or not hot:
@@ -494,6 +582,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--load", type=int, default=2)
+    ap.add_argument(
+        "--load-group",
+        choices=("same", "own"),
+        default="same",
+        help="the CPU-bound processes in the bench's session (same) or their own (own)",
+    )
     ap.add_argument("--threads", type=int, help="both sides' threads (default: see above)")
     # off: what localkv's auto chooses on a CPU at this size (loading.flash_attn_setting)
     ap.add_argument("--flash-attn", choices=("on", "off"), default="off")
