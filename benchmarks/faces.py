@@ -283,7 +283,7 @@ class Bench:
         self.env["LOCALKV_HOME"] = str(work / "localkv-home")
         self.docs = _documents(args.model, args.tokens, work)
         self.asked = 0  # questions used so far (each run asks a new one)
-        self.n_questions = 16 * args.runs
+        self.n_questions = (8 + 8 * args.api_rounds) * args.runs
         self.prompts = _prompts(args, self.docs, work, self.n_questions) if args.peer else None
         self.system_a = f"{SYSTEM}\n\n{self.docs['A'].read_text(encoding='utf-8')}"
         common = ["--ctx", str(args.ctx), "--flash-attn", args.flash_attn]
@@ -302,7 +302,8 @@ class Bench:
             subprocess.run(cmd, env=self.env, cwd=self.work, check=True, capture_output=True)
         if self.prompts:
             subprocess.run(self.peer("save", str(self.prompts)), env=self.env, check=True)
-        for server in self.servers().values():  # the first request of each: a cold prefill
+        http = {"http-restart", "http-repeat"} & set(self.args.faces)
+        for server in self.servers().values() if http else ():  # the first request: a cold prefill
             server.start()
             server.ttft(self.system_a)
             server.stop()
@@ -366,20 +367,24 @@ class Bench:
                 flush=True,
             )
 
-        for _ in range(self.args.runs):
+        faces = self.args.faces
+        for _ in range(self.args.runs if "ask" in faces else 0):
             for w in who:
                 load = os.getloadavg()[0]
                 note("ask", w, self.ask(w), load)
-        self.ask("localkv", again=True)  # the question's own block, cached
-        for _ in range(self.args.runs):
+        if "ask-repeat" in faces:
+            self.ask("localkv", again=True)  # the question's own block, cached
+        for _ in range(self.args.runs if "ask-repeat" in faces else 0):
             load = os.getloadavg()[0]
             note("ask-repeat", "localkv", self.ask("localkv", again=True), load)
-        for w in who:
-            load = os.getloadavg()[0]
-            for s in self.api(w, 2 * self.args.runs)[1:]:  # the first restores in a cold process
-                note("api", w, s, load)
+        for _ in range(self.args.api_rounds if "api" in faces else 0):
+            for w in who:  # a process each, in turn
+                load = os.getloadavg()[0]
+                for s in self.api(w, 2 * self.args.runs)[1:]:  # the first restores cold
+                    note("api", w, s, load)
         servers = self.servers()
-        for _ in range(self.args.runs):
+        http = bool({"http-restart", "http-repeat"} & set(faces))
+        for _ in range(self.args.runs if http else 0):
             for w, server in servers.items():
                 server.start()
                 try:
@@ -589,6 +594,18 @@ def main() -> None:
         help="the CPU-bound processes in the bench's session (same) or their own (own)",
     )
     ap.add_argument("--threads", type=int, help="both sides' threads (default: see above)")
+    ap.add_argument(
+        "--faces",
+        type=lambda v: v.split(","),
+        default=list(FACES),
+        help=f"comma-separated faces to measure (default: all of {','.join(FACES)})",
+    )
+    ap.add_argument(
+        "--api-rounds",
+        type=int,
+        default=1,
+        help="api: processes per side, in turn (each asks 2 x --runs questions)",
+    )
     # off: what localkv's auto chooses on a CPU at this size (loading.flash_attn_setting)
     ap.add_argument("--flash-attn", choices=("on", "off"), default="off")
     ap.add_argument("--peer-python", help="a Python with llama-cpp-python[server]")
@@ -603,6 +620,8 @@ def main() -> None:
         sets = [json.loads(p.read_text()) for p in args.render]
         args.write_docs.write_text(render(sets))
         return
+    if unknown := set(args.faces) - set(FACES):
+        ap.error(f"no such face: {', '.join(sorted(unknown))}")
     if args.peer and not args.peer_python:
         ap.error("--peer-python is needed (or --no-peer)")
     sys.path.insert(0, str(HERE.parent / "tests"))
