@@ -485,6 +485,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "runs": args.runs,
         "load": args.load,
         "load_group": args.load_group,
+        "api_rounds": args.api_rounds,
         "autogroup": _autogroup(),
         "ctx": args.ctx,
         "threads": args.threads,
@@ -510,6 +511,14 @@ def _threads_text(data: dict[str, Any]) -> str:
     if data.get("threads"):
         return f"{data['threads']} threads"
     return "the peer with every core, localkv one thread per core the other work leaves"
+
+
+def _rounds_text(data: dict[str, Any]) -> str:
+    rounds = data.get("api_rounds", 1)
+    if rounds == 1:
+        return ""
+    counted = 2 * data["runs"] - 1
+    return f" (api: {rounds} processes a side in turn, {counted} questions counted in each)"
 
 
 def _group_text(data: dict[str, Any]) -> str:
@@ -548,7 +557,8 @@ def render(sets: list[dict[str, Any]]) -> str:
             str(data["command"]),
             "```",
             "",
-            f"{data['runs']} runs per face and load, medians; n_ctx {data['ctx']}, "
+            f"{data['runs']} runs per face and load{_rounds_text(data)}, medians; "
+            f"n_ctx {data['ctx']}, "
             f"{_threads_text(data)} on {data['cpus']} usable cores, flash attention "
             f"{data.get('flash_attn', 'on')}; busy = "
             f"{busy} CPU-bound processes{_group_text(data)}. `load` is the median 1-minute "
