@@ -31,9 +31,9 @@ machine, ``--runs`` times each, localkv and the peer in turn:
 - ``http-repeat``: the same request again, to the same server.
 - ``floor-1`` and ``floor-all`` (the machine): fixed CPU work (a Python loop) in one
   process, and in one process per core, timed to the end of the last. Their busy / idle
-  ratios are what the scheduler gives any work under that load: work on one thread
-  cannot do better than ``floor-1``'s, work spread over every core idle no better than
-  ``floor-all``'s.
+  ratios are what the scheduler gives work under that load: work on one thread
+  cannot do better than ``floor-1``'s, work spread over every core idle, a thread a
+  core, no better than ``floor-all``'s.
 
 ``--load-group`` says where the CPU-bound processes run: ``same`` (the default) in the
 bench's own session, beside localkv's processes, so the kernel shares the cores among
