@@ -84,8 +84,11 @@ class BlockReader:
         targets: Fills,
         discard: Drops = None,
         tails: Tails = None,
+        *,
+        parallel: bool = True,
     ) -> list[Block]:
-        """Read opened blocks in parallel, each one's tensors into its targets.
+        """Read opened blocks in parallel (or, with ``parallel`` false, one after another on
+        this thread), each one's tensors into its targets.
 
         See ``formats.readinto.fill_block`` (``discard``: per block, the tensors
         read and checked but not kept; ``tails``: per block, the first tail row
@@ -99,7 +102,7 @@ class BlockReader:
         if len(drops) != len(opened) or len(froms) != len(opened):
             raise ValueError(f"{len(opened)} blocks but {len(drops)} discard sets")
         jobs = list(zip(opened, targets, drops, froms, strict=True))
-        if len(opened) <= 1:
+        if len(opened) <= 1 or not parallel:  # in order: the first bad block raises first
             return [self._fill(*job) for job in jobs]
         pool = self._executor()
         futures = [pool.submit(self._fill, *job) for job in jobs]

@@ -265,9 +265,12 @@ class SnapshotStore:
         targets: Fills,
         discard: Drops = None,
         tails: Tails = None,
+        *,
+        parallel: bool = True,
     ) -> list[Block]:
-        """Read opened blocks in parallel into their targets (see ``readinto.fill_block``)."""
-        return self._reader.fill(opened, targets, discard, tails)
+        """Read opened blocks into their targets (see ``readinto.fill_block``), in parallel
+        on the reader threads unless ``parallel`` is false (then on this thread)."""
+        return self._reader.fill(opened, targets, discard, tails, parallel=parallel)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.

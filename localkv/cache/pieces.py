@@ -74,6 +74,18 @@ def _buffer(nbytes: int) -> np.ndarray:
     return _PIECE.buffer
 
 
+def parallel_reads(session: ModelSession) -> bool:
+    """Whether a restore for ``session`` reads its block files on the store's reader threads.
+
+    Only while its decodes have more than one thread (``ThreadFit``: cores are free). When
+    other work holds the cores, each hand-off to a reader thread waits for a time slice: a
+    restore of 2,000 tokens beside two CPU-bound processes took 127 ms reading on its own
+    thread against 150 ms on the readers, 92 against 127 ms with the load in a session of
+    its own (medians, default model; idle, 74 and 76 ms both on the readers)."""
+    session.threads.check()
+    return session.threads.current > 1
+
+
 def read_in_pieces(
     store: SnapshotStore,
     session: ModelSession,
@@ -91,6 +103,7 @@ def read_in_pieces(
     per_token = sum(x[1] + x[3] for x in layout)
     spill = np.empty(per_token, dtype=np.uint8)
     blocks: list[Block] = []
+    parallel = parallel_reads(session)
     for group in groups(opened, n, per_token):
         first, stop = group[0].row.start, min(group[-1].row.end, n)
         size = state_size(layout, v_trans, stop - first, session.cell_ext)
@@ -104,7 +117,7 @@ def read_in_pieces(
         )
         v_places = [token_rows(v, stop - first) for v in v_rows] if v_trans else v_rows
         targets = fill_targets(group, layout, k_rows, v_places, n, spill, first)
-        got = store.fill_blocks(group, targets, [set()] * len(group))
+        got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel)
         if v_trans:
             transpose_v(v_places, v_rows)
         parent = check_chain(parent, [g.row for g in group], got)

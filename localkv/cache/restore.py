@@ -19,6 +19,7 @@ import numpy as np
 from localkv.cache.pieces import (
     check_chain,
     fill_targets,
+    parallel_reads,
     read_in_pieces,
     token_rows,
     transpose_v,
@@ -158,7 +159,7 @@ def _read(
     targets = fill_targets(opened, layout, k_rows, v_places, n, spill)
     if tip_rows is not None:  # pages reused from the last restore: no page faults
         targets[-1][PARTIAL] = [tip_rows]
-    blocks = store.fill_blocks(opened, targets, drops)
+    blocks = store.fill_blocks(opened, targets, drops, parallel=parallel_reads(session))
     if v_trans:  # each layer's V rows, token-major as stored, go in as llama.cpp's columns
         transpose_v(v_places, v_rows)
     return blocks, buffer, tip_rows

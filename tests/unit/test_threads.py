@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.tinyarch import build_tiny_arch_models
-from support.tinymodels import TinyModels
+from support.tinymodels import TinyModels, tiny_config
 
 import localkv
 from localkv.model.machine import RECHECK_S, fitting_threads
 from localkv.model.session import ModelSession, SessionConfig
 from localkv.prompt.request import Document
+from localkv.runtime import Runtime
 
 CORES = len(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(CORES < 2, reason="one core: one thread either way")
@@ -128,3 +130,41 @@ def test_a_cache_saved_with_all_cores_restores_exactly_on_a_busy_machine(
     assert threads < CORES
     assert warm.cache.hit and warm.cache.verified and warm.tokens.reused > 0
     assert warm.text == cold.text
+
+
+def _readers() -> int:
+    return sum(t.name.startswith("localkv-read") for t in threading.enumerate())
+
+
+@needs_two
+def test_a_busy_machine_reads_a_restore_on_its_own_thread_and_restores_the_same(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """Reader threads only while cores are free (a hand-off waits for a time slice when
+    other work holds them); the restore is verified and the same bits either way."""
+    cfg = tiny_config(tiny_models.base, block_size=16, n_ctx=512, n_threads=None)
+    tokens = [int(t) for t in np.random.default_rng(5).integers(200, 40000, 8 * 16 + 3)]
+    request = [*tokens, 7]
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        assert rt.session.threads.adapt and rt.cache is not None
+        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
+        stored = rt.session.capture_state()
+    seen = {}
+    for busy in (True, False):
+        with Runtime(cfg, cache_dir=tmp_path) as rt, hogs() if busy else contextlib.nullcontext():
+            assert rt.cache is not None
+            time.sleep(RECHECK_S)  # past the look taken as it opened
+            before = _readers()
+            ends = rt.session.schedule(len(request), [len(tokens), len(request)])
+            result = rt.cache.restore(rt.session, request, ends)
+            started = _readers() - before
+            threads = rt.session.threads.current
+            assert result.verified and result.reused == len(tokens)
+            seen[busy] = (rt.session.capture_state(), rt.session.decode_one(request[-1]))
+        if busy:
+            assert threads < CORES and started == 0
+        else:
+            assert threads == CORES and started > 0
+    assert seen[True][0] == seen[False][0] == stored
+    assert seen[True][1].tobytes() == seen[False][1].tobytes()
