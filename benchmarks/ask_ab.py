@@ -86,6 +86,7 @@ def main() -> None:
         for d in docs.values():
             cmd = [py, "-m", "localkv", "prefill", *common, str(d)]
             subprocess.run(cmd, env=home, cwd=work, check=True, capture_output=True)
+    opened = {"model": str(model), "n_ctx": ctx, "fa": args.flash_attn}
     runs: dict[str, list[float]] = {name: [] for name in pythons}
     spin = _spin(args.load, args.load_group == "own")
     try:
@@ -93,9 +94,8 @@ def main() -> None:
             for name, py in pythons.items():
                 home = {**env, "LOCALKV_HOME": str(work / name)}
                 if args.face == "api":
-                    opened = {"model": str(model), "n_ctx": ctx, "fa": args.flash_attn}
-                    opened["threads"] = threads.get(name)
-                    runs[name] += _api(py, opened, docs, 7 * (i * len(pythons) + 1), home, work)
+                    mine = {**opened, "threads": threads.get(name)}
+                    runs[name] += _api(py, mine, docs, 7 * (i * len(pythons) + 1), home, work)
                     continue
                 cmd = [py, "-m", "localkv", "ask", *common, "--temperature", "0"]
                 cmd += ["--threads", str(threads[name])] if name in threads else []

@@ -73,7 +73,7 @@ HTTP_QUESTION = "Who is in the story, in one sentence?"
 MAX_TOKENS = 16
 FACES = ("ask", "ask-repeat", "api", "http-restart", "http-repeat")
 # The floors: fixed CPU work (about 0.18 s of one idle core here) in one process and in one
-# per core. No face can keep a busy / idle ratio below what the scheduler gives this work.
+# per core: the busy / idle ratios the scheduler gives such work, a thread a core.
 FLOORS = ("floor-1", "floor-all")
 FLOOR_SPIN = 6_000_000
 
@@ -284,6 +284,7 @@ class Bench:
         self.docs = _documents(args.model, args.tokens, work)
         self.asked = 0  # questions used so far (each run asks a new one)
         self.n_questions = (8 + 8 * args.api_rounds) * args.runs
+        self.http = bool({"http-restart", "http-repeat"} & set(args.faces))
         self.prompts = _prompts(args, self.docs, work, self.n_questions) if args.peer else None
         self.system_a = f"{SYSTEM}\n\n{self.docs['A'].read_text(encoding='utf-8')}"
         common = ["--ctx", str(args.ctx), "--flash-attn", args.flash_attn]
@@ -302,8 +303,7 @@ class Bench:
             subprocess.run(cmd, env=self.env, cwd=self.work, check=True, capture_output=True)
         if self.prompts:
             subprocess.run(self.peer("save", str(self.prompts)), env=self.env, check=True)
-        http = {"http-restart", "http-repeat"} & set(self.args.faces)
-        for server in self.servers().values() if http else ():  # the first request: a cold prefill
+        for server in self.servers().values() if self.http else ():  # first request: cold prefill
             server.start()
             server.ttft(self.system_a)
             server.stop()
@@ -383,8 +383,7 @@ class Bench:
                 for s in self.api(w, 2 * self.args.runs)[1:]:  # the first restores cold
                     note("api", w, s, load)
         servers = self.servers()
-        http = bool({"http-restart", "http-repeat"} & set(faces))
-        for _ in range(self.args.runs if http else 0):
+        for _ in range(self.args.runs if self.http else 0):
             for w, server in servers.items():
                 server.start()
                 try:
