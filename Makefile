@@ -31,7 +31,7 @@ endif
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF $(LLAMA_CPU_ARGS)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: chat test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama
+.PHONY: chat test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser
 
 help:
 	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
@@ -88,7 +88,14 @@ typecheck: $(VENV)/.dev pkgtree
 imports: $(VENV)/.dev pkgtree
 	cd $(PKGTREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
-pytest: $(VENV)/.dev $(VENV)/.bytecode
+# The server's tests open pages in a real browser: Debian's chromium, installed
+# here when it is missing (as root, or through sudo).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@command -v chromium >/dev/null || { echo ">> Installing Debian's chromium for the browser tests."; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
+pytest: $(VENV)/.dev $(VENV)/.bytecode browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 check: lint typecheck imports

@@ -16,6 +16,7 @@ import uvicorn
 
 from localkv.cli.options import cache_options, model_options, open_runtime, session_config
 from localkv.server.app import ServerSettings, create_app
+from localkv.server.boundary import normal_origin
 from localkv.server.engine import Engine
 from localkv.server.http import server_config
 from localkv.server.worker import ModelWorker
@@ -54,6 +55,11 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def _listed(values: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeated values, each of which may hold several separated by commas or spaces."""
+    return tuple(part for value in values for part in value.replace(",", " ").split())
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -76,6 +82,26 @@ def _is_loopback(host: str) -> bool:
     "address). [env: LOCALKV_API_KEY]",
 )
 @click.option(
+    "--allow-origin",
+    "allow_origins",
+    multiple=True,
+    envvar="LOCALKV_ORIGINS",
+    metavar="ORIGIN",
+    help="A web page origin (scheme://host:port, as the browser shows it) that may call the "
+    "server, e.g. a web UI's http://localhost:3000; repeat it or separate with commas; '*' "
+    "allows every page. Requests from other pages get 403. [env: LOCALKV_ORIGINS]",
+)
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    envvar="LOCALKV_ALLOWED_HOSTS",
+    metavar="NAME",
+    help="A host name besides localhost and IP addresses that clients may call the server by "
+    "(e.g. a name in /etc/hosts); repeat it or separate with commas. Other names get 403: a "
+    "page that made its own name point here (DNS rebinding) sends it. [env: LOCALKV_ALLOWED_HOSTS]",
+)
+@click.option(
     "--queue",
     type=click.IntRange(min=1),
     default=4,
@@ -92,7 +118,14 @@ def _is_loopback(host: str) -> bool:
 @model_options
 @cache_options
 def serve(
-    host: str, port: int, api_key: str | None, queue: int, max_body: int, **opts: Any
+    host: str,
+    port: int,
+    api_key: str | None,
+    allow_origins: tuple[str, ...],
+    allow_hosts: tuple[str, ...],
+    queue: int,
+    max_body: int,
+    **opts: Any,
 ) -> None:
     """Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.
 
@@ -103,8 +136,14 @@ def serve(
     (verified, restore_ms, miss_reason). Each saved prefix is a snapshot
     labelled `server: <first words>`: `localkv cache ls` and GET
     /v1/localkv/cache list it, `cache pin`/`rm` pin and remove it. One line per
-    request is logged to stderr. SIGTERM or Ctrl-C finishes the admitted
-    requests and the background saves, then exits 0.
+    request is logged to stderr.
+
+    Only its user may use it: a web page the user opens can send requests to
+    127.0.0.1, so a request that names another host (DNS rebinding), comes
+    from a page whose origin is not allowed (--allow-origin), or POSTs
+    anything but JSON is refused with 403 or 415 before it is read. SIGTERM
+    or Ctrl-C finishes the admitted requests and the background saves, then
+    exits 0.
     """
     if not _is_loopback(host) and not api_key:
         raise click.UsageError(
@@ -113,6 +152,12 @@ def serve(
         )
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("the API key is empty", param_hint="--api-key")
+    origins, hosts = _listed(allow_origins), _listed(allow_hosts)
+    for origin in origins:
+        try:
+            normal_origin(origin)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--allow-origin") from None
     config = session_config(opts)  # a missing model fails here, before binding
 
     def open_engine() -> Engine:
@@ -127,7 +172,13 @@ def serve(
             server[0].should_exit = True
 
     worker = ModelWorker(open_engine, queue, on_failure)
-    settings = ServerSettings(api_key=api_key, queue=queue, max_body=max_body)
+    settings = ServerSettings(
+        api_key=api_key,
+        queue=queue,
+        max_body=max_body,
+        allowed_hosts=(host, *hosts),
+        allowed_origins=origins,
+    )
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
         logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)

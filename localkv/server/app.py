@@ -20,11 +20,13 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from localkv.server.anthropic import AnthropicRoutes
+from localkv.server.boundary import Boundary
 from localkv.server.engine import Engine, Outcome
 from localkv.server.errors import ApiError, as_api_error, error_response
 from localkv.server.gate import Gate, read_body
@@ -48,6 +50,8 @@ class ServerSettings:
     max_body: int = 16 * 2**20
     keepalive_s: float = 10.0
     body_timeout_s: float = 30.0  # the whole body must arrive within this
+    allowed_hosts: tuple[str, ...] = ()  # names besides loopback names and addresses
+    allowed_origins: tuple[str, ...] = ()  # web pages that may call the server
 
 
 def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
@@ -77,7 +81,20 @@ def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
         exception_handlers={HTTPException: _http_error, ApiError: _api_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
-    app.add_middleware(Gate, api_key=settings.api_key)
+    boundary = Boundary.of(
+        hosts=settings.allowed_hosts,
+        origins=settings.allowed_origins,
+        keyed=settings.api_key is not None,
+    )
+    app.add_middleware(Gate, api_key=settings.api_key, boundary=boundary)
+    if boundary.origins:  # outside the gate: a preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(boundary.origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            max_age=600,
+        )
     return app
 
 

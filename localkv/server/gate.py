@@ -1,4 +1,5 @@
-"""What every request passes: the API key, the body's limits, and its one log line.
+"""What every request passes: who may call (``boundary``), the API key, the body's
+limits, and its one log line.
 
 Whatever a handler raises ends here as an OpenAI-shaped error: an ``ApiError``
 as itself, anything else as a JSON 500 (logged with its traceback, since it is
@@ -16,6 +17,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from localkv.server.boundary import Boundary
 from localkv.server.errors import ApiError, error_response
 from localkv.server.limits import disconnected
 
@@ -30,16 +32,18 @@ OPEN_PATHS = ("/health",)  # answered without a key: it says nothing but "ready"
 
 
 class Gate:
-    """ASGI middleware: refuse a missing or wrong key (401), log one line per request.
+    """ASGI middleware: refuse a request the boundary refuses (403, 415) or with a
+    missing or wrong key (401), before its body is read; log one line per request.
 
     The line: method, path, status, prompt/cached/generated tokens, time to
     first token and total time (the handlers leave the counts in
     ``scope["state"]["ticket"]``).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, boundary: Boundary) -> None:
         self.app = app
         self.api_key = api_key
+        self.boundary = boundary
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,6 +58,7 @@ class Gate:
             await send(message)
 
         try:
+            self._check_boundary(scope)
             if self.api_key is not None and scope["path"] not in OPEN_PATHS:
                 _check_key(scope, self.api_key)
             await self.app(scope, receive, logged_send)
@@ -69,6 +74,13 @@ class Gate:
                 await error_response(error, scope["path"])(scope, receive, logged_send)
         finally:
             _log_line(scope, status[0], time.perf_counter() - t0)
+
+    def _check_boundary(self, scope: Scope) -> None:
+        try:
+            self.boundary.check(scope["method"], dict(scope["headers"]))
+        except ApiError as exc:
+            log.warning("refused %s %s: %s", scope["method"], scope["path"], exc.message)
+            raise
 
 
 def _check_key(scope: Scope, api_key: str) -> None:

@@ -257,7 +257,7 @@ def test_malformed_json_is_an_openai_shaped_400(small: ServerProcess, raw: bytes
 def test_a_body_cut_by_its_client_is_no_traceback(small: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", small.port)) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
             b'{"messages": '
         )
@@ -272,12 +272,14 @@ def test_a_body_cut_by_its_client_is_no_traceback(small: ServerProcess) -> None:
 def test_slow_clients_do_not_hold_their_connections(small: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", small.port)) as s:
         s.settimeout(120)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        )  # the head never ends
         assert s.recv(100) == b""  # closed by the server
     with socket.create_connection(("127.0.0.1", small.port)) as s:
         s.settimeout(120)
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
         )  # the body never ends
         answer = b""
