@@ -245,7 +245,11 @@ def test_a_full_queue_answers_503_with_retry_after(tmp_path: Path, tiny_models: 
 
         def hold() -> None:  # a long streamed answer, read until told to stop
             with httpx.stream(
-                "POST", proc.base_url + "/v1/chat/completions", content=long, timeout=300
+                "POST",
+                proc.base_url + "/v1/chat/completions",
+                content=long,
+                headers={"Content-Type": "application/json"},
+                timeout=300,
             ) as r:
                 for _ in r.iter_lines():
                     if stop.is_set():
@@ -289,6 +293,7 @@ def test_a_client_that_disconnects_stops_its_generation(server: ServerProcess) -
         "POST",
         server.base_url + "/v1/chat/completions",
         content=json.dumps({**body, "stream": True}),
+        headers={"Content-Type": "application/json"},
         timeout=300,
     ) as r:
         for i, _ in enumerate(r.iter_lines()):
