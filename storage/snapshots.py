@@ -25,7 +25,7 @@ from typing import Any
 from . import manifests
 from .index.blockindex import BlockIndex
 from .paths import CacheLayout
-from .removal.deletion import bytes_of, remove_files
+from .removal.deletion import bytes_of, only_theirs, remove_files
 from .values import SnapshotRow
 
 __all__ = ["SnapshotCatalogue"]
@@ -145,7 +145,8 @@ class SnapshotCatalogue:
         self.write_manifest(snap.id)
 
     def remove(self, snapshot_id: str, heir: str | None = None) -> int:
-        """Delete a snapshot and the blocks only it needed; return the bytes freed.
+        """Delete a snapshot and the blocks only it held (``deletion.only_theirs``: the
+        shorter and longer tips beside its chain too); return the bytes freed.
 
         ``heir``, the snapshot replacing it (a conversation's newer tip), takes over
         its hits and the hit events that named it, so no restore's count is lost.
@@ -160,8 +161,8 @@ class SnapshotCatalogue:
                     db.execute("UPDATE events SET snapshot = ? WHERE snapshot = ?", (heir, snap.id))
             db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
             needed = self._index.protected(db, pinned_only=False)
-            own = [r.hash for r in self._index.chain_of(snap.tip) if r.hash not in needed]
-            victims = self._index.descendants(db, own) - needed
+            chain = [r.hash for r in self._index.chain_of(snap.tip)]
+            victims = only_theirs(self._index, db, chain, needed)
             freed = bytes_of(self._index, victims)
             files = self._index.delete_blocks(db, victims)
         try:

@@ -240,7 +240,12 @@ def _set_pinned(snapshot_id: str, cache_dir: str | None, pinned: bool, as_json: 
 @_dir_option
 @_json_option
 def rm_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
-    """Remove a snapshot and every block only it needs (and scrub the index)."""
+    """Remove a snapshot and every block only it holds (and scrub the index).
+
+    Those are its chain's blocks no other snapshot needs and the tips saved beside
+    them (a server request's prompt, an earlier turn's end), unless another
+    snapshot's chain holds their tokens too.
+    """
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
         freed = store.remove_snapshot(s.id)

@@ -4,7 +4,8 @@ Rows go under the index's write lock, in the caller's transaction; then the
 files those rows named go through ``remove_files``. A crash in between
 leaves an orphan file that ``gc`` removes, never a row that points at
 nothing it did not check. ``quarantine``, ``evict``, ``forget`` and the
-snapshot catalogue all delete this way.
+snapshot catalogue all delete this way; the last two remove what a snapshot
+alone held (``only_theirs``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .. import faults
 from ..disk import move_to_quarantine, remove_file
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
+from ..values import BlockRow
 
-__all__ = ["bytes_of", "remove_files"]
+if TYPE_CHECKING:
+    import sqlite_utils
+
+__all__ = ["bytes_of", "only_theirs", "remove_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,44 @@ def bytes_of(index: BlockIndex, hashes: Iterable[str]) -> int:
     """The bytes stored for these blocks (those the index still holds)."""
     rows = index.get_blocks(list(hashes))
     return sum(r.stored_bytes for r in rows.values())
+
+
+def only_theirs(
+    index: BlockIndex, db: sqlite_utils.Database, chain: Iterable[str], needed: set[str]
+) -> set[str]:
+    """The blocks that go with removed chains: all they alone held, nothing ``needed`` holds.
+
+    ``chain``: the hashes of the removed snapshots' chains; ``needed``: the chains of
+    the snapshots that stay (inside ``db``'s ``write()``). Their blocks outside
+    ``needed`` go, and every block beside one of those (same parent and start) whose
+    tokens begin its tokens or begin with them: the shorter tips a save leaves beside
+    a chain (a server request's prompt, which ends at the assistant's opening; an
+    earlier turn's end) and longer unnamed ones (a prompt saved by ``ask``). Such a
+    block stays when a staying block beside it begins with its tokens: it holds
+    nothing the staying chains do not. Every block below those goes too.
+    """
+    own = [h for h in dict.fromkeys(chain) if h not in needed]
+    rows = index.get_blocks(own)
+    beside: set[str] = set()
+    for row in rows.values():
+        siblings = [
+            s
+            for s in index.children(row.parent, row.identity, row.namespace)
+            if s.start == row.start and s.hash not in rows
+        ]
+        staying = [s for s in siblings if s.hash in needed]
+        for sib in siblings:
+            if sib.hash in needed or not (_begins(row, sib) or _begins(sib, row)):
+                continue
+            if not any(_begins(s, sib) for s in staying):
+                beside.add(sib.hash)
+    return index.descendants(db, [*own, *sorted(beside)]) - needed
+
+
+def _begins(longer: BlockRow, shorter: BlockRow) -> bool:
+    """Whether ``longer``'s tokens begin with all of ``shorter``'s."""
+    n = shorter.n_tokens
+    return longer.n_tokens >= n and bool(np.array_equal(longer.tokens[:n], shorter.tokens))
 
 
 def remove_files(

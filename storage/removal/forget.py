@@ -25,7 +25,7 @@ from ..disk import remove_abandoned_temp_files, remove_file
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
 from ..values import BlockRow, ForgetReport, SnapshotRow
-from .deletion import remove_files
+from .deletion import only_theirs, remove_files
 
 __all__ = ["RUN_LENGTH", "DocumentRuns", "Runs", "forget", "scrub"]
 
@@ -111,7 +111,8 @@ def forget(
     equals ``source_sha256`` or its ``source_path`` (one path, or several
     joined by ``"; "``) names ``source_path``; its chain's blocks that no other
     snapshot needs go, with every sibling that holds their tokens and more (a
-    longer prompt saved by ``ask``). And every block, of any identity and
+    longer prompt saved by ``ask``) or a start of them (``deletion.only_theirs``).
+    And every block, of any identity and
     namespace, whose tokens contain ``RUN_LENGTH`` consecutive tokens of one
     of ``runs`` goes, with its parent when the document began there (see
     ``DocumentRuns.starts_inside``), even if another snapshot needs it:
@@ -127,8 +128,8 @@ def forget(
         for snap in matched:
             db.execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
         needed = index.protected(db, pinned_only=False)
-        own = {r.hash for s in matched for r in index.chain_of(s.tip)} - needed
-        victims = index.descendants(db, [*own, *_extensions(index, own)]) - needed
+        chains = [r.hash for s in matched for r in index.chain_of(s.tip)]
+        victims = only_theirs(index, db, chains, needed)
         victims |= index.descendants(db, sorted(_holding(index, document)))
         removed = {s.id for s in matched} | _snapshots_on(index, victims)
         files = index.delete_blocks(db, victims)
@@ -197,23 +198,6 @@ def _holding(index: BlockIndex, document: DocumentRuns) -> set[str]:
 def _snapshots_on(index: BlockIndex, hashes: set[str]) -> set[str]:
     """Ids of the snapshots whose tip is one of ``hashes`` (they go with it)."""
     return {s.id for s in index.snapshots() if s.tip in hashes}
-
-
-def _extensions(index: BlockIndex, hashes: set[str]) -> set[str]:
-    """Blocks beside ``hashes`` (same parent and start) whose tokens begin with theirs."""
-    rows = index.get_blocks(list(hashes))
-    out: set[str] = set()
-    for row in rows.values():
-        for sib in index.children(row.parent, row.identity, row.namespace):
-            n = row.n_tokens
-            if (
-                sib.hash not in hashes
-                and sib.start == row.start
-                and sib.n_tokens > n
-                and np.array_equal(sib.tokens[:n], row.tokens)
-            ):
-                out.add(sib.hash)
-    return out
 
 
 def _remove_unindexed(
