@@ -28,7 +28,13 @@ from typing import Any
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.catalogue import covering_snapshot, has_room, save_prefill, snapshot_listing
+from localkv.cache.catalogue import (
+    ClientPin,
+    covering_snapshot,
+    has_room,
+    save_prefill,
+    snapshot_listing,
+)
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.discovery import model_label
 from localkv.model.native import llama_cpp
@@ -235,11 +241,12 @@ class Runtime:
         *,
         system: str | None = None,
         label: str | None = None,
-        pin: bool = False,
+        pin: bool | ClientPin = False,
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
     ) -> PrefillReport:
-        """Prefill ``[system][documents...]`` and save it as a snapshot.
+        """Prefill ``[system][documents...]`` and save it as a snapshot (``pin``: the user's
+        pin, or a server's client's, made only within the clients' share of the budget).
 
         Cancelling (``cancel()`` true) keeps every block already completed.
         """

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from .disk import locked_temp_file, remove_file
+from .index.rows import CLIENT
 from .paths import CacheLayout, ensure_private_dir, fsync_dir
 from .values import SnapshotRow
 
@@ -60,6 +61,7 @@ def write(layout: CacheLayout, snap: SnapshotRow, identity_json: str | None) -> 
         "created": snap.created,
         "pinned": snap.pinned,
         "pinned_until": snap.pinned_until,
+        "pin_owner": snap.pin_owner,
         "identity_json": identity_json,
     }
     target = _path(layout, snap.id)
@@ -132,6 +134,7 @@ def _parse(path: Path) -> Manifest:
         hits=0,
         pinned=bool(data["pinned"]),
         pinned_until=_until(data.get("pinned_until")),
+        pin_owner=_owner(data.get("pin_owner")),  # absent before clients' pins were told apart
     )
     if path.name != f"{row.id}{_SUFFIX}":
         raise ValueError(f"names snapshot {row.id}")
@@ -159,3 +162,12 @@ def _until(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("pinned_until must be a number")
     return float(value)
+
+
+def _owner(value: object) -> str | None:
+    """A manifest's ``pin_owner``: None (the user's) or ``client``."""
+    if value is None:
+        return None
+    if value == CLIENT:
+        return CLIENT
+    raise ValueError("pin_owner must be null or 'client'")

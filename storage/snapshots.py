@@ -24,7 +24,9 @@ from typing import Any
 
 from . import manifests
 from .index.blockindex import BlockIndex
+from .index.rows import CLIENT
 from .paths import CacheLayout
+from .removal import budget
 from .removal.deletion import bytes_of, only_theirs, remove_files
 from .values import SnapshotRow
 
@@ -53,19 +55,26 @@ class SnapshotCatalogue:
         namespace: str,
         pinned: bool = False,
         pinned_until: float | None = None,
+        client_share: int | None = None,
     ) -> str:
         """Name the chain ending at ``tip``; the same tip, label and namespace keep one id.
 
         ``pinned`` with ``pinned_until``: pinned until then (an existing snapshot's
         pin is extended to it, a pin for good stays one); without: pinned for good.
+        ``client_share``: the pin is a server's client's, made only if the clients'
+        pins then keep at most that many bytes (``budget.client_pin_fits``); else a new
+        snapshot is saved unpinned, marked as a client's refused pin (evicted first),
+        and an existing one is left as it is. A pin of the user's is never a client's.
         """
         h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
         snap_id = h[:_SNAPSHOT_ID_HEX]
         now = time.time()
+        owner = None if client_share is None else CLIENT
         with self._index.write() as db:
+            fits = client_share is None or budget.client_pin_fits(db, tip, client_share)
             if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
-                if pinned:
-                    _pin(db, snap_id, pinned_until)
+                if pinned and fits:
+                    _pin(db, snap_id, pinned_until, owner)
                     self.write_manifest(snap_id)
                 return snap_id
             row = self._index.get_block(tip)
@@ -77,19 +86,20 @@ class SnapshotCatalogue:
                     f"ends at {row.end} under {row.identity}/{row.namespace!r}"
                 )
             snap = SnapshotRow(
-                snap_id,
-                tip,
-                label,
-                source_path,
-                source_sha256,
-                n_tokens,
-                identity,
-                namespace,
-                now,
-                now,
-                0,
-                pinned,
-                pinned_until if pinned else None,
+                id=snap_id,
+                tip=tip,
+                label=label,
+                source_path=source_path,
+                source_sha256=source_sha256,
+                n_tokens=n_tokens,
+                identity=identity,
+                namespace=namespace,
+                created=now,
+                last_used=now,
+                hits=0,
+                pinned=pinned and fits,
+                pinned_until=pinned_until if pinned and fits else None,
+                pin_owner=owner if pinned else None,  # a client's pin, made or refused
             )
             self._index.insert_snapshot(db, snap)
         self._write(snap)
@@ -135,11 +145,12 @@ class SnapshotCatalogue:
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         """Pin for good (protect its chain from eviction) or unpin a snapshot (KeyError if
-        unknown); either ends a pin's time limit."""
+        unknown), as the user; either ends a pin's time limit and makes it the user's."""
         snap = self.get(snapshot_id)
         with self._index.write() as db:
             db.execute(
-                "UPDATE snapshots SET pinned = ?, pinned_until = NULL WHERE id = ?",
+                "UPDATE snapshots SET pinned = ?, pinned_until = NULL, pin_owner = NULL "
+                "WHERE id = ?",
                 (int(pinned), snap.id),
             )
         self.write_manifest(snap.id)
@@ -176,15 +187,19 @@ class SnapshotCatalogue:
         return freed
 
 
-def _pin(db: Any, snapshot_id: str, until: float | None) -> None:
-    """Pin an existing snapshot for good (``until`` None) or until ``until`` at least."""
+def _pin(db: Any, snapshot_id: str, until: float | None, owner: str | None) -> None:
+    """Pin an existing snapshot for good (``until`` None) or until ``until`` at least, as
+    ``owner``'s (None: the user's); a client's pin leaves a pin of the user's as it is."""
     if until is None:
+        users = " AND NOT (pinned = 1 AND pinned_until IS NULL AND pin_owner IS NULL)"
         db.execute(
-            "UPDATE snapshots SET pinned = 1, pinned_until = NULL WHERE id = ?", (snapshot_id,)
+            "UPDATE snapshots SET pinned = 1, pinned_until = NULL, pin_owner = ? "
+            f"WHERE id = ?{users if owner is not None else ''}",
+            (owner, snapshot_id),
         )
         return
     db.execute(
-        "UPDATE snapshots SET pinned = 1, pinned_until = MAX(COALESCE(pinned_until, 0), ?) "
-        "WHERE id = ? AND NOT (pinned = 1 AND pinned_until IS NULL)",
-        (until, snapshot_id),
+        "UPDATE snapshots SET pinned = 1, pinned_until = MAX(COALESCE(pinned_until, 0), ?), "
+        "pin_owner = ? WHERE id = ? AND NOT (pinned = 1 AND pinned_until IS NULL)",
+        (until, owner, snapshot_id),
     )

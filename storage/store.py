@@ -324,11 +324,16 @@ class SnapshotStore:
         namespace: str,
         pinned: bool = False,
         pinned_until: float | None = None,
+        client_share: int | None = None,
     ) -> str:
         """Name the chain ending at ``tip`` (the same tip, label and namespace keep one id);
-        a pin with ``pinned_until`` lapses then (seconds since the epoch)."""
+        a pin with ``pinned_until`` lapses then (seconds since the epoch); with
+        ``client_share``, it is a server's client's, made only within that many bytes
+        of clients' pins (``SnapshotCatalogue.put``)."""
         source, where = (source_path, source_sha256), (identity, namespace)
-        return self._catalogue.put(tip, label, *source, n_tokens, *where, pinned, pinned_until)
+        return self._catalogue.put(
+            tip, label, *source, n_tokens, *where, pinned, pinned_until, client_share
+        )
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
         """All snapshots (of one namespace), oldest first."""
@@ -374,6 +379,12 @@ class SnapshotStore:
     def default_budget(self) -> int:
         """``$LOCALKV_BUDGET``, else 10% of free disk space at the root, at most 20 GiB."""
         return budget.default_budget(next(p for p in (self.root, *self.root.parents) if p.is_dir()))
+
+    def client_pin_fits(self, tip: str, share: int) -> bool:
+        """Whether a client's pin on the chain ending at ``tip`` fits the clients' ``share``
+        of the budget (``budget.client_pin_fits``), now."""
+        with self._index.write() as db:
+            return budget.client_pin_fits(db, tip, share)
 
     def usage(self, namespace: str | None = None) -> budget.Usage:
         """Bytes stored and bytes pinned snapshots keep (of one namespace, or all)."""

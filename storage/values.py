@@ -247,6 +247,9 @@ class SnapshotRow:
     hits: int
     pinned: bool  # the pin holds now (a pin whose time has passed has lapsed)
     pinned_until: float | None = None  # the pin lapses then (None: pinned for good, or not)
+    # who asked for the pin: None, the user (``cache pin``, ``prefill --pin``); "client",
+    # a server's client, whose pins hold only within their share of the budget
+    pin_owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,11 @@
 """Snapshots as the runtime keeps them: saving one for a prefill, the listing, and
-which one a restore used."""
+which one a restore used.
+
+A pin is the user's (``True``: ``prefill --pin``, ``cache pin``) or a server's
+client's (``ClientPin``: ``cache_control``, ``"pin": true``): a client's holds only
+within the clients' share of the budget (``LOCALKV_CLIENT_PINS``); past it the
+snapshot is saved unpinned, and ``pinned`` says so.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import hashlib
 import logging
 import sqlite3
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.naming import covering, model_names
@@ -15,17 +22,30 @@ from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document, path_text
 from localkv.storage.disk import check_free_space
+from localkv.storage.removal.budget import client_share
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block
 
 __all__ = [
+    "ClientPin",
+    "client_pin_fits",
     "covering_snapshot",
     "document_label",
     "has_room",
+    "pinned",
     "save_prefill",
     "save_snapshot",
     "snapshot_listing",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPin:
+    """A pin a server's client asked for: until ``until`` (seconds since the epoch; None:
+    for good), made only within the clients' share of the budget."""
+
+    until: float | None = None
+
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +92,12 @@ def save_snapshot(
     n_tokens: int,
     *,
     label: str | None,
-    pin: bool,
-    pin_until: float | None = None,
+    pin: bool | ClientPin,
 ) -> str | None:
     """Name the chain ending at ``tip`` after its documents; None if it cannot be saved.
 
-    ``pin`` with ``pin_until``: pinned until then (seconds since the epoch), not for good.
+    ``pin``: the user's pin for good, or a client's (``ClientPin``), which holds only
+    within the clients' share of the budget (``pinned`` says whether it was made).
 
     None too when the index was deleted while the chain was saved: the id would
     name a row no later process finds (its manifest lets ``cache repair`` bring
@@ -85,6 +105,7 @@ def save_snapshot(
     """
     if not cache.saving:
         return None
+    share = _client_share(cache) if isinstance(pin, ClientPin) else None
     try:
         snapshot = cache.store.put_snapshot(
             tip=tip,
@@ -94,13 +115,38 @@ def save_snapshot(
             n_tokens=n_tokens,
             identity=cache.identity.digest,
             namespace=cache.namespace,
-            pinned=pin,
-            pinned_until=pin_until,
+            pinned=bool(pin),
+            pinned_until=pin.until if isinstance(pin, ClientPin) else None,
+            client_share=share,
         )
     except (OSError, sqlite3.Error, ValueError) as exc:  # disk full; tip evicted
         log.warning("could not save the snapshot (%s); continuing without it", exc)
         return None
     return None if cache.index_lost() else snapshot
+
+
+def _client_share(cache: PrefixCache) -> int:
+    return client_share(cache.budget_bytes or cache.store.default_budget())
+
+
+def client_pin_fits(cache: PrefixCache, tip: str) -> bool:
+    """Whether a client's pin on the chain ending at ``tip`` would be made now."""
+    try:
+        return cache.store.client_pin_fits(tip, _client_share(cache))
+    except (OSError, sqlite3.Error, ValueError) as exc:
+        log.warning("could not count the clients' pins: %s", exc)
+        return False
+
+
+def pinned(cache: PrefixCache, snapshot: str | None) -> bool:
+    """Whether ``snapshot``'s pin holds (False: none, or a client's refused, or an error)."""
+    if snapshot is None:
+        return False
+    try:
+        return cache.store.get_snapshot(snapshot).pinned
+    except (KeyError, OSError, sqlite3.Error) as exc:
+        log.warning("could not read the snapshot's pin: %s", exc)
+        return False
 
 
 def document_label(document: Document) -> str:
@@ -114,7 +160,7 @@ def save_prefill(
     session: ModelSession,
     tips: list[int],
     documents: Sequence[Document],
-    naming: tuple[str | None, bool, bool],
+    naming: tuple[str | None, bool | ClientPin, bool],
     seconds_per_token: float,
 ) -> tuple[SaveResult, str | None, int, int]:
     """Save a prefill's blocks now, then its snapshot unless it was cancelled.

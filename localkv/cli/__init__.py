@@ -133,7 +133,7 @@ def cli(verbose: int) -> None:
 
 
 # the settings ``_settings`` checks (a test keeps them equal): none set, nothing is loaded
-SETTINGS = ("LOCALKV_BUDGET", "LOCALKV_MIN_FREE", "LOCALKV_FAULT")
+SETTINGS = ("LOCALKV_BUDGET", "LOCALKV_CLIENT_PINS", "LOCALKV_MIN_FREE", "LOCALKV_FAULT")
 
 
 def _check_environment() -> None:
@@ -154,12 +154,17 @@ def _check_environment() -> None:
 def _settings() -> dict[str, Callable[[str], object]]:
     """The settings read from the environment that must parse, and how each is read."""
     from localkv.storage import disk, faults
-    from localkv.storage.removal.budget import ENV_BUDGET, parse_size
+    from localkv.storage.removal.budget import ENV_BUDGET, ENV_CLIENT_PINS, parse_share, parse_size
 
     def min_free(value: str) -> int:
         return disk.min_free_bytes()  # reads the variable itself, with its floor
 
-    return {ENV_BUDGET: parse_size, disk.ENV_MIN_FREE: min_free, faults.ENV_FAULT: faults.parse}
+    return {
+        ENV_BUDGET: parse_size,
+        ENV_CLIENT_PINS: parse_share,
+        disk.ENV_MIN_FREE: min_free,
+        faults.ENV_FAULT: faults.parse,
+    }
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from localkv.prompt.renderbudget import UnsafeTemplateError
 from localkv.prompt.rendering import Piece, pieces
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class Rendered:
     boundaries: list[int] = field(default_factory=list)
     generated: list[tuple[int, int]] = field(default_factory=list)
     thinking: bool = False  # the assistant's opening opens its reasoning (``<think>``)
+    # each segment end: the highest index of a message whose text comes before it
+    # (-1: none), so where a message ends is known from this one rendering
+    reach: dict[int, int] = field(default_factory=dict)
 
 
 def render_whole(
@@ -79,14 +83,14 @@ def render_whole(
     marked = renderer.marked(messages, True, tools)
     literals = list(renderer.literals)
     cuts = _segments(template, messages, marked, tools)
-    segments = [pieces(marked[a:b], messages, literals) for a, b in cuts]
+    segments = [(pieces(marked[a:b], messages, literals), after) for a, b, after in cuts]
     if room is not None:
-        n_chars = sum(len(p.text) for parts in segments for p in parts if p.content)
+        n_chars = sum(len(p.text) for parts, _ in segments for p in parts if p.content)
         room.before_chars(0, n_chars)
     out = Rendered()
     tokens = _Tokens(template, messages, out, recall, room)
-    for parts in segments:
-        tokens.run(parts)
+    for parts, after in segments:
+        tokens.run(parts, after)
     out.boundaries = sorted(set(out.boundaries))
     think = renderer.think
     out.thinking = think is not None and marked.rstrip().endswith(think[0])
@@ -98,21 +102,24 @@ def _segments(
     messages: Sequence[Message],
     marked: str,
     tools: Sequence[dict[str, Any]] | None,
-) -> list[tuple[int, int]]:
+) -> list[tuple[int, int, int]]:
     """Where the whole rendering is cut into segments: where each message's own
     rendering ends (as ``ChatTemplate.message_tokens`` builds a conversation, so a
     prefilled prefix and a chat share their schedule), except before an assistant's
     answer (its opening ends that segment) and where the template changed what it
-    had rendered; only before a special token, where a cut changes no token."""
+    had rendered; only before a special token, where a cut changes no token. Each
+    segment as (start, end, the index of the message whose rendering ends there)."""
     renderer = template.jinja
     if renderer is None:
         raise ValueError("a whole rendering needs a Jinja template")
-    cuts = [0]
+    cuts, after = [0], [-1]
     for i in range(len(messages) - 1 if len(messages) <= MAX_SEGMENTED else 0):
         if messages[i + 1].role == "assistant":
             continue
         try:
             prefix = renderer.marked(messages[: i + 1], False, tools)
+        except UnsafeTemplateError:  # stopped by its limits: so is the request
+            raise
         except ValueError:  # a template that refuses a part of the conversation
             continue
         at = len(prefix)
@@ -122,8 +129,10 @@ def _segments(
             special = head is not None and not head.content
             if special and head is not None and template.tokenizer.leading_special(head.text):
                 cuts.append(at)
+                after.append(i)
     cuts.append(len(marked))
-    return list(itertools.pairwise(cuts))
+    after.append(len(messages) - 1)
+    return [(a, b, i) for (a, b), i in zip(itertools.pairwise(cuts), after[1:], strict=True)]
 
 
 class _Tokens:
@@ -142,6 +151,14 @@ class _Tokens:
         self.room = room
         self.group: list[Piece] = []
         self.answer_at: int | None = None  # where an answer tokenized from its text starts
+        self.seen = -1  # the highest index of a message whose text was taken so far
+
+    def boundary(self, at: int, after: int) -> None:
+        """A segment end at token ``at``, after message ``after``'s rendering (and the text
+        of every message taken so far: ``Rendered.reach``)."""
+        reach = max(after, self.seen)
+        self.out.boundaries.append(at)
+        self.out.reach[at] = min(self.out.reach.get(at, reach), reach)
 
     def flush(self) -> None:
         tokens = self.out.tokens
@@ -153,11 +170,13 @@ class _Tokens:
         if self.room is not None:
             self.room.after(len(tokens))
 
-    def run(self, parts: Sequence[Piece]) -> None:
-        out, after_text = self.out, False
+    def run(self, parts: Sequence[Piece], after: int) -> None:
+        """Tokenize a segment, which ends after message ``after``'s rendering."""
+        after_text = False
         for piece in parts:
             if piece.content and self._is_answer(piece):
                 self._answer(piece)
+                self._saw(piece)
                 after_text = True
                 continue
             if not piece.content and after_text:
@@ -165,8 +184,13 @@ class _Tokens:
             after_text = piece.content and piece.source is not None and piece.source >= 0
             if piece.text:
                 self.group.append(piece)
+            self._saw(piece)
         self.flush()
-        out.boundaries.append(len(out.tokens))
+        self.boundary(len(self.out.tokens), after)
+
+    def _saw(self, piece: Piece) -> None:
+        if piece.content and piece.source is not None:
+            self.seen = max(self.seen, piece.source)
 
     def _close(self, markup: Piece) -> Piece:
         """After a message's text: an answer's span ends at the special token closing it.
@@ -197,7 +221,7 @@ class _Tokens:
         self.flush()
         opened = len(out.tokens)
         if self._recalled(piece.text):
-            out.boundaries.append(opened)
+            self.boundary(opened, (piece.source or 0) - 1)  # after the messages before it
             return
         del out.tokens[start:]
         self.group = [*group, piece]

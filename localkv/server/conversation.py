@@ -14,6 +14,10 @@ The tokens of a resent user or system message are kept (``MessageMemory``)
 under a digest of every message up to and including it, role and text, so a
 resent history is not tokenized again and any change to a message or to one
 before it is tokenized afresh.
+
+A request's prompt also says, for each segment end, the last of its messages
+whose text comes before it (``Prompt.reach``), found while the prompt is built
+once: where a message's prefix ends (a cache breakpoint) costs no second build.
 """
 
 from __future__ import annotations
@@ -22,17 +26,19 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from localkv.chat.session import ChatState
 from localkv.prompt.template import ChatTemplate, Message
-from localkv.prompt.tools import prepare_tools
+from localkv.prompt.tools import prepare_tools, renders_tools
 from localkv.prompt.whole import render_whole
 from localkv.server.limits import Budget
 
 __all__ = [
     "AnswerMemory",
     "MessageMemory",
+    "Prompt",
     "TokenDigest",
     "build_history",
     "build_prompt",
@@ -130,6 +136,16 @@ class MessageChain:
         return self._hash.digest()
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's chat state, and for each of its segment ends the index of the last of
+    the request's messages whose text comes before it (-1: none, as after a tool
+    preamble the server adds)."""
+
+    state: ChatState
+    reach: dict[int, int]
+
+
 def build_prompt(
     template: ChatTemplate,
     messages: Sequence[Message],
@@ -137,7 +153,7 @@ def build_prompt(
     budget: Budget,
     tools: Sequence[dict[str, Any]] = (),
     known: MessageMemory | None = None,
-) -> ChatState:
+) -> Prompt:
     """The chat state of a request: its history, its last (user or tool) message, the opener.
 
     A Jinja template renders the whole conversation (``render_whole``); llama.cpp's
@@ -145,22 +161,27 @@ def build_prompt(
     seen before (none: every message is tokenized). Tools go to a template that
     renders them, else into a preamble (``prepare_tools``).
     """
+    origins = _origins(template, messages, tools)
     messages, rendered_tools = prepare_tools(template, messages, tools)
+    if len(origins) != len(messages):
+        raise ValueError("the prepared messages do not match the request's")
     if template.jinja is not None:
         whole = render_whole(
             template, messages, tools=rendered_tools, recall=memory.recall, room=budget
         )
         system = messages[0].content if messages[0].role == "system" else None
-        return ChatState(
+        state = ChatState(
             system=system,
             messages=list(messages),
             tokens=whole.tokens,
             boundaries=whole.boundaries,
             generated=whole.generated,
         )
+        return Prompt(state, _in_request(whole.reach, origins))
     *history, last = messages
     chain = MessageChain()
-    state = build_history(template, history, memory, budget, (known, chain))
+    reach: dict[int, int] = {}
+    state = build_history(template, history, memory, budget, (known, chain), reach)
     budget.before_text(len(state.tokens), last.content)
     chain.add(last)
     known = known or MessageMemory(0)
@@ -168,8 +189,9 @@ def build_prompt(
     state.messages.append(last)
     state.tokens.extend(template.assistant_start_tokens(state.messages))
     state.boundaries.append(len(state.tokens))
+    reach[len(state.tokens)] = len(history)
     budget.after(len(state.tokens))
-    return state
+    return Prompt(state, _in_request(reach, origins))
 
 
 def build_history(
@@ -178,6 +200,7 @@ def build_history(
     memory: AnswerMemory,
     budget: Budget | None = None,
     known: tuple[MessageMemory | None, MessageChain] | None = None,
+    reach: dict[int, int] | None = None,
 ) -> ChatState:
     """The chat state of ``messages`` (everything before the new user message).
 
@@ -188,16 +211,19 @@ def build_history(
     the same whatever the history's length (``ChatTemplate`` renders a bounded
     window); ``budget`` refuses a prompt that cannot fit as soon as that is
     known, and stops when the client has gone. ``known``: the tokens of
-    messages seen before, and the running digest of these messages.
+    messages seen before, and the running digest of these messages. ``reach``
+    gets, for each segment end, the index of the last message before it.
     """
     budget = budget or Budget(2**62)
     seen, chain = known or (None, MessageChain())
     seen = seen or MessageMemory(0)
+    reach = {} if reach is None else reach
     system = messages[0].content if messages and messages[0].role == "system" else None
     state = ChatState(system=system, tokens=template.start_tokens())
     digest = TokenDigest(state.tokens)
-    for message in messages:
-        start = len(state.tokens)
+    before: list[int] = []  # for each segment end (moved or not), the last message before it
+    for i, message in enumerate(messages):
+        start, ends = len(state.tokens), len(state.boundaries)
         chain.add(message)
         if message.role == "assistant":
             _add_answer(template, state, message.content, memory, (digest, budget))
@@ -208,8 +234,43 @@ def build_history(
             state.tokens.extend(new)
             state.boundaries.append(len(state.tokens))
             digest.extend(new)
+        added = len(state.boundaries) - ends  # an answer's opening ends what came before it
+        before.extend([i - 1] * (added - 1) + [i])
         budget.after(len(state.tokens))
+    reach.update(zip(state.boundaries, before, strict=True))
     return state
+
+
+def _origins(
+    template: ChatTemplate, messages: Sequence[Message], tools: Sequence[dict[str, Any]]
+) -> list[int]:
+    """For each message ``prepare_tools`` makes of ``messages``, the index of the last of
+    them it holds (-1: the tool preamble it adds as a system prompt).
+
+    Tool results in a row are one user message, an assistant's calls are in its
+    text, and the preamble joins a system prompt or comes before everything.
+    """
+    if renders_tools(template):
+        return list(range(len(messages)))
+    out: list[int] = []
+    roles: list[str] = []
+    joins = False  # the last message made is a user message of tool results
+    for i, m in enumerate(messages):
+        if m.role == "tool" and joins and out:
+            out[-1] = i
+            continue
+        out.append(i)
+        role = "user" if m.role == "tool" else "assistant" if m.tool_calls else m.role
+        roles.append(role)
+        joins = m.role == "tool" or (role == "user" and m.content.startswith("<tool_response>"))
+    if tools and not (roles and roles[0] == "system"):
+        out.insert(0, -1)
+    return out
+
+
+def _in_request(reach: dict[int, int], origins: Sequence[int]) -> dict[int, int]:
+    """``reach`` of prepared messages as indices of the request's messages."""
+    return {end: origins[at] if at >= 0 else -1 for end, at in reach.items()}
 
 
 def _add_answer(

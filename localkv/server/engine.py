@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from localkv.cache.catalogue import ClientPin, pinned
 from localkv.chat.session import ChatSession, ChatState, SyncReport
 from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
@@ -28,21 +29,23 @@ from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.prefixes import (
+    KeptPins,
     Pin,
     new_tokens,
     pin_ends,
     pin_namer,
     prefill_body,
     prefix_label,
-    prompt_lengths,
     snapshot_namer,
 )
 from localkv.server.stops import StopText
 from localkv.server.tools import answer_text, tool_params, with_answer
+from localkv.storage.removal.budget import ENV_CLIENT_PINS
 
 __all__ = ["Engine", "Outcome"]
 
-_WORK = ("state_captures", "tokenize_calls", "tokenized_chars")  # ``Outcome.work``
+# ``Outcome.work``
+_WORK = ("state_captures", "tokenize_calls", "tokenized_chars", "renders", "rendered_chars")
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +79,16 @@ class Outcome:
     diverged_at: int | None
     ttft_s: float
     total_s: float
-    # this request's state captures and tokenize calls (characters), counted
-    work: tuple[int, int, int] = (0, 0, 0)
+    # this request's state captures, tokenize calls (characters), template renders
+    # (characters), counted
+    work: tuple[int, ...] = (0,) * len(_WORK)
     queued_s: float = 0.0  # from the request's arrival to the start of its work
     reasoning: str | None = None  # the answer's thinking (``reasoning_content``)
     tool_calls: tuple[ToolCall, ...] = ()
     stop_sequence: str | None = None  # the one that ended the answer
-    pinned_new: int = 0  # prompt tokens up to the request's last breakpoint not read from cache
+    # prompt tokens up to the request's last kept breakpoint not read from the cache
+    pinned_new: int = 0
+    breakpoints: tuple[int, int] = (0, 0)  # the request's cache breakpoints, and those kept
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -99,7 +105,12 @@ class Outcome:
             if self.generated
             else None,
             "work": dict(zip(_WORK, self.work, strict=True)),
+            **self._breakpoints(),
         }
+
+    def _breakpoints(self) -> dict[str, object]:
+        asked, kept = self.breakpoints
+        return {"breakpoints": {"asked": asked, "kept": kept}} if asked else {}
 
 
 class Engine:
@@ -121,13 +132,13 @@ class Engine:
         work = template.work()
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
-            state = build_prompt(
+            built = build_prompt(
                 template, request.messages, self.memory, budget, request.tools, self.known
             )
         finally:
             _log_work(template.work(), work, len(request.messages))
-        prompt = list(state.tokens)
-        pins = pin_ends(state, len(request.messages), request.breakpoints, self._length(request))
+        state, prompt = built.state, list(built.state.tokens)
+        pins = pin_ends(built, request.messages, request.breakpoints)
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
@@ -144,7 +155,10 @@ class Engine:
         )
         split.push(stops.flush())
         split.finish()
-        self._close_turn(chat, answer.ids, answer.text, stops.text, pins)
+        kept = KeptPins()
+        self._close_turn(chat, answer.ids, answer.text, stops.text, (pins, kept))
+        if pins and not channel.cancelled():
+            self.runtime.wait_for_saves()  # the usage counts only the pins that were made
         outcome = self._outcome(
             t0,
             prompt,
@@ -156,10 +170,17 @@ class Engine:
             params,
             channel.cancelled(),
         )
-        return with_answer(replace(outcome, pinned_new=new_tokens(pins, outcome)), split)
+        asked = (len(request.breakpoints), len(kept.ends))
+        outcome = replace(outcome, pinned_new=new_tokens(kept.last, outcome), breakpoints=asked)
+        return with_answer(outcome, split)
 
     def _close_turn(
-        self, chat: ChatSession, ids: list[int], full: str, shown: str, pins: Sequence[Pin] = ()
+        self,
+        chat: ChatSession,
+        ids: list[int],
+        full: str,
+        shown: str,
+        pins: tuple[Sequence[Pin], KeptPins] | None = None,
     ) -> None:
         """Keep the answer in the live context with the turn's closing tokens, then save.
 
@@ -183,17 +204,17 @@ class Engine:
             session.prefill(pending, ends=chat.schedule())
         label = prefix_label(history)
         namer = snapshot_namer(chat.snapshot, label, state.boundaries[-1])
-        prompt = (list(state.tokens), chat.schedule())
-        namer = pin_namer(self.runtime, namer, label, pins, prompt)
+        if pins is not None:
+            prompt = (list(state.tokens), chat.schedule())
+            namer = pin_namer(self.runtime, namer, label, pins[0], prompt, pins[1])
         self.runtime.save_prefix(state.boundaries, namer)
 
     def count(self, request: ChatRequest, channel: Channel) -> int:
         """The prompt tokens ``chat`` would run for ``request`` (nothing is computed)."""
-        return self._length(request)(len(request.messages))
-
-    def _length(self, request: ChatRequest) -> Callable[[int], int]:
-        session = self.runtime.session
-        return prompt_lengths(self.runtime.template, request, self.memory, session.n_ctx)
+        budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
+        template, tools = self.runtime.template, request.tools
+        built = build_prompt(template, request.messages, self.memory, budget, tools)
+        return len(built.state.tokens)
 
     # ----------------------------------------------------------- completions
     def complete(self, request: CompletionRequest, channel: Channel) -> Outcome:
@@ -344,29 +365,35 @@ class Engine:
             stop_sequence=stops.matched,
         )
 
-    def _work(self) -> tuple[int, int, int]:
-        """State captures, tokenize calls and characters tokenized so far."""
-        tokenizer = self.runtime.template.tokenizer
-        return STATE_WORK.captures, tokenizer.calls, tokenizer.tokenized_chars
+    def _work(self) -> tuple[int, ...]:
+        """State captures, tokenize calls and characters tokenized, template renders and
+        characters rendered, so far."""
+        renders, rendered, calls, tokenized = self.runtime.template.work()
+        return STATE_WORK.captures, calls, tokenized, renders, rendered
 
-    def _work_since(self) -> tuple[int, int, int]:
-        (c, k, n), (c0, k0, n0) = self._work(), self._work_at
-        return c - c0, k - k0, n - n0
+    def _work_since(self) -> tuple[int, ...]:
+        return tuple(a - b for a, b in zip(self._work(), self._work_at, strict=True))
 
     # --------------------------------------------------------- pre-warm, list
     def prefill(self, body: dict[str, Any]) -> dict[str, object]:
-        """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints."""
+        """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints, and whether
+        the pin asked for was made (a client's: within the clients' share of the budget)."""
         system, documents, label, pin = prefill_body(body)
         budget = Budget(self.runtime.session.n_ctx + 1, param="documents")  # no answer follows
         budget.before_chars(0, len(system or "") + sum(len(d.text) for d in documents))
+        asked = ClientPin() if pin else False
         try:
-            report = self.runtime.prefill(documents, system=system, label=label, pin=pin)
+            report = self.runtime.prefill(documents, system=system, label=label, pin=asked)
         except ValueError as exc:  # ContextFullError is one
             raise ApiError(
                 413, str(exc), param="documents", code="context_length_exceeded"
             ) from None
+        cache = self.runtime.cache
+        made = cache is not None and pinned(cache, report.snapshot)
         return {
             **report.as_json(),
+            "pinned": made,
+            "not_pinned": _not_pinned(report.snapshot) if pin and not made else None,
             "cache": _cache_json(report.cache.hit, report.cache.verified, report.cache.miss_reason),
         }
 
@@ -393,6 +420,16 @@ def _log_work(now: tuple[int, ...], before: tuple[int, ...], n_messages: int) ->
         rendered,
         calls,
         tokenized,
+    )
+
+
+def _not_pinned(snapshot: str | None) -> str:
+    """Why a pin asked for through the server was not made."""
+    if snapshot is None:
+        return "not pinned: the prefix was not saved (see not_kept, not_saved)"
+    return (
+        f"not pinned: the pins of the server's clients would hold more than their share of "
+        f"the cache budget ({ENV_CLIENT_PINS}); saved unpinned, evicted first"
     )
 
 

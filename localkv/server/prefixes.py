@@ -9,11 +9,15 @@ chain) as the chat's do, keeping its pin and hits (``chat.snapshots``).
 
 A request may ask for prefixes to be kept (``Breakpoint``: Anthropic's
 ``cache_control``): each is the prompt up to the last segment end at or before
-the end of a message, so a block of the saved chain ends there. Once saved, that
-block is named ``server: <first words> · kept`` and pinned until its time to
-live has passed (``pinned_until``), so eviction leaves it until then; the same
-breakpoint again extends the pin. After it the pin lapses and the snapshot is
-evicted like any other.
+the end of a message, so a block of the saved chain ends there; where each
+message ends is known from the prompt's one build, so any number of breakpoints
+costs work linear in the messages, and at most ``MAX_PINS`` are kept. Once
+saved, that block is named ``server: <first words> · kept`` and pinned until its
+time to live has passed (``pinned_until``), so eviction leaves it until then; the
+same breakpoint again extends the pin. After it the pin lapses and the snapshot
+is evicted first. The pin is a client's (``ClientPin``): past the clients' share
+of the budget it is not made, and ``KeptPins`` says which were, so the usage
+counts only what was kept.
 """
 
 from __future__ import annotations
@@ -27,37 +31,36 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from localkv.cache.catalogue import save_snapshot
+from localkv.cache.catalogue import ClientPin, client_pin_fits, pinned, save_snapshot
 from localkv.cache.save import SaveResult
 from localkv.chat.snapshots import ConversationSnapshot
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.reports import printable
-from localkv.server.conversation import AnswerMemory, build_prompt
 from localkv.server.errors import bad_request
-from localkv.server.limits import Budget
 
 if TYPE_CHECKING:
     from localkv.cache.prefix import PrefixCache
-    from localkv.chat.session import ChatState
-    from localkv.prompt.template import ChatTemplate
     from localkv.runtime import Runtime
+    from localkv.server.conversation import Prompt
     from localkv.server.engine import Outcome
-    from localkv.server.openai import ChatRequest
 
 __all__ = [
+    "MAX_PINS",
     "Breakpoint",
+    "KeptPins",
     "Pin",
     "new_tokens",
     "pin_ends",
     "pin_namer",
     "prefill_body",
     "prefix_label",
-    "prompt_lengths",
     "snapshot_namer",
 ]
 
 log = logging.getLogger(__name__)
+
+MAX_PINS = 4  # breakpoints kept per request, as Anthropic's API takes at most
 
 _WORDS = 6
 _MAX_CHARS = 48
@@ -103,55 +106,74 @@ class Pin:
 
 
 def pin_ends(
-    state: ChatState,
-    n_messages: int,
-    breakpoints: Sequence[Breakpoint],
-    length: Callable[[int], int],
+    prompt: Prompt, messages: Sequence[Message], breakpoints: Sequence[Breakpoint]
 ) -> list[Pin]:
-    """Where ``breakpoints`` (indices into the request's ``n_messages`` messages) end in
-    ``state``'s prompt: at the last segment end at or before the end of their message.
+    """Where ``breakpoints`` (indices into the request's ``messages``) end in the prompt:
+    at the last segment end before which no later message's text comes.
 
-    ``length(k)`` is the length of the prompt of the first ``k`` messages alone (it
-    ends with the assistant's opening). The segment ends are the conversation's own
-    (``state.boundaries``), the same whatever the protocol: a breakpoint adds none, so
-    the schedule, and with it what the cache holds, does not depend on breakpoints.
-    A breakpoint on the tools is one on the system prompt they are rendered in.
+    The segment ends are the conversation's own (``state.boundaries``), the same
+    whatever the protocol: a breakpoint adds none, so the schedule, and with it what
+    the cache holds, does not depend on breakpoints. A breakpoint on the tools is one
+    on the system prompt they are rendered in. Where each message ends comes from the
+    prompt's one build (``Prompt.reach``): the work is linear in the messages, however
+    many are marked. Of the ends found, the last ``MAX_PINS`` are kept (the longest:
+    a shorter one's full blocks are in their chains), as Anthropic keeps at most that
+    many breakpoints.
     """
-    ends, messages = state.boundaries, state.messages
+    ends, n_messages = sorted(prompt.state.boundaries), len(messages)
+    within = _ends_within(prompt.reach, n_messages)
     has_system = bool(messages) and messages[0].role == "system"
     pins: dict[int, float] = {}
+    missed = 0
     for point in breakpoints:
-        at = point.message if point.message >= 0 or not has_system else 0
-        if at < 0:
-            continue
-        limit = ends[-1] if at >= n_messages - 1 else length(at + 1)
-        end = max((e for e in ends if e <= limit), default=0)
+        if point.message >= n_messages - 1:
+            end = ends[-1] if ends else 0
+        else:  # the tools: the system prompt, or the preamble that is one
+            at = 0 if point.message < 0 and has_system else max(point.message, -1)
+            end = within[at + 1]
         if end == 0:
-            log.info("a cache breakpoint at message %d has no segment end; not kept", at)
+            missed += 1
             continue
         pins[end] = max(pins.get(end, 0.0), point.ttl_s)
-    return [Pin(end, ttl) for end, ttl in sorted(pins.items())]
+    kept = sorted(pins.items())[-MAX_PINS:]
+    if missed or len(pins) > len(kept):
+        log.info(
+            "%d cache breakpoints: %d have no segment end, %d more than %d; not kept",
+            len(breakpoints),
+            missed,
+            len(pins) - len(kept),
+            MAX_PINS,
+        )
+    return [Pin(end, ttl) for end, ttl in kept]
 
 
-def prompt_lengths(
-    template: ChatTemplate, request: ChatRequest, memory: AnswerMemory, n_ctx: int
-) -> Callable[[int], int]:
-    """The length of the prompt of the request's first ``k`` messages, as a function of ``k``
-    (the tokens ``build_prompt`` gives them, the assistant's opening last)."""
-    tools = request.tools
-
-    def length(k: int) -> int:
-        messages = request.messages[:k]
-        return len(build_prompt(template, messages, memory, Budget(n_ctx), tools).tokens)
-
-    return length
+def _ends_within(reach: dict[int, int], n_messages: int) -> list[int]:
+    """For each message ``i`` from -1 (none) on, at ``[i + 1]``: the last segment end
+    before which no message after ``i`` comes (0: none)."""
+    last = [0] * (n_messages + 1)
+    for end, at in reach.items():
+        if -1 <= at < n_messages:
+            last[at + 1] = max(last[at + 1], end)
+    for i in range(1, len(last)):
+        last[i] = max(last[i], last[i - 1])
+    return last
 
 
-def new_tokens(pins: Sequence[Pin], outcome: Outcome) -> int:
-    """The prompt tokens up to the last pin that were not read from the cache: computed
-    by this request and written with its pins (Anthropic's cache creation)."""
-    end = max((p.end for p in pins), default=0)
+def new_tokens(end: int, outcome: Outcome) -> int:
+    """The prompt tokens up to ``end`` (the last kept pin's) that were not read from the
+    cache: computed by this request and written with its pins (Anthropic's cache creation)."""
     return max(0, min(end, outcome.prompt_tokens) - outcome.cached_tokens)
+
+
+class KeptPins:
+    """Where the pins one request's save made end (filled on the save's thread)."""
+
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+
+    @property
+    def last(self) -> int:
+        return max(self.ends, default=0)
 
 
 def pin_namer(
@@ -160,9 +182,12 @@ def pin_namer(
     label: str,
     pins: Sequence[Pin],
     prompt: tuple[Sequence[int], Sequence[int]],
+    kept: KeptPins,
 ) -> Callable[[SaveResult], None]:
     """``namer``, then the stored block ending at each pin (of ``prompt``'s tokens and
-    batch ends) named and pinned for the pin's time."""
+    batch ends) named and pinned for the pin's time, as a client's pin, if it fits the
+    clients' share of the budget (else it stays an unpinned block of the conversation's
+    saved chain); ``kept`` gets the ends of those whose pin holds."""
     if not pins:
         return namer
     tokens, ends = prompt
@@ -172,6 +197,7 @@ def pin_namer(
         cache = runtime.cache
         if cache is None or saved.tip is None or saved.not_kept:
             return
+        missing = 0
         for pin in pins:
             try:
                 tip = _block_ending(cache, tokens[: pin.end], [e for e in ends if e <= pin.end])
@@ -179,11 +205,22 @@ def pin_namer(
                 log.warning("could not look up the prefix to pin: %s", exc)
                 return
             if tip is None:
-                log.info("no saved block ends at token %d; the breakpoint is not kept", pin.end)
+                missing += 1
                 continue
-            until = time.time() + pin.ttl_s
-            kept = f"{label} · kept"
-            save_snapshot(cache, tip, (), pin.end, label=kept, pin=True, pin_until=until)
+            if not client_pin_fits(cache, tip):  # saved unpinned, with the conversation
+                continue
+            until = ClientPin(time.time() + pin.ttl_s)
+            made = save_snapshot(cache, tip, (), pin.end, label=f"{label} · kept", pin=until)
+            if pinned(cache, made):
+                kept.ends.append(pin.end)
+        if len(kept.ends) < len(pins):
+            log.info(
+                "cache breakpoints: %d kept, %d without a saved block, %d past the clients' "
+                "share of the cache budget (LOCALKV_CLIENT_PINS)",
+                len(kept.ends),
+                missing,
+                len(pins) - missing - len(kept.ends),
+            )
 
     return name
 

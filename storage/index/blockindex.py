@@ -29,6 +29,7 @@ from .rows import (
     BLOCK_COLUMNS,
     PIN_HOLDS,
     SNAPSHOT_COLUMNS,
+    USER_PIN_HOLDS,
     block_row,
     readable_rows,
     snapshot_row,
@@ -349,7 +350,7 @@ class BlockIndex:
     def insert_snapshot(self, db: sqlite_utils.Database, snap: SnapshotRow) -> None:
         """Insert a snapshot row inside a ``write()`` transaction."""
         db.execute(
-            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(13)})",
+            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(14)})",
             (
                 snap.id,
                 snap.tip,
@@ -364,6 +365,7 @@ class BlockIndex:
                 snap.hits,
                 int(snap.pinned),
                 snap.pinned_until if snap.pinned else None,
+                snap.pin_owner,
             ),
         )
 
@@ -377,9 +379,13 @@ class BlockIndex:
         sql = f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id LIKE ? ESCAPE '\\'"
         return [snapshot_row(r) for r in self.query(sql, (escaped + "%",))]
 
-    def protected(self, db: sqlite_utils.Database, *, pinned_only: bool) -> set[str]:
-        """Blocks in the chain of any snapshot (``pinned_only``: whose pin holds now)."""
-        where = f"WHERE {PIN_HOLDS}" if pinned_only else ""
+    def protected(
+        self, db: sqlite_utils.Database, *, pinned_only: bool, users_only: bool = False
+    ) -> set[str]:
+        """Blocks in the chain of any snapshot (``pinned_only``: whose pin holds now;
+        ``users_only`` too: a pin the user asked for, not a server's client)."""
+        holds = USER_PIN_HOLDS if users_only else PIN_HOLDS
+        where = f"WHERE {holds}" if pinned_only else ""
         sql = (
             f"WITH RECURSIVE c(hash) AS (SELECT tip FROM snapshots {where} UNION "
             "SELECT b.parent FROM blocks b JOIN c ON b.hash = c.hash "

@@ -230,3 +230,17 @@ def m006_pins_that_lapse(db: sqlite_utils.Database) -> None:
     Pins made before this migration are for good.
     """
     db.table("snapshots").add_column("pinned_until", float)
+
+
+@migration
+def m007_client_pins(db: sqlite_utils.Database) -> None:
+    """A pin records who asked for it (``pin_owner``): NULL, the user; ``client``, a server's
+    client (``cache_control``, ``"pin": true`` in ``/v1/localkv/prefill``).
+
+    A client's pins hold only within their share of the budget; past it, and once
+    lapsed, its snapshot is the first evicted; the user's pins are never evicted.
+    The pins with a time made before this migration were a client's (only the
+    server's breakpoints lapse); every other pin is the user's.
+    """
+    db.table("snapshots").add_column("pin_owner", str)
+    db.execute("UPDATE snapshots SET pin_owner = 'client' WHERE pinned_until IS NOT NULL")

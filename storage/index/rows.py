@@ -14,8 +14,11 @@ from ..values import BlockRow, Probe, SnapshotRow
 
 __all__ = [
     "BLOCK_COLUMNS",
+    "CLIENT",
+    "CLIENT_PIN_HOLDS",
     "PIN_HOLDS",
     "SNAPSHOT_COLUMNS",
+    "USER_PIN_HOLDS",
     "block_row",
     "readable_rows",
     "snapshot_row",
@@ -30,10 +33,15 @@ BLOCK_COLUMNS = (
 )
 SNAPSHOT_COLUMNS = (
     "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
-    "last_used, hits, pinned, pinned_until"
+    "last_used, hits, pinned, pinned_until, pin_owner"
 )
 # the snapshots whose pin holds at ``?`` (now): pinned for good, or until later
 PIN_HOLDS = "pinned = 1 AND (pinned_until IS NULL OR pinned_until > ?)"
+# ``pin_owner`` of a pin a server's client asked for (``cache_control``, ``"pin": true``)
+CLIENT = "client"
+# the snapshots whose pin holds at ``?`` and was asked for by the user, or by a client
+USER_PIN_HOLDS = f"{PIN_HOLDS} AND pin_owner IS NULL"
+CLIENT_PIN_HOLDS = f"{PIN_HOLDS} AND pin_owner = '{CLIENT}'"
 
 
 def block_row(r: Sequence[Any]) -> BlockRow:
@@ -98,4 +106,5 @@ def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
         hits=int(r[10]),
         pinned=bool(r[11]) and (until is None or until > time.time()),
         pinned_until=until if r[11] else None,
+        pin_owner=r[13],
     )

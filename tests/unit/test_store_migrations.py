@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlite_utils
-from localkv.storage.index.migrations import MIGRATIONS, migrate
+from localkv.storage.index.migrations import MIGRATIONS, m007_client_pins, migrate
 
 EXPECTED = {
     "identities": {"digest": str, "json": str, "created": float},
@@ -43,6 +43,7 @@ EXPECTED = {
         "hits": int,
         "pinned": int,
         "pinned_until": float,
+        "pin_owner": str,
     },
     "events": {
         "kind": str,
@@ -84,7 +85,8 @@ def test_blocks_of_the_first_chain_format_are_dropped() -> None:
     row = {c: 0 for c in EXPECTED["blocks"] if c not in ("ends", "end_state")}
     row.update(hash="sha256:" + "1" * 64, tokens=b"\0" * 4, probe_top=b"")
     db.table("blocks").insert(row)
-    first = {c: 0 for c in EXPECTED["snapshots"] if c != "pinned_until"}  # m006 adds it
+    later = ("pinned_until", "pin_owner")  # m006 and m007 add them
+    first = {c: 0 for c in EXPECTED["snapshots"] if c not in later}
     db.table("snapshots").insert(first | {"id": "s"})
     for fn in MIGRATIONS[1:]:
         fn(db)
@@ -98,3 +100,21 @@ def test_migrations_run_once() -> None:
     assert migrate(db) == []
     names = [r["name"] for r in db.table("_migrations").rows]
     assert names == [fn.__name__ for fn in MIGRATIONS]
+
+
+def test_pins_with_a_time_made_before_owners_were_told_apart_are_a_clients() -> None:
+    """Only the server's breakpoints made pins that lapse; every other pin is the user's."""
+    db = sqlite_utils.Database(memory=True)
+    for fn in MIGRATIONS[: MIGRATIONS.index(m007_client_pins)]:
+        fn(db)
+    base = {c: 0 for c in EXPECTED["snapshots"] if c != "pin_owner"}
+    db.table("snapshots").insert_all(
+        [
+            base | {"id": "kept", "pinned": 1, "pinned_until": 1e12},
+            base | {"id": "user", "pinned": 1, "pinned_until": None},
+            base | {"id": "plain", "pinned": 0, "pinned_until": None},
+        ]
+    )
+    m007_client_pins(db)
+    owners = {r["id"]: r["pin_owner"] for r in db.table("snapshots").rows}
+    assert owners == {"kept": "client", "user": None, "plain": None}

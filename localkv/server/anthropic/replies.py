@@ -3,10 +3,12 @@
 Usage (``usage``), for a prompt of P tokens of which R were restored from the
 cache (the live context or the disk, ``localkv.cached_tokens``):
 ``cache_read_input_tokens`` is R; ``cache_creation_input_tokens`` is the
-tokens up to the request's last ``cache_control`` breakpoint that were not
-restored (computed now, saved with the pinned prefix; 0 without a
-breakpoint); ``input_tokens`` is P minus both; ``output_tokens`` the tokens
-generated. The three input figures add up to P, which ``count_tokens`` gives.
+tokens up to the request's last ``cache_control`` breakpoint that was kept
+that were not restored (computed now, written and pinned; 0 without a kept
+breakpoint: none asked for, none saved, or past the clients' share of the
+cache budget, see ``localkv.breakpoints``); ``input_tokens`` is P minus both;
+``output_tokens`` the tokens generated. The three input figures add up to P,
+which ``count_tokens`` gives.
 """
 
 from __future__ import annotations
