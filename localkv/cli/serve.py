@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from localkv.server.app import ServerSettings, create_app
 from localkv.server.boundary import normal_origin
 from localkv.server.engine import Engine
 from localkv.server.http import server_config
-from localkv.server.worker import STOP_GRACE_S, ModelWorker
+from localkv.server.worker import ModelWorker
 
 __all__ = ["serve"]
 
@@ -40,18 +38,8 @@ class _Server(uvicorn.Server):
     """uvicorn's server, except that SIGTERM/SIGINT end it with exit status 0.
 
     uvicorn shuts down gracefully on them and then raises the signal again
-    (dying by it); a finished graceful shutdown is a clean exit here. The
-    shutdown first cancels the admitted requests, so that it does not wait for
-    their answers, and lasts at most the worker's grace period.
+    (dying by it); a finished graceful shutdown is a clean exit here.
     """
-
-    def __init__(self, config: uvicorn.Config, worker: ModelWorker) -> None:
-        super().__init__(config)
-        self.worker = worker
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.worker.cancel_all()  # the running request stops at its next token
-        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -65,38 +53,6 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-def _settings(
-    *,
-    host: str,
-    api_key: str | None,
-    allow_origins: tuple[str, ...],
-    allow_hosts: tuple[str, ...],
-    queue: int,
-    max_body: int,
-) -> ServerSettings:
-    """The server's settings from its options, or the usage error that refuses them."""
-    if not _is_loopback(host) and not api_key:
-        raise click.UsageError(
-            f"--host {host} is reachable from other machines: give --api-key KEY "
-            "(or LOCALKV_API_KEY) to bind it"
-        )
-    if api_key is not None and not api_key.strip():
-        raise click.BadParameter("the API key is empty", param_hint="--api-key")
-    origins, hosts = _listed(allow_origins), _listed(allow_hosts)
-    for origin in origins:
-        try:
-            normal_origin(origin)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--allow-origin") from None
-    return ServerSettings(
-        api_key=api_key,
-        queue=queue,
-        max_body=max_body,
-        allowed_hosts=(host, *hosts),
-        allowed_origins=origins,
-    )
 
 
 def _listed(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -159,14 +115,6 @@ def _is_loopback(host: str) -> bool:
     show_default=True,
     help="Largest request body in bytes; larger ones get 413.",
 )
-@click.option(
-    "--stop-grace",
-    type=click.FloatRange(min=0),
-    default=STOP_GRACE_S,
-    show_default=True,
-    help="Seconds SIGTERM or Ctrl-C waits for the running request to stop and the saves "
-    "to complete; then the server exits anyway.",
-)
 @model_options
 @cache_options
 def serve(
@@ -177,7 +125,6 @@ def serve(
     allow_hosts: tuple[str, ...],
     queue: int,
     max_body: int,
-    stop_grace: float,
     **opts: Any,
 ) -> None:
     """Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.
@@ -196,17 +143,22 @@ def serve(
     127.0.0.1, so a request that names another host (DNS rebinding), comes
     from a page whose origin is not allowed (--allow-origin), or POSTs
     anything but JSON is refused with 403 or 415 before it is read. SIGTERM
-    or Ctrl-C stops the running and waiting requests at their next token, lets
-    the background saves complete and exits 0; past --stop-grace it exits 1.
+    or Ctrl-C finishes the admitted requests and the background saves, then
+    exits 0.
     """
-    settings = _settings(
-        host=host,
-        api_key=api_key,
-        allow_origins=allow_origins,
-        allow_hosts=allow_hosts,
-        queue=queue,
-        max_body=max_body,
-    )
+    if not _is_loopback(host) and not api_key:
+        raise click.UsageError(
+            f"--host {host} is reachable from other machines: give --api-key KEY "
+            "(or LOCALKV_API_KEY) to bind it"
+        )
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty", param_hint="--api-key")
+    origins, hosts = _listed(allow_origins), _listed(allow_hosts)
+    for origin in origins:
+        try:
+            normal_origin(origin)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--allow-origin") from None
     config = session_config(opts)  # a missing model fails here, before binding
 
     def open_engine() -> Engine:
@@ -220,18 +172,21 @@ def serve(
         if server:
             server[0].should_exit = True
 
-    worker = ModelWorker(open_engine, queue, on_failure, grace_s=stop_grace)
+    worker = ModelWorker(open_engine, queue, on_failure)
+    settings = ServerSettings(
+        api_key=api_key,
+        queue=queue,
+        max_body=max_body,
+        allowed_hosts=(host, *hosts),
+        allowed_origins=origins,
+    )
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
         logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)
-    uv = _Server(server_config(app, host=host, port=port, grace_s=stop_grace), worker)
+    uv = _Server(server_config(app, host=host, port=port))
     server.append(uv)
     click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
     uv.run()
-    if uv.started and worker.alive():  # busy in a native call past the grace period
-        click.echo(f"localkv serve: the model did not stop within {stop_grace:g} s", err=True)
-        logging.shutdown()
-        os._exit(1)
     if failed:
         raise click.ClickException(f"the model could not be loaded: {failed[0]}")
     if not uv.started:
