@@ -23,7 +23,17 @@ def _isolated_home(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> Path:
     """A fresh cache home per test; no LOCALKV_* setting leaks in from the caller."""
-    for name in ("LOCALKV_MODEL", "LOCALKV_BUDGET", "LOCALKV_COMPACT_CACHE", "LOCALKV_FAULT"):
+    leaks = (
+        "LOCALKV_MODEL",
+        "LOCALKV_BUDGET",
+        "LOCALKV_COMPACT_CACHE",
+        "LOCALKV_FAULT",
+        "LOCALKV_CLIENT_PINS",
+        "LOCALKV_ORIGINS",
+        "LOCALKV_ALLOWED_HOSTS",
+        "LOCALKV_API_KEY",
+    )
+    for name in leaks:
         monkeypatch.delenv(name, raising=False)
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("LOCALKV_HOME", str(home))
