@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from localkv.server.app import ServerSettings, create_app
 from localkv.server.boundary import normal_origin
 from localkv.server.engine import Engine
 from localkv.server.http import server_config
-from localkv.server.worker import ModelWorker
+from localkv.server.worker import STOP_GRACE_S, ModelWorker
 
 __all__ = ["serve"]
 
@@ -38,8 +40,27 @@ class _Server(uvicorn.Server):
     """uvicorn's server, except that SIGTERM/SIGINT end it with exit status 0.
 
     uvicorn shuts down gracefully on them and then raises the signal again
-    (dying by it); a finished graceful shutdown is a clean exit here.
+    (dying by it); a finished graceful shutdown is a clean exit here. The
+    shutdown first cancels the admitted requests, so that it does not wait for
+    their answers, and lasts at most the worker's grace period; a model thread
+    still busy then is not waited for (exit status 1).
     """
+
+    def __init__(self, config: uvicorn.Config, worker: ModelWorker) -> None:
+        super().__init__(config)
+        self.worker = worker
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.worker.cancel_all()  # the running request stops at its next token
+        await super().shutdown(sockets)
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        super().run(sockets)
+        if self.started and self.worker.alive():  # in a native call past the grace period
+            grace = self.worker.grace_s
+            click.echo(f"localkv serve: the model did not stop within {grace:g} s", err=True)
+            logging.shutdown()
+            os._exit(1)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -115,6 +136,14 @@ def _is_loopback(host: str) -> bool:
     show_default=True,
     help="Largest request body in bytes; larger ones get 413.",
 )
+@click.option(
+    "--stop-grace",
+    type=click.FloatRange(min=0),
+    default=STOP_GRACE_S,
+    show_default=True,
+    help="Seconds SIGTERM or Ctrl-C waits for the running request to stop and the saves "
+    "to complete; then the server exits anyway.",
+)
 @model_options
 @cache_options
 def serve(
@@ -125,6 +154,7 @@ def serve(
     allow_hosts: tuple[str, ...],
     queue: int,
     max_body: int,
+    stop_grace: float,
     **opts: Any,
 ) -> None:
     """Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.
@@ -143,8 +173,8 @@ def serve(
     127.0.0.1, so a request that names another host (DNS rebinding), comes
     from a page whose origin is not allowed (--allow-origin), or POSTs
     anything but JSON is refused with 403 or 415 before it is read. SIGTERM
-    or Ctrl-C finishes the admitted requests and the background saves, then
-    exits 0.
+    or Ctrl-C stops the running and waiting requests at their next token, lets
+    the background saves complete and exits 0; past --stop-grace it exits 1.
     """
     if not _is_loopback(host) and not api_key:
         raise click.UsageError(
@@ -172,7 +202,7 @@ def serve(
         if server:
             server[0].should_exit = True
 
-    worker = ModelWorker(open_engine, queue, on_failure)
+    worker = ModelWorker(open_engine, queue, on_failure, grace_s=stop_grace)
     settings = ServerSettings(
         api_key=api_key,
         queue=queue,
@@ -183,7 +213,7 @@ def serve(
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
         logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)
-    uv = _Server(server_config(app, host=host, port=port))
+    uv = _Server(server_config(app, host=host, port=port, grace_s=stop_grace), worker)
     server.append(uv)
     click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
     uv.run()

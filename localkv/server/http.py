@@ -18,6 +18,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from localkv.server.worker import STOP_GRACE_S
+
 __all__ = ["HEADER_TIMEOUT_S", "HeadDeadlineProtocol", "server_config"]
 
 log = logging.getLogger("localkv.server")
@@ -77,9 +79,17 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 def server_config(
-    app: Any, *, host: str, port: int, header_timeout_s: float = HEADER_TIMEOUT_S
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    grace_s: float = STOP_GRACE_S,
 ) -> uvicorn.Config:
-    """The uvicorn configuration of ``localkv serve`` (no access log: ``gate`` logs)."""
+    """The uvicorn configuration of ``localkv serve`` (no access log: ``gate`` logs).
+
+    A shutdown waits at most ``grace_s`` for the open requests, then cancels them.
+    """
     protocol = type(
         "HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"header_timeout_s": header_timeout_s}
     )
@@ -92,4 +102,5 @@ def server_config(
         lifespan="on",
         http=protocol,
         timeout_keep_alive=int(KEEP_ALIVE_S),
+        timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]  # any number waits
     )

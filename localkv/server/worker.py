@@ -7,6 +7,13 @@ at once (``QueueFull``, a 503 with ``Retry-After``) instead of waiting for
 minutes. Results and text pieces go back to the event loop through a
 ``Ticket``; a ticket cancelled by its client (it disconnected) stops its
 generation between tokens, or is skipped if it has not started.
+
+Stopping the server cancels every admitted request (``cancel_all``): the
+running one ends at its next token, the waiting ones are skipped, the
+background saves complete, and the model is freed. ``stop`` waits for that
+at most ``STOP_GRACE_S`` from the moment the stop began; a thread still busy
+then (inside a native call that cannot be interrupted) is left to the
+process's exit, which the saved cache survives as it survives a kill.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from typing import Any
 from localkv.server.engine import Engine
 from localkv.server.errors import ApiError
 
-__all__ = ["ModelWorker", "NotReady", "QueueFull", "Ticket"]
+__all__ = ["STOP_GRACE_S", "ModelWorker", "NotReady", "QueueFull", "Ticket"]
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # from a stop's start to the model thread's end, at most
 
 Job = Callable[[Engine, "Ticket"], Any]
 
@@ -108,6 +117,7 @@ class ModelWorker:
         open_engine: Callable[[], Engine],
         capacity: int,
         on_failure: Callable[[BaseException], None] | None = None,
+        grace_s: float = STOP_GRACE_S,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"the queue needs room for at least one request, got {capacity}")
@@ -122,15 +132,50 @@ class ModelWorker:
         self._admitted = 0
         self._running = 0
         self._recent_s = 1.0  # a moving average of request durations, for Retry-After
+        self._tickets: set[Ticket] = set()  # admitted and not finished
+        self.grace_s = grace_s
+        self._stop_by: float | None = None  # monotonic time by which the thread must end
         self._thread = threading.Thread(target=self._run, name="localkv-model", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Finish the admitted requests, let the background saves complete, free the model."""
+    def cancel_all(self) -> float:
+        """Cancel every admitted request, refuse new ones, start the stop's grace period.
+
+        The running request ends at its next token, the waiting ones are skipped.
+        Returns the monotonic time the grace period ends (thread-safe).
+        """
+        with self._lock:
+            tickets = list(self._tickets)
+            if self._stop_by is None:
+                self._stop_by = time.monotonic() + self.grace_s
+            stop_by = self._stop_by
+        for ticket in tickets:
+            ticket.cancel()
+        if tickets:
+            log.info("stopping: cancelled %d admitted request(s)", len(tickets))
+        return stop_by
+
+    def stop(self) -> bool:
+        """Cancel the admitted requests, let the background saves complete, free the model.
+
+        Waits until the grace period that began with the first ``cancel_all`` ends;
+        False (and a logged error) if the model thread is still busy then.
+        """
+        stop_by = self.cancel_all()
         self._jobs.put(None)
-        self._thread.join()
+        if not self._thread.is_alive():
+            return True
+        self._thread.join(max(0.0, stop_by - time.monotonic()))
+        if self._thread.is_alive():
+            log.error("the model thread did not stop within %g s; leaving it", self.grace_s)
+            return False
+        return True
+
+    def alive(self) -> bool:
+        """Whether the model thread is still running (loading, serving or stopping)."""
+        return self._thread.is_alive()
 
     def status(self) -> dict[str, object]:
         with self._lock:
@@ -145,10 +190,13 @@ class ModelWorker:
         if self.state != "ready":
             raise NotReady(self.error or "the model is loading")
         with self._lock:
+            if self._stop_by is not None:
+                raise NotReady("the server is stopping")
             if self._admitted >= self.capacity:
                 raise QueueFull(self._retry_after())
             self._admitted += 1
-        ticket = Ticket(loop, job)
+            ticket = Ticket(loop, job)
+            self._tickets.add(ticket)
         self._jobs.put(ticket)
         return ticket
 
@@ -198,4 +246,5 @@ class ModelWorker:
             with self._lock:
                 self._running = 0
                 self._admitted -= 1
+                self._tickets.discard(ticket)
                 self._recent_s = 0.7 * self._recent_s + 0.3 * elapsed

@@ -12,11 +12,16 @@ JSON schemas become GBNF through llama-cpp-python's converter
 whatever it cannot convert is a ``GrammarError`` naming the reason. It
 expands string lengths and array sizes into nested groups, so bounds above
 ``MAX_REPEAT`` are refused before it runs. It does not enforce ``minimum``
-and ``maximum`` of numbers, nor ``format`` beyond dates, times and uuids.
+and ``maximum`` of numbers, nor ``format`` beyond dates, times and uuids. Its
+translation of a string's ``pattern`` is replaced: a pattern becomes a
+deterministic automaton (``pattern``), so no pattern makes llama.cpp follow
+many readings of a token, and one that cannot be made one within bounds is a
+``GrammarError`` naming it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -113,10 +118,10 @@ def json_schema_grammar(schema: Mapping[str, Any] | str) -> str:
             raise GrammarError(
                 f"{where}.{key} is {value:,}: the grammar converter takes at most {MAX_REPEAT:,}"
             )
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
     try:
-        text = json_schema_to_gbnf(json.dumps(schema))
+        text = _convert(json.loads(json.dumps(schema)))
+    except GrammarError:
+        raise
     except RecursionError:
         raise GrammarError("the JSON schema nests too deep") from None
     except Exception as exc:  # the converter asserts and raises whatever it meets
@@ -125,6 +130,30 @@ def json_schema_grammar(schema: Mapping[str, Any] | str) -> str:
             reason = f"{type(exc).__name__}: {reason}"
         raise GrammarError(f"the JSON schema cannot be converted to a grammar: {reason}") from None
     return check_gbnf(text)
+
+
+def _convert(schema: Any) -> str:
+    """``json_schema_to_gbnf`` with each ``pattern`` written by ``pattern.pattern_rules``."""
+    converter = _converter()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    schema = converter.resolve_refs(schema, "stdin")
+    converter.visit(schema, "")
+    return str(converter.format_grammar())
+
+
+@functools.cache
+def _converter() -> type[Any]:
+    """llama-cpp-python's converter, its pattern translation replaced (imported when needed)."""
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    from localkv.model.sampling.pattern import pattern_rules
+
+    class Converter(SchemaConverter):
+        def _visit_pattern(self, pattern: object, name: str) -> str:
+            start, rules = pattern_rules(pattern, name, self._rules)
+            self._rules.update(rules)
+            return str(self._add_rule(name, f'"\\"" {start} "\\"" space'))  # type: ignore[no-untyped-call]
+
+    return Converter
 
 
 def _bounds(
