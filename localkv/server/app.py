@@ -138,8 +138,14 @@ class Routes:
         return JSONResponse({"object": "list", "data": snapshots})
 
     async def prefill(self, request: Request) -> Response:
+        """What ``localkv prefill --json`` prints; a save the disk refused (full, an I/O
+        error) is a 507 saying so, as the command's exit 1 is."""
         body = await self._body(request)
         report = await self._run(request, lambda engine, ticket: engine.prefill(body))
+        if report.get("not_saved") and not report.get("cancelled"):
+            held = f"the cache holds {report['kept']:,} of its {report['tokens']:,} tokens"
+            message = f"not saved: {report['not_saved']}; {held}, no snapshot"
+            raise ApiError(507, message, code="not_saved")
         return JSONResponse(report)
 
     # ---------------------------------------------------------- generation

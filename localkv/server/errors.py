@@ -24,6 +24,7 @@ _TYPES = {
     413: "invalid_request_error",
     500: "server_error",
     503: "server_error",
+    507: "server_error",
 }
 
 _ANTHROPIC_TYPES = {

@@ -24,6 +24,7 @@ from localkv.model.sampling import GrammarError, json_object_grammar, json_schem
 from localkv.prompt.template import Message
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.prefixes import Breakpoint
+from localkv.server.schemas import check_schema
 from localkv.server.tools import ToolChoice, parse_message_calls, parse_tools
 
 __all__ = ["ChatRequest", "CompletionRequest", "Sampling", "parse_chat", "parse_completion"]
@@ -265,6 +266,7 @@ def _response_format(fmt: object) -> str | None:
     schema = spec.get("schema")
     if schema is None:  # OpenAI's schema is optional: then any JSON object
         return json_object_grammar()
+    check_schema(schema, "response_format.json_schema.schema", "response_format")
     try:  # strict or not, the answer is held to the schema
         return json_schema_grammar(schema)
     except GrammarError as exc:

@@ -12,17 +12,24 @@ that may be a tool call is held back until the answer ends, then parsed
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from localkv.model.sampling import GrammarError, SamplingParams, json_schema_grammar
+from localkv.model.sampling import (
+    GrammarError,
+    SamplingParams,
+    check_grammar,
+    json_schema_grammar,
+)
 from localkv.prompt.reasoning import ReasoningSplit
 from localkv.prompt.template import ChatTemplate, ToolCall
 from localkv.prompt.toolcalls import CALL_OPENERS, call_grammar, call_style, parse_tool_calls
 from localkv.prompt.tools import renders_tools
 from localkv.server.errors import bad_request
+from localkv.server.schemas import check_schema
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -40,6 +47,8 @@ __all__ = [
 ]
 
 TextFn = Callable[[str], None]
+# what a call's name may be: it is written into the call's grammar as a literal
+TOOL_NAME = re.compile(r"[\w.:-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +100,11 @@ def _check_schemas(tools: tuple[dict[str, Any], ...], name: str | None) -> None:
         function = tool["function"]
         if name is not None and function["name"] != name:
             continue
+        where = f"tools[{i}].function.parameters"
+        check_schema(function["parameters"], where, where)
         try:
             json_schema_grammar(function["parameters"])
         except GrammarError as exc:
-            where = f"tools[{i}].function.parameters"
             raise bad_request(f"{where} cannot constrain a call: {exc}", where) from None
 
 
@@ -108,7 +118,12 @@ def tool_params(
         return params
     source = template.jinja.source if template.jinja is not None else None
     style = call_style(source if renders_tools(template) else None)
-    return dataclasses.replace(params, grammar=call_grammar(request.tools, choice.name, style))
+    grammar = call_grammar(request.tools, choice.name, style)
+    try:  # the schemas were checked with the request: this is a last guard
+        check_grammar(template.session.vocab, grammar)
+    except GrammarError as exc:
+        raise bad_request(f"tools cannot constrain a call: {exc}", "tools") from None
+    return dataclasses.replace(params, grammar=grammar)
 
 
 def _tool(raw: object, where: str) -> dict[str, Any]:
@@ -118,8 +133,11 @@ def _tool(raw: object, where: str) -> dict[str, Any]:
     if not isinstance(function, dict):
         raise bad_request(f"{where}.function must be an object", f"{where}.function")
     name = function.get("name")
-    if not isinstance(name, str) or not name or len(name) > 64:
-        raise bad_request(f"{where}.function.name must be a name of 1 to 64 characters", where)
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad_request(
+            f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':'",
+            f"{where}.function.name",
+        )
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise bad_request(f"{where}.function.parameters must be a JSON schema object", where)

@@ -451,8 +451,8 @@ BAD: list[tuple[dict[str, Any], str, str, str | None]] = [
     ({"input": "hi", "tools": CHAT_TOOLS}, "tools[0]", "flat", None),
     (
         {"input": "hi", "tools": [{"type": "function", "name": ""}]},
-        "tools[0]",
-        "1 to 64 characters",
+        "tools[0].name",
+        "1 to 64 letters",
         None,
     ),
     (

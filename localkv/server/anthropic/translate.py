@@ -23,16 +23,23 @@ and ignored.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from localkv.server.errors import bad_request
+from localkv.server.errors import ApiError, bad_request
 from localkv.server.openai import ChatRequest, parse_chat
 from localkv.server.prefixes import Breakpoint
 
 __all__ = ["Parsed", "messages_request"]
 
 TTLS = {"5m": 300.0, "1h": 3600.0}
+# the chat path's names of fields, as a Messages client knows them
+_NAMES = (
+    (r"\bstop\b", "stop_sequences"),
+    (r"(tools\[\d+\])\.function\.parameters", r"\1.input_schema"),
+    (r"(tools\[\d+\])\.function\.", r"\1."),
+)
 _SAMPLING = ("temperature", "top_p", "top_k")
 
 
@@ -68,8 +75,20 @@ def messages_request(body: dict[str, Any], *, counting: bool = False) -> Parsed:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", "stream")
-    request = parse_chat(openai)
+    try:
+        request = parse_chat(openai)
+    except ApiError as exc:
+        raise _renamed(exc) from None
     return Parsed(replace(request, breakpoints=tuple(points)), stream, model)
+
+
+def _renamed(exc: ApiError) -> ApiError:
+    """A chat-path error with the Messages names of its fields."""
+    message, param = exc.message, exc.param
+    for old, new in _NAMES:
+        message = re.sub(old, new, message)
+        param = None if param is None else re.sub(old, new, param)
+    return ApiError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
 
 
 def _limits(body: dict[str, Any], counting: bool) -> dict[str, Any]:
@@ -82,9 +101,11 @@ def _limits(body: dict[str, Any], counting: bool) -> dict[str, Any]:
             raise bad_request("max_tokens: must be an integer of at least 1", "max_tokens")
         out["max_tokens"] = limit
     stops = body.get("stop_sequences")
-    if stops:
-        if not isinstance(stops, list):
-            raise bad_request("stop_sequences: must be an array of strings", "stop_sequences")
+    if stops is not None and stops != []:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad_request(
+                "stop_sequences: must be an array of non-empty strings", "stop_sequences"
+            )
         out["stop"] = stops
     return out
 
@@ -98,7 +119,7 @@ def _ttl(block: dict[str, Any], where: str) -> float | None:
     if not isinstance(control, dict) or control.get("type") != "ephemeral":
         raise bad_request(f"{at}: must be {{'type': 'ephemeral'}}", at)
     ttl = control.get("ttl", "5m")
-    if ttl not in TTLS:
+    if not isinstance(ttl, str) or ttl not in TTLS:
         raise bad_request(f"{at}.ttl: must be '5m' or '1h'", at)
     return TTLS[ttl]
 

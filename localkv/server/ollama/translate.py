@@ -13,16 +13,26 @@ ignored: the model, its context and its threads are the server's.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections.abc import Iterator
 from typing import Any
 
-from localkv.server.errors import bad_request
+from localkv.server.errors import ApiError, bad_request
 from localkv.server.openai import ChatRequest, CompletionRequest, parse_chat, parse_completion
 
 __all__ = ["chat_request", "generate_request", "is_stream"]
 
 DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
 _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+# the chat path's names of fields, as an Ollama client knows them
+_NAMES = (
+    (r"response_format(\.json_schema\.schema)?", "format"),
+    (r"\bmax_tokens\b", "options.num_predict"),
+    (r"(?<![\w.])(temperature|top_p|top_k|seed|stop)\b", r"options.\1"),
+    (r"\breasoning_content\b", "thinking"),
+)
 
 
 def is_stream(body: dict[str, Any]) -> bool:
@@ -42,7 +52,8 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     if not isinstance(raw, list):
         raise bad_request("'messages' must be an array", "messages")
     messages = _messages(raw)
-    return parse_chat({"messages": messages, **_tools(body), **_common(body)})
+    with _renamed():
+        return parse_chat({"messages": messages, **_tools(body), **_common(body)})
 
 
 def generate_request(body: dict[str, Any]) -> ChatRequest | CompletionRequest:
@@ -58,13 +69,27 @@ def generate_request(body: dict[str, Any]) -> ChatRequest | CompletionRequest:
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise bad_request("'raw' must be true or false", "raw")
-    if raw:
-        if system:
-            raise bad_request("'system' has no place in a raw prompt", "system")
-        return parse_completion({"prompt": prompt, **_common(body)})
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": prompt})
-    return parse_chat({"messages": messages, **_common(body)})
+    if raw and system:
+        raise bad_request("'system' has no place in a raw prompt", "system")
+    with _renamed():
+        if raw:
+            return parse_completion({"prompt": prompt, **_common(body)})
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        return parse_chat({"messages": messages, **_common(body)})
+
+
+@contextlib.contextmanager
+def _renamed() -> Iterator[None]:
+    """Chat-path errors with Ollama's names of their fields."""
+    try:
+        yield
+    except ApiError as exc:
+        message, param = exc.message, exc.param
+        for old, new in _NAMES:
+            message = re.sub(old, new, message)
+            param = None if param is None else re.sub(old, new, param)
+        raise ApiError(exc.status, message, param=param, code=exc.code) from None
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:

@@ -145,22 +145,26 @@ def _text(content: object, where: str, field: str = "content") -> str:
     for j, part in enumerate(content):
         at = f"{where}.{field}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):  # not a part, or one whose kind is not a name
+            raise _not_text(at)
         if kind in REFUSED_PARTS:
             raise bad_request(
-                f"{at}: {REFUSED_PARTS[str(kind)]} ({kind!r}) are not supported by this "
+                f"{at}: {REFUSED_PARTS[kind]} ({kind!r}) are not supported by this "
                 "server: its models read text only",
                 at,
                 "unsupported_content",
             )
-        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
+        text = part.get("refusal" if kind == "refusal" else "text")
         if kind not in (*TEXT_PARTS, "refusal") or not isinstance(text, str):
-            raise bad_request(
-                f"{at} must be a text part ({{'type': 'input_text' or 'output_text', "
-                "'text': ...})",
-                at,
-            )
+            raise _not_text(at)
         parts.append(text)
     return "".join(parts)
+
+
+def _not_text(at: str) -> ApiError:
+    return bad_request(
+        f"{at} must be a text part ({{'type': 'input_text' or 'output_text', 'text': ...}})", at
+    )
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
