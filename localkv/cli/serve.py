@@ -25,7 +25,12 @@ from localkv.server.worker import STOP_GRACE_S, ModelWorker
 
 __all__ = ["serve"]
 
-_EPILOG = """\b
+_EPILOG = """Only you may use it: a web page you open can send requests to 127.0.0.1, so a
+request that names another host (DNS rebinding), comes from a page whose origin
+is not allowed (--allow-origin), or POSTs anything but JSON is refused with 403
+or 415 before it is read.
+
+\b
 Endpoints: GET /health (503 while the model loads), GET /v1/models,
 POST /v1/chat/completions, POST /v1/completions (streaming and not),
 POST /v1/localkv/prefill, GET /v1/localkv/cache.
@@ -74,6 +79,38 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _settings(
+    *,
+    host: str,
+    api_key: str | None,
+    allow_origins: tuple[str, ...],
+    allow_hosts: tuple[str, ...],
+    queue: int,
+    max_body: int,
+) -> ServerSettings:
+    """The server's settings from its options, or the usage error that refuses them."""
+    if not _is_loopback(host) and not api_key:
+        raise click.UsageError(
+            f"--host {host} is reachable from other machines: give --api-key KEY "
+            "(or LOCALKV_API_KEY) to bind it"
+        )
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty", param_hint="--api-key")
+    origins, hosts = _listed(allow_origins), _listed(allow_hosts)
+    for origin in origins:
+        try:
+            normal_origin(origin)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--allow-origin") from None
+    return ServerSettings(
+        api_key=api_key,
+        queue=queue,
+        max_body=max_body,
+        allowed_hosts=(host, *hosts),
+        allowed_origins=origins,
+    )
 
 
 def _listed(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -169,26 +206,18 @@ def serve(
     (`pin`, `cache_control`) hold at most LOCALKV_CLIENT_PINS (0.25) of the cache
     budget, never the user's cache. One line per request is logged to stderr.
 
-    Only its user may use it: a web page the user opens can send requests to
-    127.0.0.1, so a request that names another host (DNS rebinding), comes
-    from a page whose origin is not allowed (--allow-origin), or POSTs
-    anything but JSON is refused with 403 or 415 before it is read. SIGTERM
+    SIGTERM
     or Ctrl-C stops the running and waiting requests at their next token, lets
     the background saves complete and exits 0; past --stop-grace it exits 1.
     """
-    if not _is_loopback(host) and not api_key:
-        raise click.UsageError(
-            f"--host {host} is reachable from other machines: give --api-key KEY "
-            "(or LOCALKV_API_KEY) to bind it"
-        )
-    if api_key is not None and not api_key.strip():
-        raise click.BadParameter("the API key is empty", param_hint="--api-key")
-    origins, hosts = _listed(allow_origins), _listed(allow_hosts)
-    for origin in origins:
-        try:
-            normal_origin(origin)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--allow-origin") from None
+    settings = _settings(
+        host=host,
+        api_key=api_key,
+        allow_origins=allow_origins,
+        allow_hosts=allow_hosts,
+        queue=queue,
+        max_body=max_body,
+    )
     config = session_config(opts)  # a missing model fails here, before binding
 
     def open_engine() -> Engine:
@@ -203,13 +232,6 @@ def serve(
             server[0].should_exit = True
 
     worker = ModelWorker(open_engine, queue, on_failure, grace_s=stop_grace)
-    settings = ServerSettings(
-        api_key=api_key,
-        queue=queue,
-        max_body=max_body,
-        allowed_hosts=(host, *hosts),
-        allowed_origins=origins,
-    )
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
         logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)
