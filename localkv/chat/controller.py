@@ -25,6 +25,7 @@ from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model
 from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
+from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document, byte_limit, check_text, read_document
 from localkv.runtime import Runtime
 
@@ -240,14 +241,15 @@ class ChatController:
     def send(
         self, text: str, params: SamplingParams, on_text: TextFn, cancel: CancelFn
     ) -> Answered:
-        """Answer ``text`` (streaming to ``on_text``); raises ``ContextFullError``, and
-        ``TextError`` for text no prompt can hold (a NUL, bytes that were not UTF-8)."""
+        """Answer ``text`` (streaming to ``on_text``); raises ``ContextFullError``,
+        ``TextError`` for text no prompt can hold (a NUL, bytes that were not UTF-8), and
+        ``TemplateRenderError`` where the chat template fails on the conversation."""
         check_text(text, "the message")
         with self._lock:
             self.keeper.question(self.chat.state, text)  # kept even if this process dies
             try:
                 report = self.chat.send(text, params, on_text, cancel)
-            except ContextFullError:
+            except (ContextFullError, TemplateRenderError):
                 self.keeper.answered(self.chat.state)  # refused: nothing is pending
                 raise
             self.keeper.answered(self.chat.state)

@@ -27,6 +27,7 @@ from localkv.chat.formats import ago, counted, human_bytes, sync_line, sync_summ
 from localkv.chat.history import ConversationStore, MalformedConversation
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
+from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import (
     Document,
     DocumentError,
@@ -255,6 +256,9 @@ class _PlainChat:
         except TextError as exc:
             self.note(f"not sent: {exc}")
             return
+        except TemplateRenderError as exc:  # the conversation stays as it was
+            self.note(f"not answered: {exc}. Type /new to start over.")
+            return
         self.say()
         self.note(turn_line(answered.report))
         self.note_history_error()
@@ -264,6 +268,9 @@ class _PlainChat:
             attached = self.controller.attach_document(document, cancel=self._stopped)
         except ContextFullError as exc:
             self.note(f"context full: {exc}")
+            return
+        except TemplateRenderError as exc:
+            self.note(f"not attached: {exc}")
             return
         self.note(f"attached {printable(attached.name)}: {sync_summary(attached.sync)}")
         if attached.reuse:

@@ -28,6 +28,7 @@ from localkv.model.session import (
     ProgressFn,
 )
 from localkv.prompt.conversation import Streamed, stream_answer
+from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document
 from localkv.prompt.template import Message
 from localkv.runtime import CacheReport, Runtime
@@ -241,12 +242,17 @@ class ChatSession:
         """Add the user's message, answer it (streaming), keep both in the conversation.
 
         If ``cancel()`` turns true the answer stops and what was produced is kept.
-        A full context raises ``ContextFullError`` and leaves the conversation as it was.
+        A full context raises ``ContextFullError`` and leaves the conversation as it was;
+        so does a chat template that fails on it (``TemplateRenderError``).
         """
         template = self.runtime.template
         n_messages, n_tokens = len(self.state.messages), len(self.state.tokens)
         self._add(Message("user", text))
-        opener = template.assistant_start_tokens(self.state.messages)
+        try:
+            opener = template.assistant_start_tokens(self.state.messages)
+        except TemplateRenderError:  # the template fails on this conversation
+            self._drop_last(n_messages, n_tokens)
+            raise
         self.state.tokens.extend(opener)
         self.state.boundaries[-1] = len(self.state.tokens)
         if len(self.state.tokens) + 1 > self.n_ctx:
@@ -258,7 +264,11 @@ class ChatSession:
             sync = self.sync(quiet=True)
             answer = stream_answer(self.runtime.session, params, t0, on_text, cancel)
         stopped = cancel is not None and cancel()
-        self._close_turn(answer)
+        try:
+            self._close_turn(answer)
+        except TemplateRenderError:  # the template fails on the answered conversation
+            self._drop_last(n_messages, n_tokens)
+            raise
         return TurnReport(
             answer.text,
             len(answer.ids),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from localkv.cli.jsonerrors import TemplateFailure
 from localkv.cli.options import (
     cache_options,
     model_options,
@@ -21,6 +22,7 @@ from localkv.cli.options import (
     system_text,
 )
 from localkv.model.session import ModelLoadError
+from localkv.prompt.templatechoice import ChatTemplateError
 
 if TYPE_CHECKING:
     from localkv.chat.history import ConversationStore
@@ -117,6 +119,8 @@ def _chat_runtime(opts: dict[str, Any]) -> tuple[Runtime | None, str | None]:
         return None, exc.message
     except ModelLoadError as exc:
         return None, str(exc)
+    except ChatTemplateError as exc:  # the model's own template, refused: no chat can start
+        raise TemplateFailure(str(exc)) from None
     return runtime, None
 
 

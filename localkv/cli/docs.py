@@ -13,7 +13,7 @@ import click
 
 from localkv.cache.budgeting import human_size
 from localkv.cli import process_age
-from localkv.cli.jsonerrors import JsonErrors
+from localkv.cli.jsonerrors import JsonErrors, TemplateFailure
 from localkv.cli.options import (
     cache_options,
     grammar_options,
@@ -28,6 +28,7 @@ from localkv.cli.options import (
 from localkv.model.native import openmp_settings
 from localkv.model.sampling import GrammarError
 from localkv.model.session import ContextFullError, ModelLoadError
+from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import (
     ENCODING_POLICY,
     MAX_BYTES_PER_TOKEN,
@@ -36,6 +37,7 @@ from localkv.prompt.request import (
     byte_limit,
     read_document,
 )
+from localkv.prompt.templatechoice import ChatTemplateError
 from localkv.runtime import PrefillReport, Runtime
 
 __all__ = ["ask", "prefill"]
@@ -61,6 +63,8 @@ def _open_runtime(opts: dict[str, Any]) -> Runtime:
             return open_runtime(opts)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
+    except ChatTemplateError as exc:  # the model's own template, refused
+        raise TemplateFailure(str(exc)) from None
 
 
 @contextmanager
@@ -211,18 +215,15 @@ def prefill(
         if unsaved:
             raise click.ClickException(f"nothing can be saved: {unsaved}")
         show = not as_json and sys.stderr.isatty()
-        try:
-            with _signals_stop() as flag, _Progress("prefill", show) as progress:
-                report = runtime.prefill(
-                    docs,
-                    system=system_prompt,
-                    label=label,
-                    pin=pin,
-                    progress=progress,
-                    cancel=lambda: bool(flag[0]),
-                )
-        except ContextFullError as exc:
-            raise click.ClickException(_too_long(exc)) from None
+        with _prompt_errors(), _signals_stop() as flag, _Progress("prefill", show) as progress:
+            report = runtime.prefill(
+                docs,
+                system=system_prompt,
+                label=label,
+                pin=pin,
+                progress=progress,
+                cancel=lambda: bool(flag[0]),
+            )
         unsaved = _why_unsaved(runtime, opts["no_cache"])  # found on the way: a damaged index
         if unsaved:
             raise click.ClickException(f"nothing was saved: {unsaved}")
@@ -309,11 +310,10 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     with runtime:
         stream = _first_text(first, None if as_json else lambda p: click.echo(p, nl=False))
         try:
-            answer = runtime.ask(
-                docs, question, system=system_prompt, params=params, on_text=stream
-            )
-        except ContextFullError as exc:
-            raise click.ClickException(_too_long(exc)) from None
+            with _prompt_errors():
+                answer = runtime.ask(
+                    docs, question, system=system_prompt, params=params, on_text=stream
+                )
         except GrammarError as exc:  # llama.cpp refused --grammar
             raise click.BadParameter(str(exc), param_hint="'--grammar'") from None
         saves = runtime.wait_for_saves()  # the prompt's blocks, then the budget's eviction
@@ -360,6 +360,17 @@ def _first_text(first: list[float], emit: Callable[[str], None] | None) -> Calla
 def _cache_note(runtime: Runtime) -> str | None:
     """The cache's one warning (read-only, index lost), read before the runtime closes."""
     return runtime.cache.warning() if runtime.cache is not None else None
+
+
+@contextmanager
+def _prompt_errors() -> Iterator[None]:
+    """A prompt the context cannot hold, or the chat template failed on: one line."""
+    try:
+        yield
+    except ContextFullError as exc:
+        raise click.ClickException(_too_long(exc)) from None
+    except TemplateRenderError as exc:
+        raise TemplateFailure(str(exc)) from None
 
 
 def _too_long(exc: ContextFullError) -> str:

@@ -12,7 +12,14 @@ from typing import Any, NoReturn
 
 import click
 
-__all__ = ["JsonErrors"]
+__all__ = ["JsonErrors", "TemplateFailure"]
+
+
+class TemplateFailure(click.ClickException):
+    """A chat template that cannot be used, or failed on this input: one line, exit 2
+    (as a usage error, since another template is an option away)."""
+
+    exit_code = 2
 
 
 class JsonErrors(click.Command):

@@ -26,10 +26,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from localkv.model.native import llama_cpp
-from localkv.prompt.jinja import JinjaRenderer, JsonObject
+from localkv.prompt.jinja import JinjaRenderer, JsonObject, TemplateRenderError
 from localkv.prompt.markup import MarkupTokenizer, control_texts, special_texts
 from localkv.prompt.rendering import Deltas, Piece, Renderer, pieces, window
-from localkv.prompt.templatechoice import TemplateChoice, choose_template
+from localkv.prompt.templatechoice import (
+    ChatTemplateError,
+    TemplateChoice,
+    choose_template,
+    refused,
+    template_name,
+)
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -76,7 +82,11 @@ class ChatTemplate:
     """Renders messages with llama.cpp's template engine and tokenizes the deltas."""
 
     def __init__(self, session: ModelSession, override: str | None = None) -> None:
-        """``override``: a built-in llama.cpp name or a template file (``--chat-template``)."""
+        """``override``: a built-in llama.cpp name or a template file (``--chat-template``).
+
+        A Jinja template that fails the choice's check, or on the turn closing found
+        here, is a ``ChatTemplateError`` that names it.
+        """
         self.session = session
         self.choice: TemplateChoice = choose_template(session, override)
         self.template = self.choice.template
@@ -84,12 +94,18 @@ class ChatTemplate:
         self.renderer: Deltas = Renderer(self.template)
         if self.choice.jinja is not None:
             self.jinja = JinjaRenderer(
-                self.choice.jinja, special_texts(session), control_texts(session.vocab)
+                self.choice.jinja,
+                special_texts(session),
+                control_texts(session.vocab),
+                template_name(self.choice, session.config.model_path),
             )
             self.renderer = self.jinja
         self.tokenizer = MarkupTokenizer(session.vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(session.vocab))
-        self.end_of_turn = self._end_of_turn()
+        try:
+            self.end_of_turn = self._end_of_turn()
+        except TemplateRenderError as exc:
+            raise ChatTemplateError(refused(exc, self.choice)) from None
 
     @property
     def name(self) -> str:

@@ -2,9 +2,13 @@
 chosen by architecture when the GGUF has none.
 
 A Jinja template (the GGUF's ``tokenizer.chat_template``, or a ``--chat-template``
-file) is rendered as Hugging Face renders it (``localkv.prompt.jinja``). One that
-does not compile, or fails on a small conversation, falls back to llama.cpp's
-built-in formats: ``llama_chat_apply_template`` knows a fixed set, by name
+file) is rendered as Hugging Face renders it (``localkv.prompt.jinja``), each render
+bounded (``localkv.prompt.sandbox``). It is checked on conversations of every
+length up to ``CHECKED_MESSAGES`` messages, with tools and without: one that the
+sandbox stops on any of them (past a limit, text that is not Unicode) is refused,
+a ``ChatTemplateError`` that names it, as is one larger than ``MAX_TEMPLATE_BYTES``.
+One that does not compile, or fails on the small conversation, falls back to
+llama.cpp's built-in formats: ``llama_chat_apply_template`` knows a fixed set, by name
 (``gemma``, ``llama3``, ``chatml``, ...), and recognizes a template text by its
 markers (``<start_of_turn>`` is gemma, ``<|im_start|>`` is chatml). A built-in
 name given to ``--chat-template`` is always llama.cpp's format.
@@ -24,7 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from localkv.model.native import llama_cpp
-from localkv.prompt.jinja import TemplateRenderError, compile_template
+from localkv.prompt.jinja import (
+    TemplateRenderError,
+    UnsafeTemplateError,
+    compile_template,
+    failure,
+)
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -37,8 +46,10 @@ __all__ = [
     "has_token",
     "jinja_problem",
     "parse_template_option",
+    "refused",
     "render_probe",
     "template_for_architecture",
+    "template_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +101,16 @@ _MARKERS: dict[str, str] = {
     "granite": "<|start_of_role|>",
 }
 _PROBE = (("system", "S"), ("user", "U"), ("assistant", "A"), ("user", "V"))
+# the check renders conversations of 1 to this many messages, with tools and without
+CHECKED_MESSAGES = 12
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+    },
+}
 _warned: set[tuple[str, str]] = set()
 
 
@@ -107,17 +128,84 @@ class TemplateChoice:
     jinja: str | None = None  # the Jinja source, when it is rendered as Jinja
 
 
-def jinja_problem(source: str) -> str | None:
-    """Why ``source`` cannot be rendered as Jinja (None: it can)."""
+def template_name(choice: TemplateChoice, model: str | Path) -> str:
+    """The template as errors name it: the model file's, or the ``--chat-template`` file."""
+    if choice.source.startswith("file "):
+        return f"the chat template in {choice.source.removeprefix('file ')}"
+    return f"the chat template of {Path(model).name}"
+
+
+def refused(exc: TemplateRenderError, choice: TemplateChoice | None = None) -> str:
+    """The one line that says a template cannot be used; for the model's own, how to
+    use another."""
+    hint = "; use another with --chat-template NAME|FILE"
+    return f"{exc}{hint if choice is None or choice.source == 'model' else ''}"
+
+
+def jinja_problem(source: str, name: str = "the chat template") -> str | None:
+    """Why ``source`` cannot be rendered as Jinja (None: it can); ``UnsafeTemplateError``
+    (naming it ``name``) where the sandbox stops it on any conversation of the check.
+
+    The small conversation must render; the longer ones (up to ``CHECKED_MESSAGES``
+    messages, with a tool call and its result, tools given and not) may be refused,
+    as a template may refuse roles or tools it does not take.
+    """
     try:
         template = compile_template(source)
-        probe = [{"role": role, "content": text} for role, text in _PROBE[:3]]
-        template.render(messages=probe, add_generation_prompt=True, bos_token="", eos_token="")
     except TemplateRenderError as exc:
         return str(exc)
-    except Exception as exc:  # a template's own failure, whatever it raises
-        return f"the chat template failed on a small conversation: {exc}"
+    for variables, must_render in _checks():
+        try:
+            template.render(**variables)
+        except UnsafeTemplateError as exc:
+            raise exc.named(name) from None
+        except Exception as exc:  # a template's own failure, whatever it raises
+            if must_render:
+                reason = failure(exc, name).reason.removeprefix("failed: ")
+                return f"the chat template failed on a small conversation: {reason}"
     return None
+
+
+def _checks() -> list[tuple[dict[str, object], bool]]:
+    """The check's conversations, as a template is given them, and whether each must render."""
+    special = {"bos_token": "", "eos_token": ""}
+    small = [{"role": role, "content": text} for role, text in _PROBE[:3]]
+    checks: list[tuple[dict[str, object], bool]] = [
+        ({"messages": small, "add_generation_prompt": True, **special}, True)
+    ]
+    plain = _long_conversation(False)
+    for n in range(1, len(plain) + 1):
+        variables = {"messages": plain[:n], "add_generation_prompt": n % 2 == 0, **special}
+        checks.append((variables, False))
+    with_tools = _long_conversation(True)
+    for n in (len(with_tools) - 4, len(with_tools)):
+        variables = {"messages": with_tools[:n], "tools": [_TOOL], **special}
+        checks.append(({**variables, "add_generation_prompt": True}, False))
+    return checks
+
+
+def _long_conversation(tools: bool) -> list[dict[str, object]]:
+    """A system prompt and turns up to ``CHECKED_MESSAGES`` messages; with ``tools``, an
+    answer that calls a tool and the tool's result."""
+    out: list[dict[str, object]] = [{"role": "system", "content": "S"}]
+    turn = 0
+    while len(out) < CHECKED_MESSAGES:
+        turn += 1
+        out.append({"role": "user", "content": f"U{turn}"})
+        if tools and turn == 2:
+            call = {"name": "get_time", "arguments": {"zone": "UTC"}}
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+                }
+            )
+            out.append(
+                {"role": "tool", "tool_call_id": "call_1", "name": "get_time", "content": "T"}
+            )
+        out.append({"role": "assistant", "content": f"A{turn}"})
+    return out[:CHECKED_MESSAGES]
 
 
 @functools.cache
@@ -183,9 +271,13 @@ def _template_file(path: Path) -> TemplateChoice:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ChatTemplateError(f"chat template {path} is not UTF-8 text") from None
-    problem = jinja_problem(text)
+    name = f"the chat template in {path}"
+    try:
+        problem = jinja_problem(text, name)
+    except UnsafeTemplateError as exc:
+        raise ChatTemplateError(str(exc)) from None
     if problem is not None:
-        raise ChatTemplateError(f"cannot use the chat template in {path}: {problem}")
+        raise ChatTemplateError(f"cannot use {name}: {problem}")
     log.info("chat template %s is rendered as Jinja", path)
     return TemplateChoice(data, "jinja", f"file {path}", jinja=text)
 
@@ -220,11 +312,9 @@ def choose_template(session: ModelSession, override: str | None = None) -> Templ
         return choice
     raw = llama_cpp.llama_model_chat_template(session.model, None)
     if raw:
-        text = raw.decode("utf-8", errors="replace")
-        problem = jinja_problem(text)
-        if problem is None:
-            return TemplateChoice(raw, "model", "model", jinja=text)
-        _warn_once(str(session.config.model_path), f"model's chat template: {problem}")
+        own = _own_jinja(session, raw)
+        if own is not None:
+            return own
     if raw and render_probe(raw) is not None:
         return TemplateChoice(raw, "model", "model")
     architecture = session.meta("general.architecture") or "unknown"
@@ -240,6 +330,26 @@ def choose_template(session: ModelSession, override: str | None = None) -> Templ
         f"model {problem}; using {name!r} {why} (override with --chat-template)",
     )
     return TemplateChoice(name.encode(), name, "architecture")
+
+
+def _own_jinja(session: ModelSession, raw: bytes) -> TemplateChoice | None:
+    """The model's own template as Jinja; None where it falls back (with a warning),
+    ``ChatTemplateError`` where it is refused."""
+    own = TemplateChoice(raw, "model", "model")
+    label = template_name(own, session.config.model_path)
+    if len(raw) > MAX_TEMPLATE_BYTES:
+        size = f"is {len(raw):,} bytes, more than a chat template may be"
+        too_large = UnsafeTemplateError(f"{size} ({MAX_TEMPLATE_BYTES:,})", label)
+        raise ChatTemplateError(refused(too_large, own))
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        problem = jinja_problem(text, label)
+    except UnsafeTemplateError as exc:
+        raise ChatTemplateError(refused(exc, own)) from None
+    if problem is None:
+        return TemplateChoice(raw, "model", "model", jinja=text)
+    _warn_once(str(session.config.model_path), f"model's chat template: {problem}")
+    return None
 
 
 def _warn_once(model: str, message: str) -> None:

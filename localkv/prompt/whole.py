@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from localkv.prompt.renderbudget import UnsafeTemplateError
 from localkv.prompt.rendering import Piece, pieces
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ def _segments(
             continue
         try:
             prefix = renderer.marked(messages[: i + 1], False, tools)
+        except UnsafeTemplateError:  # stopped by its limits: so is the request
+            raise
         except ValueError:  # a template that refuses a part of the conversation
             continue
         at = len(prefix)
