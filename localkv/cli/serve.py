@@ -17,6 +17,7 @@ import click
 import uvicorn
 
 from localkv.cli.options import cache_options, model_options, open_runtime, session_config
+from localkv.prompt.templatechoice import ChatTemplateError
 from localkv.server.app import ServerSettings, create_app
 from localkv.server.boundary import normal_origin
 from localkv.server.engine import Engine
@@ -239,7 +240,23 @@ def serve(
     server.append(uv)
     click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
     uv.run()
+    _exit(failed, started=uv.started)
+
+
+class _LoadError(click.ClickException):
+    """The model could not be loaded."""
+
+
+class _TemplateRefused(_LoadError):
+    """The model's chat template was refused: a usage error, as in ``ask`` and ``chat``."""
+
+    exit_code = 2
+
+
+def _exit(failed: list[BaseException], *, started: bool) -> None:
+    """After the server stopped: an error if the model failed or the server never started."""
     if failed:
-        raise click.ClickException(f"the model could not be loaded: {failed[0]}")
-    if not uv.started:
+        kind = _TemplateRefused if isinstance(failed[0], ChatTemplateError) else _LoadError
+        raise kind(f"the model could not be loaded: {failed[0]}")
+    if not started:
         sys.exit(1)  # uvicorn said why (the port is taken, ...)

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
 
+from localkv.prompt.renderbudget import TemplateRenderError
+
 __all__ = ["ApiError", "anthropic_error", "bad_request", "error_response"]
 
 _TYPES = {
@@ -93,10 +95,15 @@ def error_response(error: ApiError, path: str = "") -> JSONResponse:
 
 
 def as_api_error(exc: BaseException) -> ApiError:
-    """What a request's failure tells its client: its own ApiError, a 499 or a logged 500."""
+    """What a request's failure tells its client: its own ApiError, a 499, a 500 naming
+    the model's chat template that failed on it (one log line: the template is at
+    fault, not the server), or a logged 500."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, asyncio.CancelledError):
         return ApiError(499, "the request was cancelled")
+    if isinstance(exc, TemplateRenderError):
+        logging.getLogger("localkv.server").warning("%s", exc)
+        return ApiError(500, str(exc), code="template_error")
     logging.getLogger("localkv.server").error("request failed: %s", exc, exc_info=exc)
     return ApiError(500, f"internal error: {exc}")

@@ -184,7 +184,7 @@ def test_a_template_the_load_check_stops_is_the_servers_load_error(
     template, says = REFUSED_AT_LOAD[attack]
     args = ["serve", "--port", str(free_port()), *_options(model(template))]
     run = _run(args)
-    assert run.code == 1, run.stderr
+    assert run.code == 2, run.stderr
     line = _one_error(run, says)
     assert line.startswith("Error: the model could not be loaded: the chat template")
     _bounded(run, f"template refused at load: {attack}", "serve")
@@ -232,9 +232,11 @@ def test_a_template_that_fails_on_a_longer_conversation_is_a_500_naming_it(
         assert status == 500, reply
         message = reply["error"]["message"]
         assert NAMED in message and says in message, message
+        assert reply["error"]["code"] == "template_error", reply
         assert _post(server, 1)[0] == 200  # the worker is free again
         peak = _server_peak_mb(server.pid)
-    assert "Traceback" not in message
+        log = server.log()
+    assert "Traceback" not in message and "Traceback" not in log, log[-3000:]
     record(f"template fails late: {attack}", face="serve", seconds=round(seconds, 2), peak_mb=peak)
     assert seconds < BOUND_S
     assert peak < CEILING_MB
