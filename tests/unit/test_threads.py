@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ from support.tinyarch import build_tiny_arch_models
 from support.tinymodels import TinyModels, tiny_config
 
 import localkv
+from localkv.model import machine
 from localkv.model.machine import RECHECK_S, fitting_threads
 from localkv.model.session import ModelSession, SessionConfig
 from localkv.prompt.request import Document
@@ -37,6 +38,20 @@ def hogs() -> Iterator[None]:
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.fixture()
+def load(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """The load a thread fit sees (tasks runnable besides this process), given to it
+    rather than read from the machine, which other work may be using."""
+    others = [0.0]
+    monkeypatch.setattr(machine, "runnable_others", lambda *args, **kwargs: others[0])
+    monkeypatch.setattr(machine, "latest_others", lambda: None)
+
+    def set_load(n: float) -> None:
+        others[0] = n
+
+    return set_load
 
 
 def test_one_thread_per_core_left_free() -> None:
@@ -83,16 +98,16 @@ def test_every_memory_kind_gives_the_same_bits_at_every_thread_count(
 
 @needs_two
 def test_a_busy_machine_decodes_with_fewer_threads_and_an_idle_one_with_all(
-    tiny_models: TinyModels,
+    tiny_models: TinyModels, load: Callable[[float], None]
 ) -> None:
     with ModelSession(SessionConfig(model_path=tiny_models.base, n_ctx=512)) as s:
         assert s.threads.adapt
         tokens = s.tokenize("one two three four five six")
-        with hogs():
-            time.sleep(RECHECK_S)  # past the last look
-            s.prefill(tokens)
-            busy_threads = s.threads.current
-        assert busy_threads < CORES
+        load(CORES)
+        time.sleep(RECHECK_S)  # past the last look
+        s.prefill(tokens)
+        assert s.threads.current < CORES
+        load(0)
         time.sleep(RECHECK_S + 0.2)
         s.reset()
         s.prefill(tokens)
@@ -113,7 +128,7 @@ def test_the_count_stays_where_the_user_chose_it_or_it_changes_results(
 
 @needs_two
 def test_a_cache_saved_with_all_cores_restores_exactly_on_a_busy_machine(
-    default_model_path: Path, tmp_path: Path
+    default_model_path: Path, tmp_path: Path, load: Callable[[float], None]
 ) -> None:
     """Saved at two threads, asked with the machine busy (one thread): verified, same answer."""
     doc = Document.from_text("The lighthouse keeper logs the tides every hour. " * 30, "notes.txt")
@@ -123,7 +138,8 @@ def test_a_cache_saved_with_all_cores_restores_exactly_on_a_busy_machine(
         cold = rt.ask([doc], "What does the keeper log?", params=params)
         rt.wait_for_saves()
         assert rt.session.threads.current == CORES
-    with hogs(), localkv.Runtime.open(default_model_path, **options) as rt:  # type: ignore[arg-type]
+    load(CORES)
+    with localkv.Runtime.open(default_model_path, **options) as rt:  # type: ignore[arg-type]
         time.sleep(RECHECK_S)
         warm = rt.ask([doc], "What does the keeper log?", params=params)
         threads = rt.session.threads.current
@@ -138,7 +154,7 @@ def _readers() -> int:
 
 @needs_two
 def test_a_busy_machine_reads_a_restore_on_its_own_thread_and_restores_the_same(
-    tiny_models: TinyModels, tmp_path: Path
+    tiny_models: TinyModels, tmp_path: Path, load: Callable[[float], None]
 ) -> None:
     """Reader threads only while cores are free (a hand-off waits for a time slice when
     other work holds them); the restore is verified and the same bits either way."""
@@ -152,7 +168,8 @@ def test_a_busy_machine_reads_a_restore_on_its_own_thread_and_restores_the_same(
         stored = rt.session.capture_state()
     seen = {}
     for busy in (True, False):
-        with Runtime(cfg, cache_dir=tmp_path) as rt, hogs() if busy else contextlib.nullcontext():
+        load(CORES if busy else 0)
+        with Runtime(cfg, cache_dir=tmp_path) as rt:
             assert rt.cache is not None
             time.sleep(RECHECK_S)  # past the look taken as it opened
             before = _readers()
