@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from support.processes import run_localkv
 from support.server import ServerProcess
 from support.tinymodels import build_tiny_llama
 
@@ -58,14 +57,7 @@ def document(long_text: str, i: int) -> str:
 
 
 def localkv(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "localkv", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=LIVENESS_S,
-        stdin=subprocess.DEVNULL,
-    )
+    done = run_localkv(env, *args, timeout_s=LIVENESS_S)
     assert done.returncode == 0, (args, done.stderr)
     return done.stdout
 
@@ -160,14 +152,8 @@ def test_the_usage_counts_only_the_breakpoints_that_were_kept(
 def test_a_malformed_share_is_a_usage_error_before_the_server_starts(
     env: dict[str, str], share: str
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "localkv", "serve", "--port", "0"],
-        env={**env, "LOCALKV_CLIENT_PINS": share},
-        capture_output=True,
-        text=True,
-        timeout=LIVENESS_S,
-        stdin=subprocess.DEVNULL,
-    )
+    share_env = {**env, "LOCALKV_CLIENT_PINS": share}
+    done = run_localkv(share_env, "serve", "--port", "0", timeout_s=LIVENESS_S)
     assert done.returncode == 2, done.stderr
     assert f"Error: LOCALKV_CLIENT_PINS: not a share: {share!r}" in done.stderr
     assert "Traceback" not in done.stderr

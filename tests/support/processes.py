@@ -1,4 +1,5 @@
-"""A ``localkv`` command run as a process of its own, stopped at a point of its work."""
+"""A ``localkv`` command run as a process of its own, to its end or stopped at a point
+of its work."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def run_localkv(
+    env: dict[str, str], *args: str, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m localkv ARGS`` to its end, with no input; what it printed."""
+    return subprocess.run(
+        [sys.executable, "-m", "localkv", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def run_until_a_block_is_saved(
