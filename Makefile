@@ -31,11 +31,12 @@ endif
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF $(LLAMA_CPU_ARGS)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: chat test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser
+.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser
 
 help:
 	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
 	@echo "make test   - set up dev tools and run ruff, mypy, import contracts and pytest"
+	@echo "make serve  - set up .venv with the server's extra and run localkv serve (ARGS=...)"
 	@echo "make rebuild-llama - build llama-cpp-python again for this CPU, past pip's wheel cache"
 
 $(VENV)/bin/python:
@@ -101,6 +102,10 @@ pytest: $(VENV)/.dev $(VENV)/.bytecode browser
 check: lint typecheck imports
 
 test: check pytest
+
+serve: $(VENV)/.runtime $(VENV)/.bytecode
+	$(PIP) install --quiet -e ".[serve]"
+	$(VENV)/bin/localkv serve $(ARGS)
 
 bench: $(VENV)/.runtime $(VENV)/.bytecode
 	$(PIP) install --quiet -e ".[bench]"

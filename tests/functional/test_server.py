@@ -435,6 +435,10 @@ def test_serve_without_its_extra_says_how_to_install_it() -> None:
     assert done.returncode == 1
     assert "`localkv serve` needs uvicorn: pip install 'localkv[serve]'" in done.stderr
     assert "Traceback" not in done.stderr
+    target = re.search(r"`make (\w+)` does", done.stderr)
+    assert target is not None, done.stderr  # the make target it names exists
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text(encoding="utf-8")
+    assert re.search(rf"^{target.group(1)}:", makefile, re.MULTILINE), target.group(1)
 
 
 def test_the_prefixes_a_server_saves_are_listed_pinned_and_removed(

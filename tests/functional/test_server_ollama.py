@@ -81,6 +81,15 @@ def test_list_show_version_and_ps_describe_the_loaded_model(server: ServerProces
     assert status == 200 and isinstance(version["version"], str)
 
 
+def test_show_gives_a_built_in_formats_name_as_text(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    args = [*tiny_args(tiny_models), "--chat-template", "chatml"]
+    with ServerProcess(args, tmp_path / "chatml.log") as proc:
+        shown = ollama_client(proc).show("tiny")
+    assert shown.template == "chatml"
+
+
 def test_chat_streamed_equals_chat_whole_and_the_openai_route(server: ServerProcess) -> None:
     c = ollama_client(server)
     whole = c.chat(

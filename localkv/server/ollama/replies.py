@@ -91,7 +91,8 @@ def _n_params(engine: Engine) -> int:
 def show(engine: Engine) -> dict[str, Any]:
     card = model_card(engine)
     choice = engine.runtime.template.choice
-    template = choice.jinja if choice.jinja is not None else str(choice.template or "")
+    # the Jinja text; a llama.cpp built-in format has none, only its name
+    template = choice.jinja if choice.jinja is not None else choice.template.decode("utf-8")
     params = "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9)))
     modelfile = f"FROM {engine.runtime.session.config.model_path}\n"
     return {
