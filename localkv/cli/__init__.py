@@ -77,7 +77,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "history": ("localkv.cli.history:history", "List, export and delete saved chat conversations."),
     "serve": (
         "localkv.cli.serve:serve",
-        "Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.",
+        "Serve the model over the OpenAI, Responses, Anthropic and Ollama HTTP APIs, cached.",
     ),
     "bench": (
         "localkv.cli.bench:bench",

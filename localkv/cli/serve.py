@@ -32,9 +32,13 @@ is not allowed (--allow-origin), or POSTs anything but JSON is refused with 403
 or 415 before it is read.
 
 \b
-Endpoints: GET /health (503 while the model loads), GET /v1/models,
-POST /v1/chat/completions, POST /v1/completions (streaming and not),
-POST /v1/localkv/prefill, GET /v1/localkv/cache.
+Endpoints: GET /health (503 while the model loads), GET /v1/localkv/cache,
+POST /v1/localkv/prefill; every generation streaming and not:
+  OpenAI:     GET /v1/models, POST /v1/chat/completions, POST /v1/completions
+  Responses:  POST /v1/responses
+  Anthropic:  POST /v1/messages, POST /v1/messages/count_tokens
+  Ollama:     GET /api/version, /api/tags, /api/ps; POST /api/show, /api/chat,
+              /api/generate
 Example:
   localkv serve --port 8000
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -195,7 +199,7 @@ def serve(
     stop_grace: float,
     **opts: Any,
 ) -> None:
-    """Serve the model over the OpenAI HTTP API, with the verified disk cache behind it.
+    """Serve the model over the OpenAI, Responses, Anthropic and Ollama HTTP APIs, cached.
 
     Chat UIs and SDKs (openai, LangChain, Open WebUI, ...) point their base URL
     at http://HOST:PORT/v1. A system prompt or document computed once is

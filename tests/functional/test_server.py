@@ -426,6 +426,20 @@ def test_after_a_restart_the_default_model_answers_the_same_from_the_cache(
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
 
 
+def test_serve_help_names_every_route() -> None:
+    from localkv.server.app import ServerSettings, create_app
+    from localkv.server.worker import ModelWorker
+
+    app = create_app(ServerSettings(), ModelWorker(lambda: None, 1))  # (the model is not loaded)
+    paths = {route.path for route in app.routes}
+    done = subprocess.run(
+        [sys.executable, "-m", "localkv", "serve", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    missing = sorted(p for p in paths if p not in done.stdout)
+    assert missing == [], done.stdout
+
+
 def test_serve_without_its_extra_says_how_to_install_it() -> None:
     code = (
         "import sys; sys.modules['uvicorn'] = None; sys.argv = ['localkv', 'serve', '--help']\n"
