@@ -10,6 +10,7 @@ nothing: the cache is read afterwards through an ordinary client.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from support.browser import Sites, open_page
+from support.processes import run_localkv
 from support.server import ServerProcess
 from support.tinymodels import TinyModels
 
@@ -266,3 +268,25 @@ def test_a_page_whose_origin_is_allowed_works(tmp_path: Path, tiny_models: TinyM
     assert out["models"]["status"] == 200 and out["models"]["body"]["data"], out
     assert out["chat"]["status"] == 200 and out["chat"]["body"]["choices"], out
     assert refused_other.status_code == 403
+
+
+def test_with_a_key_the_key_is_the_boundary(tmp_path: Path, tiny_models: TinyModels) -> None:
+    with serve(tmp_path, tiny_models, "keyed", "--api-key", "sesame") as proc:
+        url, host = proc.base_url + "/v1/models", {"Host": "mybox.lan"}
+        keyed = httpx.get(url, headers={**host, "Authorization": "Bearer sesame"})
+        unkeyed = httpx.get(url, headers=host)
+        page = httpx.get(
+            url, headers={"Authorization": "Bearer sesame", "Origin": "http://x.example"}
+        )
+    assert keyed.status_code == 200, keyed.text
+    assert unkeyed.status_code == 401, unkeyed.text
+    assert page.status_code == 403, page.text  # a page still needs its origin allowed
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://", "http://a.example/path"])
+def test_a_malformed_allowed_origin_is_a_usage_error(tiny_models: TinyModels, origin: str) -> None:
+    args = ["serve", "--model", str(tiny_models.base), "--allow-origin", origin]
+    done = run_localkv(dict(os.environ), *args, timeout_s=120)
+    assert done.returncode == 2, done.stderr
+    assert "--allow-origin" in done.stderr and "scheme://host" in done.stderr
+    assert "Traceback" not in done.stderr
