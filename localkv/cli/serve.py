@@ -10,7 +10,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -24,7 +25,9 @@ from localkv.server.engine import Engine
 from localkv.server.http import server_config
 from localkv.server.worker import STOP_GRACE_S, ModelWorker
 
-__all__ = ["serve"]
+__all__ = ["MAX_TOKENS", "serve"]
+
+MAX_TOKENS = 4096  # an answer's limit when its request gives none, and the most it may ask
 
 _EPILOG = """Only you may use it: a web page you open can send requests to 127.0.0.1, so a
 request that names another host (DNS rebinding), comes from a page whose origin
@@ -172,6 +175,17 @@ def _is_loopback(host: str) -> bool:
     help="Requests admitted at once, the running one included; more get 503 with Retry-After.",
 )
 @click.option(
+    "--max-tokens",
+    type=click.IntRange(min=0),
+    envvar="LOCALKV_MAX_TOKENS",
+    default=MAX_TOKENS,
+    show_default=True,
+    help="The most tokens an answer may have: the limit of a request that gives none "
+    "(Codex, aider), and a larger limit asked for is capped to it, so a runaway answer "
+    "never holds the queue longer. The answer then ends with finish reason 'length'. "
+    "0: no limit but the context. [env: LOCALKV_MAX_TOKENS]",
+)
+@click.option(
     "--max-body",
     type=click.IntRange(min=1024),
     default=16 * 2**20,
@@ -195,6 +209,7 @@ def serve(
     allow_origins: tuple[str, ...],
     allow_hosts: tuple[str, ...],
     queue: int,
+    max_tokens: int,
     max_body: int,
     stop_grace: float,
     **opts: Any,
@@ -223,20 +238,17 @@ def serve(
         queue=queue,
         max_body=max_body,
     )
-    config = session_config(opts)  # a missing model fails here, before binding
-
-    def open_engine() -> Engine:
-        return Engine(open_runtime(opts))
-
-    server: list[uvicorn.Server] = []
     failed: list[BaseException] = []
+    server: list[uvicorn.Server] = []
 
     def on_failure(exc: BaseException) -> None:
         failed.append(exc)
         if server:
             server[0].should_exit = True
 
-    worker = ModelWorker(open_engine, queue, on_failure, grace_s=stop_grace)
+    limits = _Limits(queue=queue, max_tokens=max_tokens, stop_grace=stop_grace)
+    worker = _worker(opts, limits, on_failure)
+    config = session_config(opts)  # a missing model fails here, before binding
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
         logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)
@@ -245,6 +257,27 @@ def serve(
     click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
     uv.run()
     _exit(failed, started=uv.started)
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """What the queue admits and how long an answer runs (0: no limit)."""
+
+    queue: int
+    max_tokens: int
+    stop_grace: float
+
+
+def _worker(
+    opts: dict[str, Any], limits: _Limits, on_failure: Callable[[BaseException], None]
+) -> ModelWorker:
+    """The model's worker: it opens the engine the options describe on its own thread."""
+    max_tokens = limits.max_tokens or None
+
+    def open_engine() -> Engine:
+        return Engine(open_runtime(opts), max_tokens=max_tokens)
+
+    return ModelWorker(open_engine, limits.queue, on_failure, limits.stop_grace)
 
 
 class _LoadError(click.ClickException):

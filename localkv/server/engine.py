@@ -69,10 +69,17 @@ class Channel(Protocol):
 
 
 class Engine:
-    """The runtime, plus the sampled ids of recent answers (for resent histories)."""
+    """The runtime, plus the sampled ids of recent answers (for resent histories).
 
-    def __init__(self, runtime: Runtime) -> None:
+    ``max_tokens`` bounds every answer: a request that gives no limit gets it, one
+    that asks for more is capped to it (None: the context's room is the only bound).
+    """
+
+    def __init__(self, runtime: Runtime, *, max_tokens: int | None = None) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (None: no limit), got {max_tokens}")
         self.runtime = runtime
+        self.max_tokens = max_tokens
         self.memory = AnswerMemory()
         self.known = MessageMemory()  # tokens of user and system messages seen before
         self._work_at, self._queued = self._work(), 0.0
@@ -261,14 +268,21 @@ class Engine:
             return 0
 
     def _params(self, sampling: Sampling, n_prompt: int) -> SamplingParams:
+        """The request's sampling; its answer bounded by the server's ``max_tokens``, which
+        a limit asked for above it is capped to, and by the context's room."""
         room = self.runtime.session.n_ctx - n_prompt
-        wanted = sampling.max_tokens if sampling.max_tokens is not None else room
+        bound = room if self.max_tokens is None else min(self.max_tokens, room)
+        wanted = sampling.max_tokens if sampling.max_tokens is not None else bound
+        if self.max_tokens is not None and wanted > self.max_tokens:
+            log.debug(
+                "%d tokens asked: capped to the server's limit of %d", wanted, self.max_tokens
+            )
         return SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
-            max_tokens=max(1, min(wanted, room)),
+            max_tokens=max(1, min(wanted, bound)),
             min_p=0.0,  # the OpenAI API samples with neither: a request gets what it asks
             repeat_penalty=1.0,
             grammar=sampling.grammar,
