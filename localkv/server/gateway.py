@@ -26,7 +26,7 @@ from localkv.server.errors import ApiError, as_api_error
 from localkv.server.fields import decode_body
 from localkv.server.gate import read_body
 from localkv.server.requests import ChatRequest, CompletionRequest, ModelFacts, Outcome
-from localkv.server.worker import ModelWorker, NotReady, QueueFull, Ticket
+from localkv.server.worker import ModelWorker, NotReady, Ticket
 
 if TYPE_CHECKING:
     from localkv.server.engine import Engine
@@ -138,12 +138,8 @@ class Gateway:
 
     # --------------------------------------------------------------- the queue
     def _submit(self, job: Callable[[Engine, Ticket], Any]) -> Ticket:
-        try:
+        try:  # a full queue is a QueueFull, a 503 with Retry-After
             return self.worker.submit(asyncio.get_running_loop(), job)
-        except QueueFull as exc:
-            raise ApiError(
-                503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}
-            ) from None
         except NotReady as exc:
             raise ApiError(503, str(exc), code="loading", headers={"Retry-After": "1"}) from None
 
