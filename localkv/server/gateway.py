@@ -53,10 +53,10 @@ class Encoder(Protocol):
     """A protocol's shapes of an answer."""
 
     media_type: ClassVar[str]  # of a stream
-    keepalive: ClassVar[str]  # what a stream sends while the model is busy ("": nothing)
 
     def whole(self, outcome: Outcome) -> dict[str, Any]: ...
     def opening(self) -> str: ...
+    def keepalive(self) -> str: ...  # what a stream sends while the model is busy ("": nothing)
     def piece(self, kind: str, text: str) -> str: ...  # kind: "text" or "reasoning"
     def closing(self, outcome: Outcome) -> str: ...
     def failure(self, error: ApiError) -> str: ...
@@ -122,8 +122,9 @@ class Gateway:
                 try:
                     kind, value = await asyncio.wait_for(ticket.events.get(), keepalive_s)
                 except TimeoutError:
-                    if encoder.keepalive:
-                        yield encoder.keepalive
+                    beat = encoder.keepalive()
+                    if beat:
+                        yield beat
                     continue
                 if kind in ("text", "reasoning"):
                     yield encoder.piece(kind, value)

@@ -100,10 +100,16 @@ LENGTH = {
 }
 
 
+# A Responses answer cut at the server's limit, for a request that set none, is
+# ``completed``: ``incomplete`` says the request's own ``max_output_tokens`` was reached
+# (and Codex, which sets none, would run the turn again on it).
+UNASKED = {**LENGTH, "responses": ("completed", None)}
+
+
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_a_request_without_a_limit_stops_at_the_servers(server: ServerProcess, route: str) -> None:
     path, body, reply = ROUTES[route]
-    assert reply(post(server, path, body(None))) == (LENGTH[route], LIMIT)
+    assert reply(post(server, path, body(None))) == (UNASKED[route], LIMIT)
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))

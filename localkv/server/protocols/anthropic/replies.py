@@ -82,7 +82,6 @@ class Message:
     ``piece``s and ``closing`` for a stream (``ping`` events as keep-alives)."""
 
     media_type: ClassVar[str] = "text/event-stream"
-    keepalive: ClassVar[str] = PING
 
     model: str
     id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
@@ -107,6 +106,9 @@ class Message:
         empty = {"input_tokens": 0, "output_tokens": 0}
         body = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None}
         return event("message_start", {"message": {**body, "usage": empty}})
+
+    def keepalive(self) -> str:
+        return PING
 
     def piece(self, kind: str, text: str) -> str:
         """A text (``kind`` "text") or thinking ("reasoning") delta, opening its block."""

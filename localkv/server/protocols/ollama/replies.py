@@ -89,7 +89,6 @@ class Answer:
     gateway's encoder, a stream being NDJSON lines (no keep-alive: a line is an answer's)."""
 
     media_type: ClassVar[str] = "application/x-ndjson"
-    keepalive: ClassVar[str] = ""
 
     model: str
     chat: bool
@@ -139,6 +138,9 @@ class Answer:
         return self.final(outcome, whole=True)
 
     def opening(self) -> str:
+        return ""
+
+    def keepalive(self) -> str:
         return ""
 
     def piece(self, kind: str, text: str) -> str:

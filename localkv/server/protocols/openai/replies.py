@@ -59,7 +59,6 @@ class Reply:
     """The fixed parts of one response: its id, kind, model and creation time."""
 
     media_type: ClassVar[str] = "text/event-stream"
-    keepalive: ClassVar[str] = KEEP_ALIVE
 
     id: str
     chat: bool  # chat.completion, else text_completion
@@ -165,6 +164,9 @@ class Reply:
 
     def opening(self) -> str:
         return self.chunk(None, role=True)
+
+    def keepalive(self) -> str:
+        return KEEP_ALIVE
 
     def piece(self, kind: str, text: str) -> str:
         return self.chunk(None, reasoning=text) if kind == "reasoning" else self.chunk(text)

@@ -33,12 +33,6 @@ def event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {text}\n\n"
 
 
-def status(outcome: Outcome) -> str:
-    if outcome.finish_reason == "cancelled":
-        return "cancelled"
-    return "incomplete" if outcome.finish_reason == "length" else "completed"
-
-
 @dataclass(frozen=True, slots=True)
 class Answer:
     """The fixed parts of one response: its id, model, time and the request's echoes,
@@ -103,9 +97,19 @@ class Answer:
             "usage": None,
         }
 
+    def status(self, outcome: Outcome) -> str:
+        """``incomplete`` only for an answer cut at the request's own ``max_output_tokens``:
+        one cut at the server's limit (``serve --max-tokens``) or the context's, for a
+        request that set none, is ``completed`` (a client that retries an incomplete
+        response, as Codex does, would otherwise run the same turn again)."""
+        if outcome.finish_reason == "cancelled":
+            return "cancelled"
+        limited = self.echo.get("max_output_tokens") is not None
+        return "incomplete" if outcome.finish_reason == "length" and limited else "completed"
+
     def body(self, outcome: Outcome, reasoning_tokens: int) -> dict[str, Any]:
         """The whole response, as ``create`` returns it and ``response.completed`` carries it."""
-        state = status(outcome)
+        state = self.status(outcome)
         out = self.head(state)
         if state == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -222,7 +226,7 @@ class Events:
         needs_message = bool(outcome.text) or not outcome.tool_calls
         if needs_message and self.answer.message_id not in self.opened:
             out += [*self._close(), *self._open("message")]
-        self.text, self.item_status = outcome.text, _item_status(status(outcome))
+        self.text, self.item_status = outcome.text, _item_status(self.answer.status(outcome))
         out += self._close()
         for call in outcome.tool_calls:
             index = len(self.opened)
@@ -290,7 +294,6 @@ class Encoder:
     lines as keep-alives)."""
 
     media_type: ClassVar[str] = "text/event-stream"
-    keepalive: ClassVar[str] = ": keep-alive\n\n"
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
@@ -301,6 +304,12 @@ class Encoder:
 
     def opening(self) -> str:
         return "".join(self.events.start())
+
+    def keepalive(self) -> str:
+        """``response.in_progress`` again: an event, where a comment line would not reset a
+        client's idle timer (Codex cancels a stream with no event for 5 minutes, and a
+        long prompt's prefill on a CPU takes longer)."""
+        return self.events.emit("response.in_progress", response=self.answer.head("in_progress"))
 
     def piece(self, kind: str, text: str) -> str:
         return "".join(self.events.piece(kind, text))
