@@ -33,6 +33,7 @@ def _isolated_home(
         "LOCALKV_ALLOWED_HOSTS",
         "LOCALKV_API_KEY",
         "LOCALKV_MAX_TOKENS",
+        "LOCALKV_KEEP_CLIENT_HEADERS",
     )
     for name in leaks:
         monkeypatch.delenv(name, raising=False)

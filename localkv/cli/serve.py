@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import click
@@ -213,6 +213,14 @@ def _is_loopback(host: str) -> bool:
     help="Seconds SIGTERM or Ctrl-C waits for the running request to stop and the saves "
     "to complete; then the server exits anyway.",
 )
+@click.option(
+    "--keep-client-headers",
+    is_flag=True,
+    envvar="LOCALKV_KEEP_CLIENT_HEADERS",
+    help="Keep the per-session text clients put before their prompts (Claude Code's "
+    "x-anthropic-billing-header block) in the tokens; by default it is left out, so a new "
+    "session reuses the cached system prompt. [env: LOCALKV_KEEP_CLIENT_HEADERS]",
+)
 @model_options
 @cache_options
 def serve(
@@ -226,6 +234,7 @@ def serve(
     max_tokens: int,
     max_body: int,
     stop_grace: float,
+    keep_client_headers: bool,
     **opts: Any,
 ) -> None:
     """Serve the model over the OpenAI, Responses, Anthropic and Ollama HTTP APIs, cached.
@@ -252,6 +261,7 @@ def serve(
         queue=queue,
         max_body=max_body,
     )
+    settings = replace(settings, keep_client_headers=keep_client_headers)
     failed: list[BaseException] = []
     server: list[uvicorn.Server] = []
 

@@ -2,7 +2,10 @@
 
 Under ``/api/`` (the Ollama API) they are Ollama's: ``{"error": "message"}``;
 under ``/v1/messages`` (the Anthropic API) Anthropic's: ``{"type": "error",
-"error": {"type", "message"}}``, a full queue there being 529 ``overloaded_error``.
+"error": {"type", "message"}}``, a full queue there being 529 ``overloaded_error``
+and a prompt too long for the context (a 413) said in Anthropic's words, an
+``invalid_request_error`` ``prompt is too long: N tokens > M maximum``, which
+Claude Code reads to compact its conversation.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        too_long: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -60,6 +64,9 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        # a prompt too long for the context: its tokens (or the fewest it has), the most
+        # a prompt may have
+        self.too_long = too_long
 
     def body(self) -> dict[str, object]:
         return {
@@ -80,7 +87,12 @@ def anthropic_error(error: ApiError) -> tuple[int, dict[str, object]]:
     """The status and body of ``error`` in Anthropic's shape."""
     status = 529 if error.code == "queue_full" else error.status
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if error.too_long is not None:
+        tokens, most = error.too_long
+        kind = "invalid_request_error"
+        message = f"prompt is too long: {max(tokens, most + 1)} tokens > {most} maximum"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(error: ApiError, path: str = "") -> JSONResponse:

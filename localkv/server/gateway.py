@@ -7,6 +7,8 @@ the encoder: a whole body, or a stream that opens once the work has started
 (so a prompt too long for the context is still a plain 413), sends each piece
 as it comes, a keep-alive while nothing does, and the encoder's closing or
 failure at the end. A client that leaves cancels its work, waiting or running.
+A chat request is made canonical first (``canonical``: the client cache-busters
+its rules take out; none with ``keep_client_headers``).
 Errors before a stream opens are ``ApiError``s, which the app shapes per
 protocol (``errors``).
 """
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from localkv.server.canonical import RULES, Canonical
 from localkv.server.errors import ApiError, as_api_error
 from localkv.server.fields import decode_body
 from localkv.server.gate import read_body
@@ -47,6 +50,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     allowed_hosts: tuple[str, ...] = ()  # names besides loopback names and addresses
     allowed_origins: tuple[str, ...] = ()  # web pages that may call the server
+    keep_client_headers: bool = False  # apply no ``canonical`` rule
 
 
 class Encoder(Protocol):
@@ -68,6 +72,7 @@ class Gateway:
     def __init__(self, settings: ServerSettings, worker: ModelWorker) -> None:
         self.settings = settings
         self.worker = worker
+        self.canonical = Canonical(() if settings.keep_client_headers else RULES)
 
     # ---------------------------------------------------------------- input
     async def body(self, request: Request) -> dict[str, Any]:
@@ -93,6 +98,8 @@ class Gateway:
     async def answer(self, request: Request, work: Work, encoder: Encoder) -> Response:
         """Run ``work`` and answer it whole or as a stream, in ``encoder``'s shapes."""
         self.engine()  # a 503 while the model loads, before anything is queued
+        if isinstance(work, ChatRequest):
+            work = self.canonical(work)
         ticket = self._submit(_job(work))
         ticket.arrived = getattr(request.state, "arrived", ticket.arrived)
         request.state.ticket = ticket  # its outcome goes into the log line
@@ -108,6 +115,7 @@ class Gateway:
 
     async def count(self, request: Request, work: ChatRequest) -> int:
         """The prompt tokens ``work`` would run (nothing is computed)."""
+        work = self.canonical(work)
         return int(await self.run(request, lambda engine, ticket: engine.count(work, ticket)))
 
     async def run(self, request: Request, job: Callable[[Engine, Ticket], Any]) -> Any:

@@ -64,4 +64,5 @@ class Budget:
             f"in the context of {self.n_ctx:,} tokens",
             param=self.param,
             code="context_length_exceeded",
+            too_long=(n_tokens, self.limit),
         )

@@ -1,46 +1,79 @@
-"""Anthropic Messages bodies as the OpenAI request values the engine runs.
+"""Anthropic Messages bodies as the neutral requests the engine runs.
 
-The translation builds an OpenAI chat body and parses it with ``server.openai``,
-so every check and default of the OpenAI path holds here too. Mapped:
-``system`` (a string or text blocks) to the system message; ``messages``
-(``user``/``assistant``, content a string or blocks): ``text`` to content,
-``tool_use`` to the assistant's ``tool_calls`` (``input`` as JSON text),
-``tool_result`` to a tool message answering ``tool_use_id`` (its content a
-string or text blocks; ``is_error`` puts ``Error: `` before it), ``thinking`` to
-the answer's ``reasoning_content``; ``tools`` (``name``, ``description``,
-``input_schema``) to function tools; ``tool_choice`` ``auto``, ``any``
-(``required``), ``tool`` (the named function), ``none``; ``max_tokens``
-(required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``.
-``cache_control`` on a system block, a tool or a message's block is a
-``Breakpoint``: the prompt up to the end of that message (the system prompt
-for a system block or a tool), at the last segment end there, is kept,
-pinned 5 minutes, or an hour with ``"ttl": "1h"``; a ``cache_control`` on
-the request is one on its last message. Images and documents are refused;
-``metadata``, ``thinking``, ``service_tier`` and other fields are accepted
-and ignored.
+The body is parsed straight into a ``ChatRequest``; every error is a 400 that
+names the field as Anthropic spells it (``tools[0].input_schema``,
+``stop_sequences``, ``messages[2].content[0]``).
+
+Mapped: ``system`` (a string or text blocks, joined as written) to the system
+prompt; ``messages``: ``text`` blocks to the text, ``tool_use`` to the
+assistant's tool calls (``input`` as JSON text), ``tool_result`` to a tool
+message answering ``tool_use_id`` (its content a string or text blocks;
+``is_error`` puts ``Error: `` before it), ``thinking`` to the answer's
+reasoning; ``tools`` (``name``, ``description``, ``input_schema``) to function
+tools (``server.tools``); ``tool_choice`` ``auto``, ``any`` (a call must be
+made), ``tool`` (that one), ``none``; ``max_tokens`` (required),
+``stop_sequences``, ``temperature``, ``top_p``, ``top_k``; ``output_config.format``
+(or ``output_format``) ``{"type": "json_schema", "schema": ...}`` to the grammar
+the answer is sampled under. ``cache_control`` on a system block, a tool, or a
+message's block is a ``Breakpoint``: the prompt up to the end of that message
+(the system prompt for a system block or a tool), at its last segment end
+there, is kept, pinned 5 minutes, or an hour with ``"ttl": "1h"``; a
+``cache_control`` on the request is one on its last message.
+
+System messages in ``messages`` (``role: "system"``, a string or text blocks,
+as Claude Code and the current SDKs send them). Those before the first
+assistant message join the system prompt, after ``system``, in their order,
+each a paragraph of its own. Later ones stay where they are, and the chat
+template renders them as it renders a system message there: a system turn in
+ChatML, Llama 3 or Qwen; folded into the next user turn by llama.cpp's
+``gemma`` format, which has no such turn; a Jinja template that refuses one
+there refuses the request (a 500 naming the template), as for any conversation
+it cannot render. The rule follows from what a system prompt is and from what
+a cache needs. Until the model's first answer nothing it said stands between
+a system message and the system prompt: both are instructions given before it
+acts, and the system prompt is where the template puts those. After an answer,
+a system message is an instruction given at that point, and moving it earlier
+would change the tokens of turns already computed, which a conversation never
+does as it grows. So Claude Code's first request, ``[user: question, system:
+environment]``, is ``system + environment`` then the question; a new session
+with another question shares every token up to that question; and its
+``--continue`` request (the same system message as a string instead of one
+block, the answer, a new question) begins with the first request's tokens.
+
+Honoured or ignored, never refused: ``thinking`` (any ``type``: the model
+reasons as its template makes it, and its reasoning comes back as ``thinking``
+blocks), ``output_config.effort``, ``context_management`` (nothing is edited
+out of a conversation here), ``metadata``, ``service_tier``, top-level
+``cache_control`` (honoured, above), a tool's ``defer_loading``, ``strict`` and
+``cache_control`` (the tool is rendered with the others), ``tool_choice``'s
+``disable_parallel_tool_use``; the ``anthropic-beta`` and ``anthropic-version``
+headers and a query string (``?beta=true``); any other field. A tool whose
+``type`` is not ``custom`` (a tool Anthropic's servers run, as
+``web_search_20250305``) is left out, with a log line. Refused: image and
+document blocks (the model reads text), an answer to continue (the last
+message must be the user's), a content block a role does not send.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-from localkv.server.errors import ApiError, bad_request
-from localkv.server.protocols.openai.parse import parse_chat
-from localkv.server.requests import Breakpoint, ChatRequest
+from localkv.prompt.template import Message, ToolCall
+from localkv.server.errors import bad_request
+from localkv.server.fields import flag, integer, json_grammar, number, stop_list
+from localkv.server.requests import Breakpoint, ChatRequest, Sampling, ToolChoice
+from localkv.server.tools import checked_choice, function_tool
 
 __all__ = ["Parsed", "messages_request"]
 
+log = logging.getLogger(__name__)
+
 TTLS = {"5m": 300.0, "1h": 3600.0}
-# the chat path's names of fields, as a Messages client knows them
-_NAMES = (
-    (r"\bstop\b", "stop_sequences"),
-    (r"(tools\[\d+\])\.function\.parameters", r"\1.input_schema"),
-    (r"(tools\[\d+\])\.function\.", r"\1."),
-)
-_SAMPLING = ("temperature", "top_p", "top_k")
+SYSTEM_PROMPT = -2  # a breakpoint's message while parsing: the end of the system prompt
+_left_out: set[str] = set()  # tool types logged as left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,62 +85,112 @@ class Parsed:
     model: str
 
 
+@dataclass
+class _Conversation:
+    """What the messages become as they are read: the system prompt's parts, the other
+    messages, and the breakpoints (on ``SYSTEM_PROMPT``, -1 the tools, or a message)."""
+
+    system: list[str] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    points: list[tuple[int, float]] = field(default_factory=list)
+    answered: bool = False  # an assistant message has been read
+
+    def request(
+        self,
+        sampling: Sampling,
+        tools: tuple[tuple[dict[str, Any], ...], ToolChoice | None],
+        stream: bool,
+    ) -> ChatRequest:
+        prompt = "\n\n".join(part for part in self.system if part)
+        head = (Message("system", prompt),) if prompt else ()
+        points = []
+        for at, ttl in self.points:
+            if at == SYSTEM_PROMPT:
+                if head:
+                    points.append(Breakpoint(message=0, ttl_s=ttl))
+                continue
+            points.append(Breakpoint(message=at + len(head) if at >= 0 else at, ttl_s=ttl))
+        return ChatRequest(
+            messages=(*head, *self.messages),
+            sampling=sampling,
+            stream=stream,
+            tools=tools[0],
+            tool_choice=tools[1],
+            breakpoints=tuple(points),
+        )
+
+
 def messages_request(body: dict[str, Any], *, counting: bool = False) -> Parsed:
     """``POST /v1/messages`` (``counting``: ``/v1/messages/count_tokens``, no ``max_tokens``)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required (any name: the loaded model answers)", "model")
-    points: list[Breakpoint] = []
-    out: list[dict[str, Any]] = []
-    system = _system(body.get("system"), points)
-    if system is not None:
-        out.append({"role": "system", "content": system})
+    convo = _Conversation()
+    convo.system.append(_system(body.get("system"), convo))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise bad_request("'messages' must be a non-empty array", "messages")
+        raise bad_request("messages: must be a non-empty array", "messages")
     for i, message in enumerate(raw):
-        _message(message, i, out, points)
+        _message(message, i, convo)
+    _check_last(convo.messages, len(raw) - 1)
     ttl = _ttl(body, "")  # on the request: the last message's last block
     if ttl is not None:
-        points.append(Breakpoint(len(out) - 1, ttl))
-    openai: dict[str, Any] = {"messages": out, **_tools(body, points)}
-    openai.update(_limits(body, counting))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be true or false", "stream")
-    try:
-        request = parse_chat(openai)
-    except ApiError as exc:
-        raise _renamed(exc) from None
-    return Parsed(replace(request, breakpoints=tuple(points), stream=stream), stream, model)
+        convo.points.append((len(convo.messages) - 1, ttl))
+    tools = _tools(body, convo)
+    stream = flag(body.get("stream"), "stream")
+    request = convo.request(_sampling(body, counting), tools, stream)
+    return Parsed(request=request, stream=stream, model=model)
 
 
-def _renamed(exc: ApiError) -> ApiError:
-    """A chat-path error with the Messages names of its fields."""
-    message, param = exc.message, exc.param
-    for old, new in _NAMES:
-        message = re.sub(old, new, message)
-        param = None if param is None else re.sub(old, new, param)
-    return ApiError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
+def _check_last(messages: list[Message], last: int) -> None:
+    """The conversation must end with the user's turn (system messages may follow it)."""
+    roles = [m.role for m in messages if m.role != "system"]
+    if not roles or roles[-1] not in ("user", "tool"):
+        raise bad_request(
+            "messages: the last message must have role 'user' (a conversation of system "
+            "messages alone, or an answer to continue, is not supported)",
+            f"messages[{last}]",
+        )
 
 
-def _limits(body: dict[str, Any], counting: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+def _sampling(body: dict[str, Any], counting: bool) -> Sampling:
     limit = body.get("max_tokens")
     if limit is None and not counting:
         raise bad_request("max_tokens: Field required", "max_tokens")
-    if limit is not None and not counting:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise bad_request("max_tokens: must be an integer of at least 1", "max_tokens")
-        out["max_tokens"] = limit
+    if counting:
+        limit = None
+    elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise bad_request("max_tokens: must be an integer of at least 1", "max_tokens")
     stops = body.get("stop_sequences")
-    if stops is not None and stops != []:
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise bad_request(
-                "stop_sequences: must be an array of non-empty strings", "stop_sequences"
-            )
-        out["stop"] = stops
-    return out
+    if stops is not None and not (
+        isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+    ):
+        raise bad_request("stop_sequences: must be an array of non-empty strings", "stop_sequences")
+    temperature = number(body.get("temperature"), "temperature", 0.0, 2.0)
+    top_p = number(body.get("top_p"), "top_p", 0.0, 1.0)
+    if top_p == 0.0:
+        raise bad_request("'top_p' must be above 0", "top_p")
+    return Sampling(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=integer(body.get("top_k"), "top_k", 0) or 0,
+        max_tokens=limit,
+        stop=stop_list(stops or None, "stop_sequences"),
+        grammar=_grammar(body),
+    )
+
+
+def _grammar(body: dict[str, Any]) -> str | None:
+    """The grammar ``output_config.format`` (or the older ``output_format``) asks for."""
+    config = body.get("output_config")
+    fmt, where = body.get("output_format"), "output_format"
+    if isinstance(config, dict) and config.get("format") is not None:
+        fmt, where = config["format"], "output_config.format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad_request(f"{where}: must be {{'type': 'json_schema', 'schema': {{...}}}}", where)
+    return json_grammar(fmt.get("schema"), f"{where}.schema", where)
 
 
 def _ttl(block: dict[str, Any], where: str) -> float | None:
@@ -124,23 +207,25 @@ def _ttl(block: dict[str, Any], where: str) -> float | None:
     return TTLS[ttl]
 
 
-def _system(raw: object, points: list[Breakpoint]) -> str | None:
+def _system(raw: object, convo: _Conversation, where: str = "system") -> str:
+    """A system text (a string or text blocks, joined as written); its breakpoints end the
+    system prompt."""
     if raw is None:
-        return None
+        return ""
     if isinstance(raw, str):
-        return raw or None
+        return raw
     if not isinstance(raw, list):
-        raise bad_request("system: must be a string or an array of text blocks", "system")
+        raise bad_request(f"{where}: must be a string or an array of text blocks", where)
     texts = []
     for i, block in enumerate(raw):
-        where = f"system[{i}]"
+        at = f"{where}[{i}]"
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise bad_request(f"{where}: only text blocks are supported", where)
-        texts.append(_text(block, where))
-        ttl = _ttl(block, where)
+            raise bad_request(f"{at}: only text blocks are supported", at)
+        texts.append(_text(block, at))
+        ttl = _ttl(block, at)
         if ttl is not None:
-            points.append(Breakpoint(0, ttl))
-    return "".join(texts) or None
+            convo.points.append((SYSTEM_PROMPT, ttl))
+    return "".join(texts)
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -150,72 +235,121 @@ def _text(block: dict[str, Any], where: str) -> str:
     return text
 
 
-def _message(raw: object, i: int, out: list[dict[str, Any]], points: list[Breakpoint]) -> None:
-    """Message ``i`` as one OpenAI message, or (tool results) several, appended to ``out``."""
+def _message(raw: object, i: int, convo: _Conversation) -> None:
+    """Message ``i`` as one neutral message, or (tool results) several, in ``convo``."""
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
         raise bad_request(f"{where}: must be an object with 'role' and 'content'", where)
     role = raw.get("role")
-    if role not in ("user", "assistant"):
-        raise bad_request(f"{where}.role: must be 'user' or 'assistant', not {role!r}", where)
+    if role not in ("user", "assistant", "system"):
+        raise bad_request(
+            f"{where}.role: must be 'user', 'assistant' or 'system', not {role!r}", where
+        )
     content = raw.get("content")
+    if role == "system":
+        _system_message(content, where, convo)
+        return
     if isinstance(content, str):
-        out.append({"role": role, "content": content})
+        convo.messages.append(Message(str(role), content))
+        convo.answered = convo.answered or role == "assistant"
         return
     if not isinstance(content, list):
         raise bad_request(f"{where}.content: must be a string or an array of blocks", where)
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    reasoning: list[str] = []
-    kept: float | None = None
+    if role == "assistant":
+        _assistant(content, where, convo)
+    else:
+        _user(content, where, convo)
+
+
+def _system_message(content: object, where: str, convo: _Conversation) -> None:
+    """Before the first answer: part of the system prompt; after it, a turn in place."""
+    if not isinstance(content, str | list):
+        raise bad_request(f"{where}.content: must be a string or an array of text blocks", where)
+    if not convo.answered:
+        convo.system.append(_system(content, convo, f"{where}.content"))
+        return
+    at = len(convo.points)
+    text = _system(content, convo, f"{where}.content")
+    kept = [ttl for _, ttl in convo.points[at:]]
+    del convo.points[at:]
+    convo.messages.append(Message("system", text))
+    if kept:
+        convo.points.append((len(convo.messages) - 1, max(kept)))
+
+
+def _blocks(content: list[Any], where: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each block of ``content`` with where it is (a 400 for one that is not an object)."""
+    out = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         if not isinstance(block, dict):
             raise bad_request(f"{at}: must be a content block (an object with 'type')", at)
-        _block(block, at, str(role), (texts, calls, reasoning), out)
-        ttl = _ttl(block, at)
-        kept = ttl if kept is None or (ttl is not None and ttl > kept) else kept
-    if role == "assistant":
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-        if calls:
-            message["tool_calls"] = calls
-        if reasoning:
-            message["reasoning_content"] = "".join(reasoning)
-        out.append(message)
-    elif texts or not out or out[-1]["role"] != "tool":
-        out.append({"role": "user", "content": "".join(texts)})
+        if block.get("type") in ("image", "document"):
+            raise bad_request(f"{at}: {block['type']} blocks are not supported by this server", at)
+        out.append((at, block))
+    return out
+
+
+def _kept(blocks: list[tuple[str, dict[str, Any]]]) -> float | None:
+    """The longest ``cache_control`` among a message's blocks (None: none has one)."""
+    ttls = [t for at, block in blocks if (t := _ttl(block, at)) is not None]
+    return max(ttls) if ttls else None
+
+
+def _assistant(content: list[Any], where: str, convo: _Conversation) -> None:
+    blocks = _blocks(content, where)
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    reasoning: list[str] = []
+    for at, block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_use":
+            calls.append(_call(block, at))
+        elif kind in ("thinking", "redacted_thinking"):
+            thought = block.get("thinking")
+            if isinstance(thought, str):
+                reasoning.append(thought)
+        else:
+            raise bad_request(
+                f"{at}.type: {kind!r} is not a content block an assistant message has", at
+            )
+    thought = "".join(reasoning)
+    convo.messages.append(
+        Message("assistant", "".join(texts), thought or None, tuple(calls), None, None)
+    )
+    convo.answered = True
+    kept = _kept(blocks)
     if kept is not None:
-        points.append(Breakpoint(len(out) - 1, kept))
+        convo.points.append((len(convo.messages) - 1, kept))
 
 
-def _block(
-    block: dict[str, Any],
-    at: str,
-    role: str,
-    parts: tuple[list[str], list[dict[str, Any]], list[str]],
-    out: list[dict[str, Any]],
-) -> None:
-    texts, calls, reasoning = parts
-    kind = block.get("type")
-    if kind == "text":
-        texts.append(_text(block, at))
-    elif kind in ("image", "document"):
-        raise bad_request(f"{at}: {kind} blocks are not supported by this server", at)
-    elif kind == "tool_use" and role == "assistant":
-        calls.append(_call(block, at))
-    elif kind == "tool_result" and role == "user":
-        if texts:
-            raise bad_request(f"{at}: tool_result blocks must come before text", at)
-        out.append(_result(block, at))
-    elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-        thought = block.get("thinking")
-        if isinstance(thought, str):
-            reasoning.append(thought)
-    else:
-        raise bad_request(f"{at}.type: {kind!r} is not a content block a {role} message has", at)
+def _user(content: list[Any], where: str, convo: _Conversation) -> None:
+    """A user message: its tool results (tool messages), then its text (a user message)."""
+    blocks = _blocks(content, where)
+    texts: list[str] = []
+    results = 0
+    for at, block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_result":
+            if texts:
+                raise bad_request(f"{at}: tool_result blocks must come before text", at)
+            convo.messages.append(_result(block, at))
+            results += 1
+        else:
+            raise bad_request(f"{at}.type: {kind!r} is not a content block a user message has", at)
+    previous = convo.messages[-1].role if convo.messages else None
+    if texts or (not results and previous != "tool"):
+        convo.messages.append(Message("user", "".join(texts)))
+    kept = _kept(blocks)
+    if kept is not None:
+        convo.points.append((len(convo.messages) - 1, kept))
 
 
-def _call(block: dict[str, Any], at: str) -> dict[str, Any]:
+def _call(block: dict[str, Any], at: str) -> ToolCall:
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
     if not isinstance(call_id, str) or not call_id:
         raise bad_request(f"{at}.id: a tool_use block needs an id", at)
@@ -223,11 +357,10 @@ def _call(block: dict[str, Any], at: str) -> dict[str, Any]:
         raise bad_request(f"{at}.name: a tool_use block needs a name", at)
     if not isinstance(arguments, dict):
         raise bad_request(f"{at}.input: must be an object", at)
-    text = json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+    return ToolCall(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _result(block: dict[str, Any], at: str) -> dict[str, Any]:
+def _result(block: dict[str, Any], at: str) -> Message:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
         raise bad_request(f"{at}.tool_use_id: a tool_result block needs one", at)
@@ -243,47 +376,70 @@ def _result(block: dict[str, Any], at: str) -> dict[str, Any]:
         raise bad_request(f"{at}.content: must be a string or an array of text blocks", at)
     if block.get("is_error") is True:
         content = f"Error: {content}"
-    return {"role": "tool", "tool_call_id": call_id, "content": content}
+    return Message("tool", content, None, (), call_id, None)
 
 
-def _tools(body: dict[str, Any], points: list[Breakpoint]) -> dict[str, Any]:
+def _tools(
+    body: dict[str, Any], convo: _Conversation
+) -> tuple[tuple[dict[str, Any], ...], ToolChoice | None]:
     raw, choice = body.get("tools"), body.get("tool_choice")
-    if raw is None or raw == []:
-        return {} if choice is None else {"tool_choice": _choice(choice)}
-    if not isinstance(raw, list):
+    if raw is not None and not isinstance(raw, list):
         raise bad_request("tools: must be an array of tools", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            raise bad_request(
-                f"{where}: only custom tools (name, input_schema) are supported", where
-            )
-        function: dict[str, Any] = {"name": tool.get("name")}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise bad_request(f"{where}.input_schema: must be a JSON schema object", where)
-        function["parameters"] = schema
-        tools.append({"type": "function", "function": function})
-        ttl = _ttl(tool, where)
-        if ttl is not None:
-            points.append(Breakpoint(-1, ttl))
-    out: dict[str, Any] = {"tools": tools}
-    if choice is not None:
-        out["tool_choice"] = _choice(choice)
-    return out
+    tools, places = [], []
+    for i, tool in enumerate(raw or ()):
+        built = _tool(tool, f"tools[{i}]", convo)
+        if built is not None:
+            tools.append(built)
+            places.append(i)
+    if not tools:
+        if choice is not None and _choice(choice).mode not in ("auto", "none"):
+            raise bad_request("tool_choice: needs 'tools'", "tool_choice")
+        return (), None
+    return tuple(tools), checked_choice(
+        tools,
+        _choice(choice),
+        choice_at="tool_choice",
+        parameters_at=lambda k: f"tools[{places[k]}].input_schema",
+    )
 
 
-def _choice(choice: object) -> object:
+def _tool(tool: object, where: str, convo: _Conversation) -> dict[str, Any] | None:
+    """A custom tool as a function tool; None for a tool of a type this server cannot run."""
+    if not isinstance(tool, dict):
+        raise bad_request(f"{where}: must be a tool (name, input_schema)", where)
+    kind = tool.get("type", "custom")
+    if kind is not None and not isinstance(kind, str):
+        raise bad_request(f"{where}.type: must be a string ('custom')", where)
+    if kind not in (None, "custom"):
+        if kind not in _left_out:
+            _left_out.add(kind)
+            log.info("tools of type %r are left out: this server runs no such tool", kind)
+        return None
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.input_schema: must be a JSON schema object", where)
+    built = function_tool(
+        tool.get("name"),
+        tool.get("description"),
+        schema,
+        lambda name: f"{where}.{'input_schema' if name == 'parameters' else name}",
+    )
+    ttl = _ttl(tool, where)
+    if ttl is not None:
+        convo.points.append((-1, ttl))
+    return built
+
+
+def _choice(choice: object) -> ToolChoice:
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if isinstance(choice, dict) and kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    if kind in ("auto", "none"):
-        return kind
+    if choice is None or kind == "auto":
+        return ToolChoice("auto")
+    if kind == "none":
+        return ToolChoice("none")
     if kind == "any":
-        return "required"
+        return ToolChoice("required")
+    if isinstance(choice, dict) and kind == "tool" and isinstance(choice.get("name"), str):
+        return ToolChoice("function", choice["name"])
     raise bad_request(
         "tool_choice: must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
         "tool_choice",
