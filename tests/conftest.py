@@ -32,6 +32,7 @@ def _isolated_home(
         "LOCALKV_ORIGINS",
         "LOCALKV_ALLOWED_HOSTS",
         "LOCALKV_API_KEY",
+        "LOCALKV_MAX_TOKENS",
     )
     for name in leaks:
         monkeypatch.delenv(name, raising=False)

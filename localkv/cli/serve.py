@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -22,9 +24,12 @@ from localkv.server.app import ServerSettings, create_app
 from localkv.server.boundary import normal_origin
 from localkv.server.engine import Engine
 from localkv.server.http import server_config
-from localkv.server.worker import STOP_GRACE_S, ModelWorker
+from localkv.server.worker import QUEUE_WAIT_S, STOP_GRACE_S, ModelWorker
 
-__all__ = ["serve"]
+__all__ = ["MAX_TOKENS", "QUEUE", "serve"]
+
+QUEUE = 16  # room for the requests an agent sends together
+MAX_TOKENS = 4096  # an answer's limit when its request gives none, and the most it may ask
 
 _EPILOG = """Only you may use it: a web page you open can send requests to 127.0.0.1, so a
 request that names another host (DNS rebinding), comes from a page whose origin
@@ -167,9 +172,31 @@ def _is_loopback(host: str) -> bool:
 @click.option(
     "--queue",
     type=click.IntRange(min=1),
-    default=4,
+    default=QUEUE,
     show_default=True,
-    help="Requests admitted at once, the running one included; more get 503 with Retry-After.",
+    help="Requests admitted at once, the running one included: those sent together (an "
+    "agent's subagents, its title request) wait their turn, in order; more get 503 with "
+    "Retry-After at once.",
+)
+@click.option(
+    "--queue-wait",
+    type=click.FloatRange(min=0),
+    default=QUEUE_WAIT_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="The longest a request waits for its turn; then it gets 503 with Retry-After. "
+    "0: as long as it takes. A waiting request whose client leaves is dropped at once.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=0),
+    envvar="LOCALKV_MAX_TOKENS",
+    default=MAX_TOKENS,
+    show_default=True,
+    help="The most tokens an answer may have: the limit of a request that gives none "
+    "(Codex, aider), and a larger limit asked for is capped to it, so a runaway answer "
+    "never holds the queue longer. The answer then ends with finish reason 'length'. "
+    "0: no limit but the context. [env: LOCALKV_MAX_TOKENS]",
 )
 @click.option(
     "--max-body",
@@ -195,6 +222,8 @@ def serve(
     allow_origins: tuple[str, ...],
     allow_hosts: tuple[str, ...],
     queue: int,
+    queue_wait: float,
+    max_tokens: int,
     max_body: int,
     stop_grace: float,
     **opts: Any,
@@ -223,20 +252,19 @@ def serve(
         queue=queue,
         max_body=max_body,
     )
-    config = session_config(opts)  # a missing model fails here, before binding
-
-    def open_engine() -> Engine:
-        return Engine(open_runtime(opts))
-
-    server: list[uvicorn.Server] = []
     failed: list[BaseException] = []
+    server: list[uvicorn.Server] = []
 
     def on_failure(exc: BaseException) -> None:
         failed.append(exc)
         if server:
             server[0].should_exit = True
 
-    worker = ModelWorker(open_engine, queue, on_failure, grace_s=stop_grace)
+    limits = _Limits(
+        queue=queue, queue_wait=queue_wait, max_tokens=max_tokens, stop_grace=stop_grace
+    )
+    worker = _worker(opts, limits, on_failure)
+    config = session_config(opts)  # a missing model fails here, before binding
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # -v, -vv show more
         logging.getLogger("localkv.server").setLevel(logging.INFO)
     app = create_app(settings, worker)
@@ -245,6 +273,33 @@ def serve(
     click.echo(f"localkv serve: http://{host}:{port}/v1 (model {config.model_path})", err=True)
     uv.run()
     _exit(failed, started=uv.started)
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """What the queue admits, how long a request waits and an answer runs (0: no limit)."""
+
+    queue: int
+    queue_wait: float
+    max_tokens: int
+    stop_grace: float
+
+
+def _worker(
+    opts: dict[str, Any], limits: _Limits, on_failure: Callable[[BaseException], None]
+) -> ModelWorker:
+    """The model's worker: it opens the engine the options describe on its own thread."""
+    if not math.isfinite(limits.queue_wait):
+        raise click.BadParameter(
+            "give a finite number of seconds (0: no limit)", param_hint="--queue-wait"
+        )
+    max_tokens = limits.max_tokens or None
+
+    def open_engine() -> Engine:
+        return Engine(open_runtime(opts), max_tokens=max_tokens)
+
+    wait_s = limits.queue_wait or None
+    return ModelWorker(open_engine, limits.queue, on_failure, limits.stop_grace, wait_s)
 
 
 class _LoadError(click.ClickException):

@@ -18,11 +18,14 @@ server and may read its answers. So, before any route runs:
   (``--allow-origin``; none by default) is refused (403), whatever its method.
   A request the user typed into the address bar (``Sec-Fetch-Site: none``)
   and clients that are not browsers send neither and pass.
-- **Content-Type**: a POST must declare JSON. A page may send a ``text/plain``,
-  form or multipart POST to any address without asking first (no CORS
-  preflight); a JSON POST from another origin needs the preflight, which only
-  an allowed origin passes. This holds even for a browser that sends no
-  ``Origin``.
+- **Content-Type**: a POST that declares a type must declare JSON. A page may
+  send a ``text/plain``, form or multipart POST to any address without asking
+  first (no CORS preflight); a JSON POST from another origin needs the
+  preflight, which only an allowed origin passes. This holds even for a browser
+  that sends no ``Origin``. A POST with no ``Content-Type`` at all passes (some
+  clients send none: litellm's Ollama route); its body must still be JSON. A
+  page can send one only through ``fetch`` or XHR (a form always has a type),
+  and those name their origin, so the Origin check above refused it already.
 """
 
 from __future__ import annotations
@@ -132,7 +135,9 @@ class Boundary:
 
 
 def _check_json(raw: bytes | None) -> None:
-    media = (raw or b"").decode("latin-1").partition(";")[0].strip().lower()
+    if raw is None:
+        return  # no type declared: not a form, and not from a page that passed the Origin check
+    media = raw.decode("latin-1").partition(";")[0].strip().lower()
     if media == "application/json" or (
         media.startswith("application/") and media.endswith("+json")
     ):

@@ -9,25 +9,26 @@ new blocks are saved in the background after the answer, as ``chat`` does.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from localkv.cache.catalogue import ClientPin, pinned
 from localkv.chat.session import ChatSession, ChatState, SyncReport
+from localkv.model.native import llama_cpp
 from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
 from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
-from localkv.prompt.template import Message, ToolCall
+from localkv.prompt.template import Message
 from localkv.runtime import Runtime
 from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
-from localkv.server.openai import ChatRequest, CompletionRequest, Sampling
 from localkv.server.prefixes import (
     KeptPins,
     Pin,
@@ -38,14 +39,18 @@ from localkv.server.prefixes import (
     prefix_label,
     snapshot_namer,
 )
+from localkv.server.requests import (
+    ChatRequest,
+    CompletionRequest,
+    ModelFacts,
+    Outcome,
+    Sampling,
+)
 from localkv.server.stops import StopText
 from localkv.server.tools import answer_text, tool_params, with_answer
 from localkv.storage.removal.budget import ENV_CLIENT_PINS
 
 __all__ = ["Engine", "Outcome"]
-
-# ``Outcome.work``
-_WORK = ("state_captures", "tokenize_calls", "tokenized_chars", "renders", "rendered_chars")
 
 log = logging.getLogger(__name__)
 
@@ -63,65 +68,23 @@ class Channel(Protocol):
     def cancelled(self) -> bool: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One generation: the answer and what the cache did for it."""
-
-    text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    cached_tokens: int
-    generated: int
-    source: str  # where the reused tokens came from: "live", "disk" or "none"
-    verified: bool | None
-    restore_ms: float
-    miss_reason: str | None
-    diverged_at: int | None
-    ttft_s: float
-    total_s: float
-    # this request's state captures, tokenize calls (characters), template renders
-    # (characters), counted
-    work: tuple[int, ...] = (0,) * len(_WORK)
-    queued_s: float = 0.0  # from the request's arrival to the start of its work
-    reasoning: str | None = None  # the answer's thinking (``reasoning_content``)
-    tool_calls: tuple[ToolCall, ...] = ()
-    stop_sequence: str | None = None  # the one that ended the answer
-    # prompt tokens up to the request's last kept breakpoint not read from the cache
-    pinned_new: int = 0
-    breakpoints: tuple[int, int] = (0, 0)  # the request's cache breakpoints, and those kept
-
-    def localkv(self) -> dict[str, object]:
-        """The ``localkv`` object of a response."""
-        return {
-            "cached_tokens": self.cached_tokens,
-            "source": self.source,
-            "verified": self.verified,
-            "restore_ms": round(self.restore_ms, 3),
-            "miss_reason": self.miss_reason,
-            "diverged_at": self.diverged_at,
-            "ttft_ms": round(self.ttft_s * 1000, 3),
-            # the first token as the client sees it: from the request's arrival
-            "arrival_ttft_ms": round((self.queued_s + self.ttft_s) * 1000, 3)
-            if self.generated
-            else None,
-            "work": dict(zip(_WORK, self.work, strict=True)),
-            **self._breakpoints(),
-        }
-
-    def _breakpoints(self) -> dict[str, object]:
-        asked, kept = self.breakpoints
-        return {"breakpoints": {"asked": asked, "kept": kept}} if asked else {}
-
-
 class Engine:
-    """The runtime, plus the sampled ids of recent answers (for resent histories)."""
+    """The runtime, plus the sampled ids of recent answers (for resent histories).
 
-    def __init__(self, runtime: Runtime) -> None:
+    ``max_tokens`` bounds every answer: a request that gives no limit gets it, one
+    that asks for more is capped to it (None: the context's room is the only bound).
+    """
+
+    def __init__(self, runtime: Runtime, *, max_tokens: int | None = None) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (None: no limit), got {max_tokens}")
         self.runtime = runtime
+        self.max_tokens = max_tokens
         self.memory = AnswerMemory()
         self.known = MessageMemory()  # tokens of user and system messages seen before
         self._work_at, self._queued = self._work(), 0.0
         self.model_id = Path(runtime.session.config.model_path).stem
+        self.facts = model_facts(runtime, self.model_id)
 
     # ------------------------------------------------------------------ chat
     def chat(self, request: ChatRequest, channel: Channel) -> Outcome:
@@ -172,7 +135,11 @@ class Engine:
         )
         asked = (len(request.breakpoints), len(kept.ends))
         outcome = replace(outcome, pinned_new=new_tokens(kept.last, outcome), breakpoints=asked)
-        return with_answer(outcome, split)
+        outcome = with_answer(outcome, split)
+        if outcome.reasoning:  # the reasoning's text, tokenized: at most what was sampled
+            thought = len(self.runtime.template.text_tokens(outcome.reasoning))
+            outcome = replace(outcome, reasoning_tokens=min(thought, outcome.generated))
+        return outcome
 
     def _close_turn(
         self,
@@ -313,14 +280,21 @@ class Engine:
             return 0
 
     def _params(self, sampling: Sampling, n_prompt: int) -> SamplingParams:
+        """The request's sampling; its answer bounded by the server's ``max_tokens``, which
+        a limit asked for above it is capped to, and by the context's room."""
         room = self.runtime.session.n_ctx - n_prompt
-        wanted = sampling.max_tokens if sampling.max_tokens is not None else room
+        bound = room if self.max_tokens is None else min(self.max_tokens, room)
+        wanted = sampling.max_tokens if sampling.max_tokens is not None else bound
+        if self.max_tokens is not None and wanted > self.max_tokens:
+            log.debug(
+                "%d tokens asked: capped to the server's limit of %d", wanted, self.max_tokens
+            )
         return SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
-            max_tokens=max(1, min(wanted, room)),
+            max_tokens=max(1, min(wanted, bound)),
             min_p=0.0,  # the OpenAI API samples with neither: a request gets what it asks
             repeat_penalty=1.0,
             grammar=sampling.grammar,
@@ -412,6 +386,31 @@ class Engine:
     def snapshots(self) -> list[dict[str, object]]:
         self.runtime.wait_for_saves()
         return self.runtime.snapshots()
+
+
+def model_facts(runtime: Runtime, model_id: str) -> ModelFacts:
+    """What the protocols may say of the loaded model, read once."""
+    session = runtime.session
+    path = session.config.model_path
+    stat = os.stat(path)
+    family = session.meta("general.architecture") or ""
+    keys = ["general.architecture", "general.name", "general.size_label", "general.file_type"]
+    keys += [f"{family}.{k}" for k in ("context_length", "embedding_length", "block_count")]
+    metadata = {key: value for key in keys if (value := session.meta(key)) is not None}
+    choice = runtime.template.choice
+    # the Jinja text; a llama.cpp built-in format has none, only its name
+    template = choice.jinja if choice.jinja is not None else choice.template.decode("utf-8")
+    return ModelFacts(
+        model_id=model_id,
+        path=str(path),
+        size=stat.st_size,
+        modified=stat.st_mtime,
+        digest=runtime.cache.identity.model_sha256 if runtime.cache is not None else "",
+        n_params=int(llama_cpp.llama_model_n_params(session.model)),
+        n_ctx=session.n_ctx,
+        template=template,
+        metadata=metadata,
+    )
 
 
 def _sender(stops: StopText, emit: TextFn) -> TextFn:

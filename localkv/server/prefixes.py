@@ -38,16 +38,16 @@ from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
 from localkv.reports import printable
 from localkv.server.errors import bad_request
+from localkv.server.requests import Breakpoint
 
 if TYPE_CHECKING:
     from localkv.cache.prefix import PrefixCache
     from localkv.runtime import Runtime
     from localkv.server.conversation import Prompt
-    from localkv.server.engine import Outcome
+    from localkv.server.requests import Outcome
 
 __all__ = [
     "MAX_PINS",
-    "Breakpoint",
     "KeptPins",
     "Pin",
     "new_tokens",
@@ -97,15 +97,6 @@ def snapshot_namer(
         snapshot.name(saved, label, saved.end or n_tokens)
 
     return name
-
-
-@dataclass(frozen=True, slots=True)
-class Breakpoint:
-    """Keep the prompt up to the end of message ``message`` (-1: the tools, which render
-    into the system prompt), at its last segment end, pinned ``ttl_s`` seconds."""
-
-    message: int
-    ttl_s: float
 
 
 @dataclass(frozen=True, slots=True)

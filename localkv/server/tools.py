@@ -1,12 +1,13 @@
-"""OpenAI tools in a request, and an answer's reasoning and tool calls on the way out.
+"""Tools in a request, and an answer's reasoning and tool calls on the way out.
 
-``tools`` are function definitions (``{"type": "function", "function": {"name",
-"description", "parameters"}}``); ``tool_choice`` is ``auto`` (the default with
-tools), ``none`` (the tools are rendered, no call is parsed), ``required`` or a
-named function. An answer is split as it streams (``AnswerText``): its reasoning
-goes to ``reasoning_content``, its content to ``content``; with tools, text
-that may be a tool call is held back until the answer ends, then parsed
-(``localkv.prompt.toolcalls``) into ``tool_calls`` with ids.
+Whatever the protocol, a request's tools are function definitions as chat
+templates render them (``{"type": "function", "function": {"name",
+"description", "parameters"}}``, built by ``function_tool``); its ``ToolChoice``
+is ``auto`` (the default with tools), ``none`` (the tools are rendered, no call
+is parsed), ``required`` or a named function (``checked_choice``). An answer is
+split as it streams (``AnswerText``): its reasoning goes to ``reasoning_content``,
+its content to ``content``; with tools, text that may be a tool call is held back
+until the answer ends, then parsed (``localkv.prompt.toolcalls``) into ``tool_calls`` with ids.
 """
 
 from __future__ import annotations
@@ -29,19 +30,18 @@ from localkv.prompt.template import ChatTemplate, ToolCall
 from localkv.prompt.toolcalls import CALL_OPENERS, call_grammar, call_style, parse_tool_calls
 from localkv.prompt.tools import renders_tools
 from localkv.server.errors import bad_request
+from localkv.server.requests import ToolChoice
 from localkv.server.schemas import check_schema
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
-    from localkv.server.engine import Outcome
-    from localkv.server.openai import ChatRequest
+    from localkv.server.requests import ChatRequest, Outcome
 
 __all__ = [
     "AnswerText",
-    "ToolChoice",
     "answer_text",
-    "parse_message_calls",
-    "parse_tools",
+    "checked_choice",
+    "function_tool",
     "tool_params",
     "with_answer",
 ]
@@ -51,61 +51,62 @@ TextFn = Callable[[str], None]
 TOOL_NAME = re.compile(r"[\w.:-]{1,64}")
 
 
-@dataclass(frozen=True, slots=True)
-class ToolChoice:
-    mode: str  # "auto" | "none" | "required" | "function"
-    name: str | None = None  # the function, for "function"
+FieldAt = Callable[[str], str]  # a tool's field ("name", "parameters", ...) as a protocol names it
 
 
-def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolChoice | None]:
-    """The request's tools and tool choice (None: no tools), or a 400 naming the field."""
-    for legacy in ("functions", "function_call"):
-        if body.get(legacy) is not None:
-            raise bad_request(f"'{legacy}' is not supported: give 'tools' instead", legacy)
-    raw, choice = body.get("tools"), body.get("tool_choice")
-    if raw is None or raw == []:
-        if choice not in (None, "none", "auto"):
-            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
-        return (), None
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be an array of function tools", "tools")
-    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+def function_tool(
+    name: object, description: object, parameters: object, at: FieldAt
+) -> dict[str, Any]:
+    """A function tool as templates render it, or a 400 naming the protocol's field.
+
+    ``parameters`` None is a tool without arguments."""
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad_request(
+            f"{at('name')} must be 1 to 64 letters, digits, '_', '-', '.' or ':'", at("name")
+        )
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise bad_request(f"{at('parameters')} must be a JSON schema object", at("parameters"))
+    out: dict[str, Any] = {"name": name}
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad_request(f"{at('description')} must be a string", at("description"))
+        out["description"] = description
+    out["parameters"] = parameters
+    return {"type": "function", "function": out}
+
+
+def checked_choice(
+    tools: Sequence[dict[str, Any]],
+    choice: ToolChoice,
+    *,
+    choice_at: str,
+    parameters_at: Callable[[int], str],
+) -> ToolChoice:
+    """``choice`` over ``tools`` (each named once, as built by ``function_tool``), or a 400:
+    a call that must be made is sampled by its schema's grammar, so that schema must
+    become one."""
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
-        raise bad_request("each tool needs a name of its own", "tools")
-    if choice is None or choice in ("auto", "none", "required"):
-        if choice == "required":
-            _check_schemas(tools, None)
-        return tools, ToolChoice(str(choice or "auto"))
-    name = None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise bad_request(f"each tool needs a name of its own ({duplicate!r} is twice)", "tools")
+    if choice.mode == "function" and choice.name not in names:
         raise bad_request(
-            "'tool_choice' is 'auto', 'none', 'required' or "
-            "{'type': 'function', 'function': {'name': ...}}",
-            "tool_choice",
+            f"'{choice_at}' names {choice.name!r}, which is not in 'tools'", choice_at
         )
-    if name not in names:
-        raise bad_request(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
-    _check_schemas(tools, name)
-    return tools, ToolChoice("function", name)
-
-
-def _check_schemas(tools: tuple[dict[str, Any], ...], name: str | None) -> None:
-    """A call that must be made is sampled by its schema's grammar: one that cannot
-    become a grammar is a 400 naming the tool and the reason."""
-    for i, tool in enumerate(tools):
-        function = tool["function"]
-        if name is not None and function["name"] != name:
-            continue
-        where = f"tools[{i}].function.parameters"
-        check_schema(function["parameters"], where, where)
-        try:
-            json_schema_grammar(function["parameters"])
-        except GrammarError as exc:
-            raise bad_request(f"{where} cannot constrain a call: {exc}", where) from None
+    if choice.mode in ("required", "function"):
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            if choice.name is not None and function["name"] != choice.name:
+                continue
+            where = parameters_at(i)
+            check_schema(function["parameters"], where, where)
+            try:
+                json_schema_grammar(function["parameters"])
+            except GrammarError as exc:
+                raise bad_request(f"{where} cannot constrain a call: {exc}", where) from None
+    return choice
 
 
 def tool_params(
@@ -124,51 +125,6 @@ def tool_params(
     except GrammarError as exc:
         raise bad_request(f"tools cannot constrain a call: {exc}", "tools") from None
     return dataclasses.replace(params, grammar=grammar)
-
-
-def _tool(raw: object, where: str) -> dict[str, Any]:
-    if not isinstance(raw, dict) or raw.get("type", "function") != "function":
-        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
-    function = raw.get("function")
-    if not isinstance(function, dict):
-        raise bad_request(f"{where}.function must be an object", f"{where}.function")
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise bad_request(
-            f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':'",
-            f"{where}.function.name",
-        )
-    parameters = function.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(parameters, dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON schema object", where)
-    out: dict[str, Any] = {"name": name}
-    description = function.get("description")
-    if description is not None:
-        if not isinstance(description, str):
-            raise bad_request(f"{where}.function.description must be a string", where)
-        out["description"] = description
-    out["parameters"] = parameters
-    return {"type": "function", "function": out}
-
-
-def parse_message_calls(raw: object, where: str) -> tuple[ToolCall, ...]:
-    """An assistant message's ``tool_calls`` sent back."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise bad_request(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
-    calls = []
-    for i, call in enumerate(raw):
-        at = f"{where}.tool_calls[{i}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request(f"{at} needs 'function' with a 'name'", at)
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            raise bad_request(f"{at}.function.arguments must be JSON text", at)
-        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{i}"
-        calls.append(ToolCall(call_id, function["name"], arguments))
-    return tuple(calls)
 
 
 @dataclass

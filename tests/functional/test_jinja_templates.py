@@ -29,8 +29,7 @@ from localkv.prompt.template import ChatTemplate, Message, ToolCall
 from localkv.prompt.tools import prepare_tools
 from localkv.prompt.whole import render_whole
 from localkv.server.engine import Engine
-from localkv.server.openai import ChatRequest, Sampling
-from localkv.server.tools import ToolChoice
+from localkv.server.requests import ChatRequest, Sampling, ToolChoice
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "templates"
 TEMPLATES = ("smollm2", "gemma3", "qwen2.5-tools", "llama3.2", "deepseek-r1-distill-qwen")
@@ -185,9 +184,11 @@ def _engine_turns(model: Path, cache_dir: Path | None, name: str) -> list[tuple[
             options["cache_dir"] = cache_dir
         with localkv.Runtime.open(model, **options) as runtime:
             engine = Engine(runtime)
-            sampling = Sampling(0.0, 1.0, 0, 7, 6, ())
+            sampling = Sampling(temperature=0.0, seed=7, max_tokens=6)
             choice = ToolChoice("auto") if tools else None
-            request = ChatRequest(tuple(history), sampling, False, False, tuple(tools), choice)
+            request = ChatRequest(
+                messages=tuple(history), sampling=sampling, tools=tuple(tools), tool_choice=choice
+            )
             outcome = engine.chat(request, _Channel())
             runtime.wait_for_saves()
         out.append((outcome.text, outcome.cached_tokens))

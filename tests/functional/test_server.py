@@ -353,6 +353,9 @@ def test_a_non_loopback_host_needs_an_api_key() -> None:
     ("args", "says"),
     [
         (["--queue", "0"], "--queue"),
+        (["--queue-wait", "-1"], "--queue-wait"),
+        (["--queue-wait", "nan"], "--queue-wait"),
+        (["--max-tokens", "-1"], "--max-tokens"),
         (["--max-body", "10"], "--max-body"),
         (["--port", "70000"], "--port"),
         (["--api-key", "  "], "the API key is empty"),

@@ -19,7 +19,7 @@ from support.tinymodels import TinyModels, tiny_config
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
 from localkv.server.engine import Engine
-from localkv.server.openai import ChatRequest, Sampling
+from localkv.server.requests import ChatRequest, Sampling
 
 PROGRESS = re.compile(r"prefill: (\d+) of (\d+) tokens computed; (\d+) of (\d+) reused")
 

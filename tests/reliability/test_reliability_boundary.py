@@ -127,17 +127,28 @@ def test_an_allowed_host_name_works(tmp_path: Path, tiny_models: TinyModels) -> 
 
 @pytest.mark.parametrize(
     "content_type",
-    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None],
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""],
 )
 def test_a_post_that_is_not_json_changes_nothing(
     server: ServerProcess, content_type: str | None
 ) -> None:
     body = json.dumps({"system": PLANTED, "pin": True}).encode()
-    headers = {"Content-Type": content_type} if content_type else {}
+    headers = {"Content-Type": content_type}
     r = httpx.post(server.base_url + "/v1/localkv/prefill", content=body, headers=headers)
     assert r.status_code == 415, r.text
     assert "Content-Type: application/json" in r.json()["error"]["message"]
     nothing_planted(server)
+
+
+def test_a_post_with_no_content_type_is_read_as_json(server: ServerProcess) -> None:
+    """litellm (aider's Ollama route) posts its JSON with no Content-Type at all."""
+    body = json.dumps({"model": "tiny", "stream": False, "options": {"num_predict": 1},
+                       "messages": [{"role": "user", "content": "Hello"}]})  # fmt: skip
+    r = httpx.post(server.base_url + "/api/chat", content=body.encode())
+    assert r.request.headers.get("content-type") is None
+    assert r.status_code == 200 and r.json()["done"] is True, r.text
+    not_json = httpx.post(server.base_url + "/api/chat", content=b"system=x")
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]
 
 
 def test_a_post_from_a_page_of_another_origin_changes_nothing(server: ServerProcess) -> None:
@@ -195,6 +206,8 @@ async function attempt(out, name, url, init) {
     await attempt(out, 'messages ' + type, base + '/v1/messages',
       {method: 'POST', mode: 'no-cors', headers: {'Content-Type': type}, body: kept});
   }
+  await attempt(out, 'prefill untyped', base + '/v1/localkv/prefill',
+    {method: 'POST', mode: 'no-cors', body: new Blob([planted])});
   await attempt(out, 'prefill json', base + '/v1/localkv/prefill',
     {method: 'POST', headers: {'Content-Type': 'application/json'}, body: planted});
   await fetch('/__result', {method: 'POST', body: JSON.stringify(out)});
@@ -249,7 +262,7 @@ def test_a_page_of_another_site_reads_and_writes_nothing(
     # a CORS read fails in the page; no-cors answers are opaque to it
     assert "error" in out["cache"] and "error" in out["prefill json"], out
     # every request reached the server (the JSON POST as its preflight) and was refused
-    assert refusals(server) - before == 7, server.log()[-3000:]
+    assert refusals(server) - before == 8, server.log()[-3000:]
     nothing_planted(server)
 
 

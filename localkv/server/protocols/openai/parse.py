@@ -1,4 +1,4 @@
-"""OpenAI request bodies as validated values, and the response shapes built from results.
+"""OpenAI chat and completions bodies as the neutral requests the engine runs.
 
 Only what the server honours is accepted: ``n`` other than 1, ``functions``,
 logprobs and penalties are refused with a 400 naming the field, never silently
@@ -6,109 +6,23 @@ ignored. ``tools`` and ``tool_choice`` go to the template and the answer's
 parser (``server.tools``); ``response_format`` ``json_object`` and
 ``json_schema`` become a grammar the answer is sampled under; a schema the
 converter cannot handle is a 400 naming why. Unknown fields (``user``,
-``metadata``, ...) are ignored.
-Every string of a body, wherever it is, is checked first: a NUL character or
-a lone surrogate (``\ud800``, not Unicode) is a 400 naming where it is, never
-cut or passed on; so is a body nested deeper than ``MAX_DEPTH``.
+``metadata``, ...) are ignored. What every body is checked for first is
+``server.fields``.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from dataclasses import dataclass
 from typing import Any
 
-from localkv.model.sampling import GrammarError, json_object_grammar, json_schema_grammar
-from localkv.prompt.template import Message
+from localkv.prompt.template import Message, ToolCall
 from localkv.server.errors import ApiError, bad_request
-from localkv.server.prefixes import Breakpoint
-from localkv.server.schemas import check_schema
-from localkv.server.tools import ToolChoice, parse_message_calls, parse_tools
+from localkv.server.fields import flag, integer, is_int, json_grammar, number, stop_list
+from localkv.server.requests import ChatRequest, CompletionRequest, Sampling, ToolChoice
+from localkv.server.tools import checked_choice, function_tool
 
-__all__ = ["ChatRequest", "CompletionRequest", "Sampling", "parse_chat", "parse_completion"]
+__all__ = ["parse_chat", "parse_completion"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOPS = 4
-MAX_DEPTH = 32  # a request body needs 5 levels
-_REFUSED_CHARS = re.compile("[\x00\ud800-\udfff]")
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """What the client asked of generation; ``max_tokens`` None: until the context is full."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    max_tokens: int | None
-    stop: tuple[str, ...]
-    grammar: str | None = None  # GBNF from ``response_format`` (None: any text)
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    messages: tuple[Message, ...]
-    sampling: Sampling
-    stream: bool
-    include_usage: bool
-    tools: tuple[dict[str, Any], ...] = ()
-    tool_choice: ToolChoice | None = None  # None: no tools
-    # prefixes to keep pinned for a while (Anthropic's ``cache_control``)
-    breakpoints: tuple[Breakpoint, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
-    prompt: str | tuple[int, ...]
-    sampling: Sampling
-    stream: bool
-    include_usage: bool
-
-
-def decode_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body (400 when it is not one, or holds refused text)."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels") from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError; an int too long
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    _check_values(body)
-    return body
-
-
-def _check_values(body: dict[str, Any]) -> None:
-    """Refuse a body nested deeper than ``MAX_DEPTH``, or with NUL or surrogates in a string."""
-    stack: list[tuple[object, str, int]] = [(body, "", 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels", path)
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                _check_text(key, path or None)
-                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
-
-
-def _check_text(text: str, path: str | None) -> None:
-    found = _REFUSED_CHARS.search(text)
-    if found is None:
-        return
-    where = f"{path}, character {found.start()}" if path else f"character {found.start()}"
-    if found.group() == "\x00":
-        raise bad_request(f"NUL characters are not allowed in text ({where})", path)
-    raise bad_request(
-        f"a lone surrogate (U+{ord(found.group()):04X}) is not valid Unicode ({where})", path
-    )
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -125,11 +39,18 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
             "the last message must be from the user or a tool (role 'user' or 'tool')",
             f"messages[{len(raw) - 1}]",
         )
-    limit = _opt_int(body, "max_completion_tokens", 1)
+    limit = integer(body.get("max_completion_tokens"), "max_completion_tokens", 1)
     if limit is None:
-        limit = _opt_int(body, "max_tokens", 1)
+        limit = integer(body.get("max_tokens"), "max_tokens", 1)
     stream, include_usage = _stream(body)
-    return ChatRequest(messages, _sampling(body, limit), stream, include_usage, tools, choice)
+    return ChatRequest(
+        messages=messages,
+        sampling=_sampling(body, limit),
+        stream=stream,
+        include_usage=include_usage,
+        tools=tools,
+        tool_choice=choice,
+    )
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -145,15 +66,16 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         if not prompt:
             raise bad_request("'prompt' is empty", "prompt")
         parsed: str | tuple[int, ...] = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         parsed = tuple(prompt)
     elif prompt is None:
         raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
     else:
         raise bad_request("'prompt' must be a string or an array of token ids", "prompt")
     stream, include_usage = _stream(body)
+    limit = integer(body.get("max_tokens"), "max_tokens", 1)
     return CompletionRequest(
-        parsed, _sampling(body, _opt_int(body, "max_tokens", 1)), stream, include_usage
+        prompt=parsed, sampling=_sampling(body, limit), stream=stream, include_usage=include_usage
     )
 
 
@@ -169,7 +91,7 @@ def _message(raw: object, i: int) -> Message:
         )
     if raw.get("function_call"):
         raise bad_request(f"{where}: 'function_call' is not supported: give 'tool_calls'", where)
-    calls = parse_message_calls(raw.get("tool_calls"), where) if role == "assistant" else ()
+    calls = _message_calls(raw.get("tool_calls"), where) if role == "assistant" else ()
     content = raw.get("content")
     text = "" if content is None and (calls or role == "assistant") else _content(content, where)
     reasoning = raw.get("reasoning_content") if role == "assistant" else None
@@ -210,28 +132,28 @@ def _content(content: object, where: str) -> str:
 
 
 def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
-    if body.get("n", 1) != 1 or not _is_int(body.get("n", 1)):
+    if body.get("n", 1) != 1 or not is_int(body.get("n", 1)):
         raise bad_request("only n=1 is supported", "n")
     for name in ("frequency_penalty", "presence_penalty"):
-        if _opt_float(body, name, -2.0, 2.0) not in (None, 0.0):
+        if number(body.get(name), name, -2.0, 2.0) not in (None, 0.0):
             raise bad_request(f"'{name}' is not supported (only 0)", name)
     if body.get("logprobs") or body.get("top_logprobs"):
         raise bad_request("logprobs are not supported", "logprobs")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
     grammar = _response_format(body.get("response_format"))
-    temperature = _opt_float(body, "temperature", 0.0, 2.0)
-    top_p = _opt_float(body, "top_p", 0.0, 1.0)
+    temperature = number(body.get("temperature"), "temperature", 0.0, 2.0)
+    top_p = number(body.get("top_p"), "top_p", 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("'top_p' must be above 0", "top_p")
-    seed = _opt_int(body, "seed", None)
+    seed = integer(body.get("seed"), "seed")
     return Sampling(
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=_opt_int(body, "top_k", 0) or 0,
+        top_k=integer(body.get("top_k"), "top_k", 0) or 0,
         seed=None if seed is None else seed & (2**63 - 1),
         max_tokens=max_tokens,
-        stop=_stops(body.get("stop")),
+        stop=stop_list(body.get("stop"), "stop"),
         grammar=grammar,
     )
 
@@ -250,7 +172,7 @@ def _response_format(fmt: object) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return json_object_grammar()
+        return json_grammar(None, "response_format")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise bad_request(
@@ -263,31 +185,13 @@ def _response_format(fmt: object) -> str | None:
                 f"response_format.json_schema.{name} must be a {kinds.__name__}",
                 "response_format",
             )
-    schema = spec.get("schema")
-    if schema is None:  # OpenAI's schema is optional: then any JSON object
-        return json_object_grammar()
-    check_schema(schema, "response_format.json_schema.schema", "response_format")
-    try:  # strict or not, the answer is held to the schema
-        return json_schema_grammar(schema)
-    except GrammarError as exc:
-        raise bad_request(f"response_format.json_schema.schema: {exc}", "response_format") from None
-
-
-def _stops(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request("'stop' must be a non-empty string or an array of them", "stop")
-    if len(stops) > MAX_STOPS:
-        raise bad_request(f"'stop' takes at most {MAX_STOPS} sequences", "stop")
-    return tuple(stops)
+    # OpenAI's schema is optional (then any JSON object); strict or not, the answer is
+    # held to it
+    return json_grammar(spec.get("schema"), "response_format.json_schema.schema", "response_format")
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise bad_request("'stream' must be true or false", "stream")
+    stream = flag(body.get("stream"), "stream")
     options = body.get("stream_options")
     if options is None:
         return bool(stream), False
@@ -301,32 +205,78 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return True, usage
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _opt_int(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value) or (minimum is not None and value < minimum):
-        floor = "" if minimum is None else f" of at least {minimum}"
-        raise bad_request(f"'{name}' must be an integer{floor}", name)
-    return int(value)
-
-
-def _opt_float(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a number", name)
-    if not low <= value <= high:
-        raise bad_request(f"'{name}' must be between {low:g} and {high:g}", name)
-    return float(value)
-
-
 def _refuse_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolChoice | None]:
+    """The request's tools and tool choice (None: no tools), or a 400 naming the field."""
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise bad_request(f"'{legacy}' is not supported: give 'tools' instead", legacy)
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return (), None
+    if not isinstance(raw, list):
+        raise bad_request("'tools' must be an array of function tools", "tools")
+    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+    return tools, checked_choice(
+        tools,
+        _choice(choice),
+        choice_at="tool_choice",
+        parameters_at=lambda i: f"tools[{i}].function.parameters",
+    )
+
+
+def _choice(choice: object) -> ToolChoice:
+    if choice is None or choice in ("auto", "none", "required"):
+        return ToolChoice(str(choice or "auto"))
+    name = None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad_request(
+            "'tool_choice' is 'auto', 'none', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    return ToolChoice("function", name)
+
+
+def _tool(raw: object, where: str) -> dict[str, Any]:
+    if not isinstance(raw, dict) or raw.get("type", "function") != "function":
+        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
+    function = raw.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{where}.function must be an object", f"{where}.function")
+    return function_tool(
+        function.get("name"),
+        function.get("description"),
+        function.get("parameters"),
+        lambda field: f"{where}.function.{field}",
+    )
+
+
+def _message_calls(raw: object, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` sent back."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise bad_request(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
+    calls = []
+    for i, call in enumerate(raw):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{at} needs 'function' with a 'name'", at)
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise bad_request(f"{at}.function.arguments must be JSON text", at)
+        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{i}"
+        calls.append(ToolCall(call_id, function["name"], arguments))
+    return tuple(calls)

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
-from localkv.model.native import llama_cpp
-from localkv.server.engine import Outcome
-
-if TYPE_CHECKING:
-    from localkv.server.engine import Engine
+from localkv.server.errors import ApiError
+from localkv.server.requests import ModelFacts, Outcome
 
 __all__ = ["Answer", "model_card", "ndjson", "now", "show"]
 
@@ -34,29 +30,24 @@ def ndjson(data: dict[str, object]) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
-def model_card(engine: Engine) -> dict[str, Any]:
+def model_card(facts: ModelFacts) -> dict[str, Any]:
     """The loaded model as ``/api/tags`` lists it: name, size, digest, details."""
-    runtime = engine.runtime
-    path = runtime.session.config.model_path
-    stat = os.stat(path)
-    meta = runtime.session.meta
-    family = meta("general.architecture") or ""
-    file_type = meta("general.file_type")
+    meta = facts.metadata
+    family = meta.get("general.architecture", "")
+    file_type = meta.get("general.file_type")
     quant = FILE_TYPES.get(int(file_type), file_type) if file_type else ""
-    cache = runtime.cache
-    digest = cache.identity.model_sha256 if cache is not None else ""
     return {
-        "name": engine.model_id,
-        "model": engine.model_id,
-        "modified_at": dt.datetime.fromtimestamp(stat.st_mtime, dt.UTC).isoformat(),
-        "size": stat.st_size,
-        "digest": digest,
+        "name": facts.model_id,
+        "model": facts.model_id,
+        "modified_at": dt.datetime.fromtimestamp(facts.modified, dt.UTC).isoformat(),
+        "size": facts.size,
+        "digest": facts.digest,
         "details": {
             "parent_model": "",
             "format": "gguf",
             "family": family,
             "families": [family] if family else None,
-            "parameter_size": meta("general.size_label") or _size_label(_n_params(engine)),
+            "parameter_size": meta.get("general.size_label") or _size_label(facts.n_params),
             "quantization_level": quant or "",
         },
     }
@@ -69,38 +60,24 @@ def _size_label(n: int) -> str:
     return str(n)
 
 
-def model_info(engine: Engine) -> dict[str, Any]:
+def model_info(facts: ModelFacts) -> dict[str, Any]:
     """``/api/show``'s ``model_info``: the GGUF metadata llama.cpp reports."""
-    session = engine.runtime.session
-    family = session.meta("general.architecture") or ""
-    keys = ["general.architecture", "general.name", "general.size_label", "general.file_type"]
-    keys += [f"{family}.{k}" for k in ("context_length", "embedding_length", "block_count")]
-    info: dict[str, Any] = {}
-    for key in keys:
-        value = session.meta(key)
-        if value is not None:
-            info[key] = int(value) if value.isdigit() else value
-    info["general.parameter_count"] = _n_params(engine)
+    info: dict[str, Any] = {
+        key: int(value) if value.isdigit() else value for key, value in facts.metadata.items()
+    }
+    info["general.parameter_count"] = facts.n_params
     return info
 
 
-def _n_params(engine: Engine) -> int:
-    return int(llama_cpp.llama_model_n_params(engine.runtime.session.model))
-
-
-def show(engine: Engine) -> dict[str, Any]:
-    card = model_card(engine)
-    choice = engine.runtime.template.choice
-    # the Jinja text; a llama.cpp built-in format has none, only its name
-    template = choice.jinja if choice.jinja is not None else choice.template.decode("utf-8")
+def show(facts: ModelFacts) -> dict[str, Any]:
+    card = model_card(facts)
     params = "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9)))
-    modelfile = f"FROM {engine.runtime.session.config.model_path}\n"
     return {
-        "modelfile": modelfile,
+        "modelfile": f"FROM {facts.path}\n",
         "parameters": params,
-        "template": template,
+        "template": facts.template,
         "details": card["details"],
-        "model_info": model_info(engine),
+        "model_info": model_info(facts),
         "capabilities": ["completion", "tools"],
         "modified_at": card["modified_at"],
     }
@@ -108,12 +85,16 @@ def show(engine: Engine) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One Ollama answer: ``/api/chat`` (a message) or ``/api/generate`` (a response)."""
+    """One Ollama answer: ``/api/chat`` (a message) or ``/api/generate`` (a response); the
+    gateway's encoder, a stream being NDJSON lines (no keep-alive: a line is an answer's)."""
+
+    media_type: ClassVar[str] = "application/x-ndjson"
+    keepalive: ClassVar[str] = ""
 
     model: str
     chat: bool
 
-    def piece(self, text: str = "", thinking: str | None = None) -> dict[str, object]:
+    def part(self, text: str = "", thinking: str | None = None) -> dict[str, object]:
         out: dict[str, object] = {"model": self.model, "created_at": now()}
         if self.chat:
             message: dict[str, object] = {"role": "assistant", "content": text}
@@ -130,7 +111,7 @@ class Answer:
     def final(self, outcome: Outcome, whole: bool) -> dict[str, object]:
         """The last line (``whole``: the whole answer, not streamed), with the counts."""
         text = outcome.text if whole else ""
-        out = self.piece(text, outcome.reasoning if whole else None)
+        out = self.part(text, outcome.reasoning if whole else None)
         if self.chat and outcome.tool_calls:
             message = out["message"]
             assert isinstance(message, dict)
@@ -152,6 +133,22 @@ class Answer:
             localkv=outcome.localkv(),
         )
         return out
+
+    # the gateway's encoder
+    def whole(self, outcome: Outcome) -> dict[str, object]:
+        return self.final(outcome, whole=True)
+
+    def opening(self) -> str:
+        return ""
+
+    def piece(self, kind: str, text: str) -> str:
+        return ndjson(self.part("", thinking=text) if kind == "reasoning" else self.part(text))
+
+    def closing(self, outcome: Outcome) -> str:
+        return ndjson(self.final(outcome, whole=False))
+
+    def failure(self, error: ApiError) -> str:
+        return ndjson({"error": error.message})
 
 
 def _arguments(text: str) -> object:

@@ -1,4 +1,7 @@
-"""Response bodies and stream chunks in the OpenAI shapes, built from an ``Outcome``."""
+"""OpenAI's chat and completions answers: bodies and stream chunks, from an ``Outcome``.
+
+``Reply`` is the gateway's encoder for both routes: Server-Sent Events ending in
+``data: [DONE]``, comment lines as keep-alives."""
 
 from __future__ import annotations
 
@@ -6,8 +9,10 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
-from localkv.server.engine import Outcome
+from localkv.server.errors import ApiError
+from localkv.server.requests import Outcome
 
 __all__ = ["Reply", "sse"]
 
@@ -52,6 +57,9 @@ def message(outcome: Outcome) -> dict[str, object]:
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The fixed parts of one response: its id, kind, model and creation time."""
+
+    media_type: ClassVar[str] = "text/event-stream"
+    keepalive: ClassVar[str] = KEEP_ALIVE
 
     id: str
     chat: bool  # chat.completion, else text_completion
@@ -151,5 +159,21 @@ class Reply:
             }
         )
 
-    def error_chunk(self, body: dict[str, object]) -> str:
-        return sse(body)
+    # the gateway's encoder
+    def whole(self, outcome: Outcome) -> dict[str, object]:
+        return self.body(outcome)
+
+    def opening(self) -> str:
+        return self.chunk(None, role=True)
+
+    def piece(self, kind: str, text: str) -> str:
+        return self.chunk(None, reasoning=text) if kind == "reasoning" else self.chunk(text)
+
+    def closing(self, outcome: Outcome) -> str:
+        out = "".join(self.tool_call_chunks(outcome)) + self.finish_chunk(outcome)
+        if self.include_usage:
+            out += self.usage_chunk(outcome)
+        return out + DONE
+
+    def failure(self, error: ApiError) -> str:
+        return sse(error.body()) + DONE

@@ -8,6 +8,6 @@ the cache; the outcome comes back as a Responses object or its event stream
 nothing is stored. Errors are OpenAI-shaped, as on the other ``/v1`` routes.
 """
 
-from localkv.server.openai_responses.routes import ResponsesRoutes
+from localkv.server.protocols.responses.routes import ResponsesRoutes
 
 __all__ = ["ResponsesRoutes"]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from localkv.server.engine import Outcome
+from localkv.server.errors import ApiError, anthropic_error
+from localkv.server.requests import Outcome
 
 __all__ = ["Message", "event", "stop_reason", "usage"]
 
@@ -77,7 +78,11 @@ def blocks(outcome: Outcome) -> list[dict[str, Any]]:
 
 @dataclass
 class Message:
-    """One answer: ``whole`` for a response body, or ``start``/``text``/``end`` for a stream."""
+    """One answer, the gateway's encoder: ``whole`` for a response body, or ``opening``,
+    ``piece``s and ``closing`` for a stream (``ping`` events as keep-alives)."""
+
+    media_type: ClassVar[str] = "text/event-stream"
+    keepalive: ClassVar[str] = PING
 
     model: str
     id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
@@ -97,14 +102,15 @@ class Message:
             "localkv": outcome.localkv(),
         }
 
-    def start(self) -> str:
+    def opening(self) -> str:
         """``message_start``: no content yet; the usage comes whole in ``message_delta``."""
         empty = {"input_tokens": 0, "output_tokens": 0}
         body = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None}
         return event("message_start", {"message": {**body, "usage": empty}})
 
     def piece(self, kind: str, text: str) -> str:
-        """A text (``kind`` "text") or thinking ("thinking") delta, opening its block."""
+        """A text (``kind`` "text") or thinking ("reasoning") delta, opening its block."""
+        kind = "thinking" if kind == "reasoning" else kind
         if not text:
             return ""
         out = ""
@@ -127,7 +133,7 @@ class Message:
         self._open = None
         return event("content_block_stop", {"index": self._index})
 
-    def end(self, outcome: Outcome) -> str:
+    def closing(self, outcome: Outcome) -> str:
         """The tool calls, ``message_delta`` (stop reason, the whole usage), ``message_stop``."""
         out = self._close()
         for block in blocks(outcome):
@@ -143,3 +149,6 @@ class Message:
         reason = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
         out += event("message_delta", {"delta": reason, "usage": usage(outcome)})
         return out + event("message_stop", {})
+
+    def failure(self, error: ApiError) -> str:
+        return event("error", {"error": anthropic_error(error)[1]["error"]})

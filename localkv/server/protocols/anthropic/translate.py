@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from localkv.server.errors import ApiError, bad_request
-from localkv.server.openai import ChatRequest, parse_chat
-from localkv.server.prefixes import Breakpoint
+from localkv.server.protocols.openai.parse import parse_chat
+from localkv.server.requests import Breakpoint, ChatRequest
 
 __all__ = ["Parsed", "messages_request"]
 
@@ -79,7 +79,7 @@ def messages_request(body: dict[str, Any], *, counting: bool = False) -> Parsed:
         request = parse_chat(openai)
     except ApiError as exc:
         raise _renamed(exc) from None
-    return Parsed(replace(request, breakpoints=tuple(points)), stream, model)
+    return Parsed(replace(request, breakpoints=tuple(points), stream=stream), stream, model)
 
 
 def _renamed(exc: ApiError) -> ApiError:

@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from localkv.server.errors import ApiError, bad_request
-from localkv.server.openai import ChatRequest, parse_chat
-from localkv.server.openai_responses.fields import check_fields, response_format, tools_body
+from localkv.server.protocols.openai.parse import parse_chat
+from localkv.server.protocols.responses.fields import check_fields, response_format, tools_body
+from localkv.server.requests import ChatRequest
 
 __all__ = ["chat_messages", "chat_request"]
 

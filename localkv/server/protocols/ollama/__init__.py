@@ -6,6 +6,6 @@ the same engine through the same queue, so the two protocols share the cache
 and give the same tokens. Errors are Ollama-shaped: ``{"error": "message"}``.
 """
 
-from localkv.server.ollama.routes import OllamaRoutes
+from localkv.server.protocols.ollama.routes import OllamaRoutes
 
 __all__ = ["OllamaRoutes"]

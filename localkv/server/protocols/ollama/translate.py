@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from localkv.server.errors import ApiError, bad_request
-from localkv.server.openai import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from localkv.server.protocols.openai.parse import parse_chat, parse_completion
+from localkv.server.requests import ChatRequest, CompletionRequest
 
 __all__ = ["chat_request", "generate_request", "is_stream"]
 

@@ -7,6 +7,6 @@ prefixes pinned for their time (``server.prefixes``). Errors are
 Anthropic-shaped: ``{"type": "error", "error": {"type", "message"}}``.
 """
 
-from localkv.server.anthropic.routes import AnthropicRoutes
+from localkv.server.protocols.anthropic.routes import AnthropicRoutes
 
 __all__ = ["AnthropicRoutes"]

@@ -12,15 +12,14 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from localkv.prompt.template import ToolCall
-from localkv.server.engine import Outcome
 from localkv.server.errors import ApiError
-from localkv.server.openai import ChatRequest
-from localkv.server.openai_responses.fields import echo_tool_choice, echo_tools
+from localkv.server.protocols.responses.fields import echo_tool_choice, echo_tools
+from localkv.server.requests import ChatRequest, Outcome
 
-__all__ = ["Answer", "Events"]
+__all__ = ["Answer", "Encoder", "Events"]
 
 
 def event(kind: str, data: dict[str, Any]) -> str:
@@ -262,3 +261,30 @@ class Events:
             self.emit("response.content_part.done", **where, part=part),
             self.emit("response.output_item.done", output_index=index, item=whole),
         ]
+
+
+class Encoder:
+    """The gateway's encoder of one response: the body, or ``Events`` as a stream (comment
+    lines as keep-alives)."""
+
+    media_type: ClassVar[str] = "text/event-stream"
+    keepalive: ClassVar[str] = ": keep-alive\n\n"
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.events = Events(answer)
+
+    def whole(self, outcome: Outcome) -> dict[str, Any]:
+        return self.answer.body(outcome, outcome.reasoning_tokens)
+
+    def opening(self) -> str:
+        return "".join(self.events.start())
+
+    def piece(self, kind: str, text: str) -> str:
+        return "".join(self.events.piece(kind, text))
+
+    def closing(self, outcome: Outcome) -> str:
+        return "".join(self.events.finish(outcome, outcome.reasoning_tokens))
+
+    def failure(self, error: ApiError) -> str:
+        return self.events.error(error)
