@@ -27,7 +27,9 @@ __all__ = [
     "is_int",
     "json_grammar",
     "number",
+    "seed",
     "stop_list",
+    "top_p",
 ]
 
 MAX_DEPTH = 32  # a request body needs 5 levels
@@ -102,6 +104,20 @@ def number(value: object, name: str, low: float, high: float) -> float | None:
     if not low <= value <= high:
         raise bad_request(f"'{name}' must be between {low:g} and {high:g}", name)
     return float(value)
+
+
+def top_p(value: object, name: str) -> float | None:
+    """A nucleus share in (0, 1] (None when absent), or a 400 naming ``name``."""
+    share = number(value, name, 0.0, 1.0)
+    if share == 0.0:
+        raise bad_request(f"'{name}' must be above 0", name)
+    return share
+
+
+def seed(value: object, name: str) -> int | None:
+    """A sampling seed (None when absent): any integer, kept to the sampler's 63 bits."""
+    given = integer(value, name)
+    return None if given is None else given & (2**63 - 1)
 
 
 def flag(value: object, name: str, default: bool = False) -> bool:

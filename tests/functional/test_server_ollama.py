@@ -194,6 +194,11 @@ BAD_CHATS = [
         "num_predict",
     ),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "'stream'"),
+    (  # a schema's own names are its own: this one is not renamed as a field of the request
+        b'{"messages": [{"role": "user", "content": "hi"}], "format": {"type": "object", '
+        b'"properties": {"max_tokens": {"const": "say \\"hi\\""}}}}',
+        "format.properties.max_tokens.const",
+    ),
     (b'{"prompt": 5}', "'prompt'"),
     (b'{"prompt": "hi", "images": ["aGk="]}', "'images'"),
 ]

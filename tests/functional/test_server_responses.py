@@ -447,7 +447,7 @@ BAD: list[tuple[dict[str, Any], str, str, str | None]] = [
         "images",
         "unsupported_content",
     ),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]", "'web_search'", None),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "x"}]}, "tools[0]", "'custom'", None),
     ({"input": "hi", "tools": CHAT_TOOLS}, "tools[0]", "flat", None),
     (
         {"input": "hi", "tools": [{"type": "function", "name": ""}]},

@@ -173,6 +173,36 @@ RESPONSES_FORMAT = {
     "seed": 1,
     "reasoning": {"effort": "low"},
 }
+RESPONSES_CODEX = {  # Codex CLI's fields: a namespace of functions, a hosted tool, ids
+    "model": "local",
+    "input": [
+        {"type": "message", "id": "msg_1", "role": "developer",
+         "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"type": "message", "id": "msg_2", "role": "user",
+         "content": [{"type": "input_text", "text": "Spawn one."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "S"}],
+         "encrypted_content": "gAAAAB"},
+        {"type": "message", "id": "msg_3", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Yes.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "spawn_agent",
+         "namespace": "agents", "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a-1"},
+    ],
+    "tools": [
+        {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+         "tools": [{"type": "function", "strict": False, "name": "spawn_agent",
+                    "description": "Spawn.", "parameters": EMPTY}]},
+        {"type": "web_search", "external_web_access": False},
+    ],
+    "tool_choice": {"type": "function", "name": "spawn_agent", "namespace": "agents"},
+    "parallel_tool_calls": True,
+    "reasoning": {"summary": "auto"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "k",
+    "client_metadata": {"session_id": "s"},
+    "max_output_tokens": 2,
+}  # fmt: skip
 EPHEMERAL = {"type": "ephemeral", "ttl": "5m"}
 MESSAGES_TOOLS = {
     "model": "tiny",
@@ -288,6 +318,7 @@ CASES = {
     "responses-tools": ("/v1/responses", RESPONSES_TOOLS),
     "responses-history": ("/v1/responses", RESPONSES_HISTORY),
     "responses-format": ("/v1/responses", RESPONSES_FORMAT),
+    "responses-codex": ("/v1/responses", RESPONSES_CODEX),
     "messages-tools": ("/v1/messages", MESSAGES_TOOLS),
     "messages-history": ("/v1/messages", MESSAGES_HISTORY),
     "count-tokens": ("/v1/messages/count_tokens", COUNT),
@@ -468,7 +499,7 @@ def test_a_schema_the_grammar_would_betray_is_a_400_naming_where(server: ServerP
         (
             "/v1/responses",
             {"input": "Hi", "text": {"format": responses}},
-            "text.format.json_schema.schema.allOf[0]",
+            "text.format.schema.allOf[0]",
         ),
         ("/v1/messages", messages, "tools[0].input_schema.properties.a.const"),
         ("/api/chat", {"messages": ask, "format": conflicting, "stream": False}, "format.allOf[0]"),

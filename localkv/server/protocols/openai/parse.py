@@ -16,7 +16,16 @@ from typing import Any
 
 from localkv.prompt.template import Message, ToolCall
 from localkv.server.errors import ApiError, bad_request
-from localkv.server.fields import flag, integer, is_int, json_grammar, number, stop_list
+from localkv.server.fields import (
+    flag,
+    integer,
+    is_int,
+    json_grammar,
+    number,
+    seed,
+    stop_list,
+    top_p,
+)
 from localkv.server.requests import ChatRequest, CompletionRequest, Sampling, ToolChoice
 from localkv.server.tools import checked_choice, function_tool
 
@@ -143,15 +152,12 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
         raise bad_request("'logit_bias' is not supported", "logit_bias")
     grammar = _response_format(body.get("response_format"))
     temperature = number(body.get("temperature"), "temperature", 0.0, 2.0)
-    top_p = number(body.get("top_p"), "top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        raise bad_request("'top_p' must be above 0", "top_p")
-    seed = integer(body.get("seed"), "seed")
+    nucleus = top_p(body.get("top_p"), "top_p")
     return Sampling(
         temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
+        top_p=1.0 if nucleus is None else nucleus,
         top_k=integer(body.get("top_k"), "top_k", 0) or 0,
-        seed=None if seed is None else seed & (2**63 - 1),
+        seed=seed(body.get("seed"), "seed"),
         max_tokens=max_tokens,
         stop=stop_list(body.get("stop"), "stop"),
         grammar=grammar,

@@ -1,12 +1,14 @@
 """The top-level fields of a Responses request: which are mapped, ignored or refused.
 
-Mapped (to the chat path): ``input``, ``instructions``, ``tools`` (function
-tools, flat), ``tool_choice``, ``text.format``, ``max_output_tokens``,
-``temperature``, ``top_p``, ``stream``; localkv's extensions ``top_k``,
-``seed`` and ``stop`` as on ``/v1/chat/completions``. Echoed in the response:
+Mapped: ``input``, ``instructions``, ``tools`` and ``tool_choice``
+(``responses.tools``), ``text.format`` (a grammar: JSON, or a schema's),
+``max_output_tokens``, ``temperature``, ``top_p``, ``stream``; localkv's
+extensions ``top_k``, ``seed`` and ``stop`` as on ``/v1/chat/completions``;
+each checked under its own name (``server.fields``). Echoed in the response:
 ``metadata`` (checked as OpenAI checks it), ``parallel_tool_calls``, ``user``.
 Accepted and ignored: ``model`` (the loaded model answers), ``store`` (nothing
-is stored, whatever it says), ``include``, ``reasoning`` (the template decides
+is stored, whatever it says), ``include`` (``reasoning.encrypted_content`` is
+honoured: see ``responses.reasoning``), ``reasoning`` (the template decides
 whether the model reasons), ``prompt_cache_key`` and ``prompt_cache_retention``
 (the cache is keyed by the prompt's tokens, kept on disk), ``service_tier``,
 ``safety_identifier``, ``stream_options``, ``truncation: "disabled"`` and Codex
@@ -22,8 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from localkv.server.errors import bad_request
+from localkv.server.fields import integer, json_grammar, number, seed, stop_list, top_p
+from localkv.server.requests import Sampling
 
-__all__ = ["check_fields", "echo_tool_choice", "echo_tools", "response_format", "tools_body"]
+__all__ = ["check_fields", "sampling"]
 
 MAPPED = {
     "model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens",
@@ -73,6 +77,11 @@ def check_fields(body: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' must be true or false", name)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_request("'user' must be a string", "user")
+    include = body.get("include")
+    if include is not None and (
+        not isinstance(include, list) or not all(isinstance(i, str) for i in include)
+    ):
+        raise bad_request("'include' must be an array of strings", "include")
 
 
 def _check_metadata(metadata: object) -> None:
@@ -91,77 +100,23 @@ def _check_metadata(metadata: object) -> None:
             )
 
 
-def tools_body(body: dict[str, Any]) -> dict[str, Any]:
-    """``tools`` and ``tool_choice`` in the chat path's shape (nested ``function``)."""
-    raw, choice = body.get("tools"), body.get("tool_choice")
-    out: dict[str, Any] = {}
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise bad_request("'tools' must be an array of function tools", "tools")
-        out["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(raw)]
-    if isinstance(choice, dict):
-        name = choice.get("name")
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request(
-                "'tool_choice' is 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
-                "tool_choice",
-            )
-        choice = {"type": "function", "function": {"name": name}}
-    elif choice is not None and choice not in ("auto", "none", "required"):
-        raise bad_request(
-            "'tool_choice' is 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
-            "tool_choice",
-        )
-    if choice is not None:
-        out["tool_choice"] = choice
-    return out
+def sampling(body: dict[str, Any]) -> Sampling:
+    """What the request asks of generation, each field checked under its own name."""
+    temperature = number(body.get("temperature"), "temperature", 0.0, 2.0)
+    nucleus = top_p(body.get("top_p"), "top_p")
+    return Sampling(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if nucleus is None else nucleus,
+        top_k=integer(body.get("top_k"), "top_k", 0) or 0,
+        seed=seed(body.get("seed"), "seed"),
+        max_tokens=integer(body.get("max_output_tokens"), "max_output_tokens", 1),
+        stop=stop_list(body.get("stop"), "stop"),
+        grammar=_text_grammar(body.get("text")),
+    )
 
 
-def _tool(raw: object, where: str) -> dict[str, Any]:
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if not isinstance(raw, dict) or kind != "function":
-        raise bad_request(
-            f"{where}: tools of type {kind!r} are not supported: only function tools "
-            "({'type': 'function', 'name': ..., 'parameters': {...}})",
-            where,
-        )
-    if "function" in raw:
-        raise bad_request(
-            f"{where}: a Responses function tool is flat ('name', 'parameters' beside "
-            "'type'), not nested in 'function'",
-            where,
-        )
-    if raw.get("strict") is not None and not isinstance(raw["strict"], bool):
-        raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
-    function = {k: raw[k] for k in ("name", "description", "parameters") if k in raw}
-    if function.get("parameters") is None:
-        function.pop("parameters", None)
-    return {"type": "function", "function": function}
-
-
-def echo_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's tools as a response lists them (``strict``: as given, else true)."""
-    out = []
-    for tool in body.get("tools") or []:
-        out.append(
-            {
-                "type": "function",
-                "name": tool["name"],
-                "description": tool.get("description"),
-                "parameters": tool.get("parameters"),
-                "strict": tool.get("strict", True),
-            }
-        )
-    return out
-
-
-def echo_tool_choice(body: dict[str, Any]) -> object:
-    choice = body.get("tool_choice")
-    return "auto" if choice is None else choice
-
-
-def response_format(text: object) -> dict[str, Any] | None:
-    """``text.format`` as the chat path's ``response_format`` (None: plain text)."""
+def _text_grammar(text: object) -> str | None:
+    """The grammar ``text.format`` asks for: None for plain text, else JSON's."""
     if text is None:
         return None
     if not isinstance(text, dict):
@@ -176,7 +131,12 @@ def response_format(text: object) -> dict[str, Any] | None:
             "{'type': 'json_schema', 'name': ..., 'schema': {...}}",
             "text.format",
         )
-    if kind != "json_schema":
-        return {"type": kind}
-    spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
-    return {"type": "json_schema", "json_schema": spec}
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar(None, "text.format")
+    for name, kinds in (("name", str), ("description", str), ("strict", bool)):
+        if fmt.get(name) is not None and not isinstance(fmt[name], kinds):
+            raise bad_request(f"text.format.{name} must be a {kinds.__name__}", "text.format")
+    # strict or not, the answer is held to the schema (none: any JSON object)
+    return json_grammar(fmt.get("schema"), "text.format.schema", "text.format")

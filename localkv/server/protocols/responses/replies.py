@@ -1,9 +1,11 @@
 """The Responses response object, built from an ``Outcome``, and its stream events.
 
-``output`` is a ``reasoning`` item (when the answer had reasoning), a ``message``
-item with one ``output_text`` part (unless the answer is only tool calls), then
-one ``function_call`` item per call. Item ids derive from the response's id and
-the calls' ids, so a stream names each item as the final response does.
+``output`` is a ``reasoning`` item (when the answer had reasoning; with its
+``encrypted_content`` when ``include`` asks for it, ``responses.reasoning``), a
+``message`` item with one ``output_text`` part (unless the answer is only tool
+calls), then one ``function_call`` item per call (a namespace's function named
+as the namespace's, with ``namespace``). Item ids derive from the response's id
+and the calls' ids, so a stream names each item as the final response does.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from localkv.prompt.template import ToolCall
 from localkv.server.errors import ApiError
-from localkv.server.protocols.responses.fields import echo_tool_choice, echo_tools
-from localkv.server.requests import ChatRequest, Outcome
+from localkv.server.protocols.responses.reasoning import sealed
+from localkv.server.protocols.responses.tools import echo_tools
+from localkv.server.protocols.responses.translate import Parsed
+from localkv.server.requests import Outcome
 
 __all__ = ["Answer", "Encoder", "Events"]
 
@@ -36,16 +41,19 @@ def status(outcome: Outcome) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """The fixed parts of one response: its id, model, time and the request's echoes."""
+    """The fixed parts of one response: its id, model, time and the request's echoes,
+    and what the request says of its items (namespaces, sealed reasoning)."""
 
     id: str
     model: str
     created_at: int
     echo: dict[str, Any]
+    names: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    sealed_reasoning: bool = False
 
     @classmethod
-    def new(cls, model: str, body: dict[str, Any], request: ChatRequest) -> Answer:
-        sampling = request.sampling
+    def new(cls, model: str, body: dict[str, Any], parsed: Parsed) -> Answer:
+        sampling = parsed.request.sampling
         text = body.get("text") if isinstance(body.get("text"), dict) else {}
         echo = {
             "instructions": body.get("instructions"),
@@ -54,7 +62,7 @@ class Answer:
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_output_tokens": sampling.max_tokens,
-            "tool_choice": echo_tool_choice(body),
+            "tool_choice": body.get("tool_choice") or "auto",
             "tools": echo_tools(body),
             "text": {"format": (text or {}).get("format") or {"type": "text"}},
             "truncation": "disabled",
@@ -63,7 +71,14 @@ class Answer:
             "store": False,  # nothing is stored, whatever the request said
             "user": body.get("user"),
         }
-        return cls("resp_" + secrets.token_hex(12), model, int(time.time()), echo)
+        return cls(
+            id="resp_" + secrets.token_hex(12),
+            model=model,
+            created_at=int(time.time()),
+            echo=echo,
+            names=parsed.names,
+            sealed_reasoning=parsed.sealed_reasoning,
+        )
 
     @property
     def message_id(self) -> str:
@@ -99,7 +114,7 @@ class Answer:
             output.append(self.reasoning_item(outcome.reasoning, "completed"))
         if outcome.text or not outcome.tool_calls:
             output.append(self.message_item(outcome.text, _item_status(state)))
-        output.extend(call_item(c, "completed") for c in outcome.tool_calls)
+        output.extend(self.call_item(c, "completed") for c in outcome.tool_calls)
         out["output"] = output
         out["usage"] = usage(outcome, reasoning_tokens)
         out["localkv"] = outcome.localkv()
@@ -117,13 +132,31 @@ class Answer:
 
     def reasoning_item(self, text: str | None, state: str) -> dict[str, Any]:
         content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-        return {
+        item: dict[str, Any] = {
             "id": self.reasoning_id,
             "type": "reasoning",
             "summary": [],
             "content": content,
             "status": state,
         }
+        if self.sealed_reasoning and text is not None:
+            item["encrypted_content"] = sealed(text)
+        return item
+
+    def call_item(self, call: ToolCall, state: str, arguments: str | None = None) -> dict[str, Any]:
+        """A call's item: a namespace's function by its own name, with the namespace."""
+        namespace, name = self.names.get(call.name, (None, call.name))
+        item = {
+            "id": "fc_" + call.id.removeprefix("call_"),
+            "type": "function_call",
+            "call_id": call.id,
+            "name": name,
+            "arguments": call.arguments if arguments is None else arguments,
+            "status": state,
+        }
+        if namespace is not None:
+            item["namespace"] = namespace
+        return item
 
 
 def _item_status(state: str) -> str:
@@ -132,17 +165,6 @@ def _item_status(state: str) -> str:
 
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def call_item(call: ToolCall, state: str, arguments: str | None = None) -> dict[str, Any]:
-    return {
-        "id": "fc_" + call.id.removeprefix("call_"),
-        "type": "function_call",
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments if arguments is None else arguments,
-        "status": state,
-    }
 
 
 def usage(outcome: Outcome, reasoning_tokens: int) -> dict[str, Any]:
@@ -204,15 +226,15 @@ class Events:
         out += self._close()
         for call in outcome.tool_calls:
             index = len(self.opened)
-            item = call_item(call, "completed")
+            item = self.answer.call_item(call, "completed")
             self.opened.append(item["id"])
             at = {"item_id": item["id"], "output_index": index}
             out.append(self.emit("response.output_item.added", output_index=index,
-                                 item=call_item(call, "in_progress", "")))  # fmt: skip
+                                 item=self.answer.call_item(call, "in_progress", "")))  # fmt: skip
             out.append(self.emit("response.function_call_arguments.delta", **at,
                                  delta=call.arguments))  # fmt: skip
             out.append(self.emit("response.function_call_arguments.done", **at,
-                                 name=call.name, arguments=call.arguments))  # fmt: skip
+                                 name=item["name"], arguments=call.arguments))  # fmt: skip
             out.append(self.emit("response.output_item.done", output_index=index, item=item))
         body = self.answer.body(outcome, reasoning_tokens)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"

@@ -26,4 +26,4 @@ class ResponsesRoutes:
         body = await self.gateway.body(request)
         parsed = chat_request(body)
         answer = Answer.new(self.gateway.facts().model_id, body, parsed)
-        return await self.gateway.answer(request, parsed, Encoder(answer))
+        return await self.gateway.answer(request, parsed.request, Encoder(answer))

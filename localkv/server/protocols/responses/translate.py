@@ -1,27 +1,32 @@
-"""Responses request bodies as the chat request the engine runs.
+"""Responses request bodies as the neutral ``ChatRequest`` the engine runs.
 
-The translation builds a ``/v1/chat/completions`` body and parses it with
-``server.openai``, so every check and default of the chat path holds here and
-the same conversation is the same prompt tokens. ``instructions`` is a system
-message in front; ``input`` is a string (one user message) or items:
-``message`` (user, assistant, system, developer; text parts), ``function_call``
-(an assistant's tool call; calls in a row, and a message just before them, are
-one assistant turn), ``function_call_output`` (a tool result) and
-``reasoning`` (its ``reasoning_text``, the next assistant turn's reasoning).
-Fields of the request that are not the model's work are checked here
-(``fields``); the rest goes through as the chat path's.
+``instructions`` is a system message in front; ``input`` is a string (one user
+message) or items: ``message`` (user, assistant, system, developer; text parts;
+an assistant message sent back with ``status``, ``annotations`` or ``phase``),
+``function_call`` (an assistant's tool call; calls in a row, and a message just
+before them, are one assistant turn; a ``namespace`` names the call as the
+template saw it, ``responses.tools``), ``function_call_output`` (a tool result)
+and ``reasoning`` (its ``reasoning_text``, or this server's
+``encrypted_content``, is the next assistant turn's reasoning; a summary is not
+the reasoning). An item's ``id`` takes no part in the prompt: clients make new
+ones per session. Top-level fields are checked in ``fields``, tools in ``tools``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from localkv.prompt.template import Message, ToolCall
 from localkv.server.errors import ApiError, bad_request
-from localkv.server.protocols.openai.parse import parse_chat
-from localkv.server.protocols.responses.fields import check_fields, response_format, tools_body
+from localkv.server.protocols.responses.fields import check_fields, sampling
+from localkv.server.protocols.responses.reasoning import INCLUDE, unsealed
+from localkv.server.protocols.responses.tools import flat_name, parse_tools
 from localkv.server.requests import ChatRequest
 
-__all__ = ["chat_messages", "chat_request"]
+__all__ = ["Parsed", "chat_request"]
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 REFUSED_PARTS = {
@@ -30,60 +35,53 @@ REFUSED_PARTS = {
     "input_audio": "audio",
 }
 ROLES = ("user", "assistant", "system", "developer")
-# the chat path's names of fields, as a Responses client knows them
-_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def chat_request(body: dict[str, Any]) -> ChatRequest:
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A Responses request: the chat request the engine runs, and how to answer it."""
+
+    request: ChatRequest
+    # a namespace's function's flat name -> (namespace, function), for the answer's calls
+    names: Mapping[str, tuple[str, str]]
+    sealed_reasoning: bool  # ``include`` asks for ``reasoning.encrypted_content``
+
+
+def chat_request(body: dict[str, Any]) -> Parsed:
     """The ``ChatRequest`` of a Responses body, or a 400 naming the Responses field."""
     check_fields(body)
-    chat: dict[str, Any] = {"messages": chat_messages(body), **tools_body(body)}
-    for name in ("temperature", "top_p", "top_k", "seed", "stop", "stream"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
-    fmt = response_format(body.get("text"))
-    if fmt is not None:
-        chat["response_format"] = fmt
-    try:
-        return parse_chat(chat)
-    except ApiError as exc:
-        raise _renamed(exc) from None
+    tools = parse_tools(body)
+    request = ChatRequest(
+        messages=tuple(messages(body)),
+        sampling=sampling(body),
+        stream=bool(body.get("stream")),
+        tools=tools.tools,
+        tool_choice=tools.choice,
+    )
+    return Parsed(
+        request=request, names=tools.names, sealed_reasoning=INCLUDE in (body.get("include") or ())
+    )
 
 
-def _renamed(exc: ApiError) -> ApiError:
-    """A chat-path error with the Responses names of its fields."""
-    message, param = exc.message, exc.param
-    for old, new in _PARAMS.items():
-        message = message.replace(old, new)
-        if param is not None and param.startswith(old):
-            param = new + param[len(old) :]
-    if param is not None and param.startswith("tools["):
-        param = param.replace(".function", "")
-        message = message.replace(".function.", ".")
-    return ApiError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
-
-
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages of ``instructions`` and ``input``."""
-    out: list[dict[str, Any]] = []
+def messages(body: dict[str, Any]) -> list[Message]:
+    """The messages of ``instructions`` and ``input``."""
+    out: list[Message] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise bad_request("'instructions' must be a string", "instructions")
         if instructions:
-            out.append({"role": "system", "content": instructions})
+            out.append(Message("system", instructions))
     raw = body.get("input")
     if raw is None:
         raise bad_request("'input' is required", "input", "missing_required_parameter")
     if isinstance(raw, str):
         if not raw:
             raise bad_request("'input' is empty", "input")
-        return [*out, {"role": "user", "content": raw}]
+        return [*out, Message("user", raw)]
     if not isinstance(raw, list) or not raw:
         raise bad_request("'input' must be a string or a non-empty array of items", "input")
-    reasoning: str | None = None  # from a reasoning item, for the next assistant turn
+    reasoning: str | None = None  # from reasoning items, for the next assistant turn
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -95,7 +93,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(_message(item, where, reasoning))
             reasoning = None if item.get("role") == "assistant" else reasoning
         elif kind == "function_call":
-            _add_call(out, item, where, reasoning)
+            _add_call(out, _call(item, where), reasoning)
             reasoning = None
         elif kind == "function_call_output":
             out.append(_call_output(item, where))
@@ -121,21 +119,21 @@ def _unknown_item(kind: object, where: str) -> ApiError:
     return bad_request(f"{where}.type {kind!r} is not supported (one of {known})", f"{where}.type")
 
 
-def _message(item: dict[str, Any], where: str, reasoning: str | None) -> dict[str, Any]:
+def _message(item: dict[str, Any], where: str, reasoning: str | None) -> Message:
     role = item.get("role")
     if role not in ROLES:
         known = ", ".join(ROLES)
         raise bad_request(
             f"{where}.role {role!r} is not supported (one of {known})", f"{where}.role"
         )
-    out: dict[str, Any] = {"role": role, "content": _text(item.get("content"), where)}
-    if role == "assistant" and reasoning:
-        out["reasoning_content"] = reasoning
-    return out
+    text = _text(item.get("content"), where)
+    if role == "assistant":
+        return Message("assistant", text, reasoning or None)
+    return Message("system" if role == "developer" else str(role), text)
 
 
 def _text(content: object, where: str, field: str = "content") -> str:
-    """A message's content: a string, or text parts joined (as the chat path joins them)."""
+    """A message's content: a string, or its text parts joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -169,7 +167,8 @@ def _not_text(at: str) -> ApiError:
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text (its ``content``; a summary is not the reasoning)."""
+    """A reasoning item's text: its ``content``, else this server's ``encrypted_content``
+    (a summary is not the reasoning)."""
     content = item.get("content") or []
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be an array of reasoning_text parts", where)
@@ -179,42 +178,44 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
         if not isinstance(text, str):
             raise bad_request(f"{where}.content[{j}] needs 'text'", f"{where}.content[{j}]")
         texts.append(text)
+    if not texts:
+        return unsealed(item.get("encrypted_content")) or ""
     return "".join(texts)
 
 
-def _add_call(
-    out: list[dict[str, Any]], item: dict[str, Any], where: str, reasoning: str | None
-) -> None:
-    """A function call, into the assistant turn just before it or a new one."""
+def _call(item: dict[str, Any], where: str) -> ToolCall:
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str):
             raise bad_request(f"{where}: a function_call needs '{name}' (a string)", where)
-    call = {
-        "id": item["call_id"],
-        "type": "function",
-        "function": {"name": item["name"], "arguments": item["arguments"]},
-    }
-    if out and out[-1]["role"] == "assistant" and not reasoning:
-        out[-1].setdefault("tool_calls", []).append(call)
+    return ToolCall(item["call_id"], _name(item, where), item["arguments"])
+
+
+def _name(item: dict[str, Any], where: str) -> str:
+    """A call's function as the template saw it: under its namespace, if it has one."""
+    name, namespace = item["name"], item.get("namespace")
+    if namespace is None:
+        return str(name)
+    if not isinstance(namespace, str):
+        raise bad_request(f"{where}.namespace must be a string", f"{where}.namespace")
+    return flat_name(namespace, name)
+
+
+def _add_call(out: list[Message], call: ToolCall, reasoning: str | None) -> None:
+    """A function call, into the assistant turn just before it or a new one."""
+    if out and out[-1].role == "assistant" and not reasoning:
+        out[-1] = dataclasses.replace(out[-1], tool_calls=(*out[-1].tool_calls, call))
         return
-    turn: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
-    if reasoning:
-        turn["reasoning_content"] = reasoning
-    out.append(turn)
+    out.append(Message("assistant", "", reasoning or None, (call,)))
 
 
-def _call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _call_output(item: dict[str, Any], where: str) -> Message:
     call_id = item.get("call_id")
     if not isinstance(call_id, str):
         raise bad_request(f"{where}: a function_call_output needs 'call_id'", f"{where}.call_id")
     output = item.get("output")
     if output is None:
         raise bad_request(f"{where}: a function_call_output needs 'output'", f"{where}.output")
-    message: dict[str, Any] = {
-        "role": "tool",
-        "tool_call_id": call_id,
-        "content": _text(output, where, "output"),
-    }
-    if isinstance(item.get("name"), str):
-        message["name"] = item["name"]
-    return message
+    name = item.get("name") if isinstance(item.get("name"), str) else None
+    if name is not None and item.get("namespace") is not None:
+        name = _name(item, where)
+    return Message("tool", _text(output, where, "output"), tool_call_id=call_id, name=name)
