@@ -16,7 +16,9 @@ Encodings are canonical and fixed (changing them invalidates every cache):
 - next: the parent's 32-byte digest, the token count as u32 little-endian,
   the tokens as int32 little-endian, the number of batch ends as u32
   little-endian, then the batch ends as u32 little-endian offsets from the
-  block's start (strictly increasing, the last equal to the token count).
+  block's start (increasing, the last equal to the token count; an end given
+  twice is an empty batch, where a sliding-window session settled: a block
+  without one hashes as before there were any).
 """
 
 from __future__ import annotations
@@ -98,11 +100,15 @@ def chain_root(identity_digest: str, namespace: str) -> str:
 
 
 def ends_array(ends: Sequence[int] | np.ndarray, n_tokens: int) -> np.ndarray:
-    """A block's batch ends as u32 offsets (ValueError unless increasing, last = n_tokens)."""
+    """A block's batch ends as u32 offsets (ValueError unless increasing, last = n_tokens;
+    an end may be given twice: an empty batch, a settle)."""
     arr = np.asarray(ends, dtype=np.int64)
     if arr.ndim != 1 or arr.shape[0] == 0:
         raise ValueError("a block's batch ends must be a non-empty flat sequence")
-    if arr[0] < 1 or np.any(np.diff(arr) <= 0) or arr[-1] != n_tokens:
+    steps = np.diff(arr)
+    repeated = steps == 0
+    thrice = bool(np.any(repeated[1:] & repeated[:-1]))  # an end given three times
+    if arr[0] < 1 or np.any(steps < 0) or thrice or arr[-1] != n_tokens:
         raise ValueError(
             f"batch ends must increase from 1 to the block's {n_tokens} tokens: "
             f"{arr[:8].tolist()}{'...' if arr.shape[0] > 8 else ''}"

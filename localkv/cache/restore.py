@@ -76,7 +76,10 @@ def load_chain(
         pieces = [tensors_to_state(b.tensors, b.meta, b.start) for b in blocks]
         session.restore(pieces, held)
     marks.append(time.perf_counter())
-    session.batch_ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e < n] + [n]
+    # as the writer batched them, up to the probe token (with an empty batch before it:
+    # where the writer settled, ``schedule.settle_marks``)
+    ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e <= n]
+    session.batch_ends = ends if ends[-1:] == [n] else [*ends, n]
     return tokens
 
 

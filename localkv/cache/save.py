@@ -40,6 +40,9 @@ class SaveResult:
     not_kept: str | None = None
     # pinned snapshots hold more than the budget: eviction cannot bring the cache within it
     over_budget: str | None = None
+    # where the saved chain ends, in tokens: the last tip asked for, or an earlier one
+    # where the session could not end a restorable block (0 when nothing was saved)
+    end: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,5 +223,6 @@ def write_blocks(store: SnapshotStore, blocks: Sequence[Block]) -> SaveResult:
             # the index is unchanged and the caller carries on uncached
             log.warning("could not save the prefix cache (%s); continuing without it", exc)
             return SaveResult(len(blocks), new_blocks, new_bytes, None, str(exc))
-    tip = blocks[-1].hash if blocks else None
-    return SaveResult(len(blocks), new_blocks, new_bytes, tip)
+    if not blocks:
+        return SaveResult(0, new_blocks, new_bytes, None)
+    return SaveResult(len(blocks), new_blocks, new_bytes, blocks[-1].hash, end=blocks[-1].end)

@@ -63,6 +63,8 @@ class SyncReport:
     # the cache had nothing worth a word: less than a block (the template's first
     # tokens) restored or in common; the faces say neither a hit nor a miss
     trivial: bool = False
+    # tokens the sequence held before the prefill: kept from the live context or restored
+    reused: int = 0
 
 
 def is_trivial(cache: CacheReport | None, block_size: int) -> bool:
@@ -190,12 +192,14 @@ class ChatSession:
                 cancelled = True
         elapsed = time.perf_counter() - t0
         self.runtime.note_prefill(elapsed, session.n_tokens - start)  # one rate for every writer
+        cached = self.runtime.cache is not None
         return SyncReport(
-            report,
-            session.n_tokens - start,
-            elapsed,
-            cancelled,
-            quiet and self.runtime.cache is not None and is_trivial(report, self.block_size),
+            cache=report,
+            prefilled=session.n_tokens - start,
+            prefill_s=elapsed,
+            cancelled=cancelled,
+            trivial=quiet and cached and is_trivial(report, self.block_size),
+            reused=start,
         )
 
     def save(self) -> None:

@@ -19,14 +19,22 @@ chat's generated answers), never on how much happened to be restored:
 A batch *end* is the token count after a batch. The chain hash of a block
 covers its batch ends, and a restore stops at the last batch end that the
 stored computation and the request's own schedule share (``shared_end``).
+
+A sliding-window session *settles* before some tokens it decodes alone
+(``model.snapshots``), which changes the numbers after them: where its batch
+ends alone do not say so (a segment's last token after a token decoded alone,
+as a turn's closing tokens after its answer), the schedule says it with a
+batch end repeated: an empty batch, a settle (``settle_marks``). So the hash
+covers every settle, and a stored state is reused only by a request that
+settles where its writer did.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ends_after", "request_ends", "shared_end"]
+__all__ = ["ends_after", "ends_from", "request_ends", "settle_marks", "shared_end"]
 
 
 def request_ends(
@@ -64,6 +72,33 @@ def request_ends(
     return ends
 
 
+def settle_marks(ends: Sequence[int], segment_ends: Iterable[int], block_size: int) -> list[int]:
+    """``ends`` with an empty batch (its end repeated) before each segment's last token that
+    a sliding-window session settles before only by being told (``model.snapshots``).
+
+    The batch ends alone make it settle before a token decoded alone at a block-grid
+    end or right after a batch of two or more tokens; a segment that ends otherwise
+    (its last two tokens each decoded alone: a turn's closing tokens after the answer,
+    a one-token segment) gets the mark, so a restore can end with it as well.
+    """
+    marks = set()
+    for end in segment_ends:
+        last = end - 1
+        if last < 1 or end % block_size == 0:
+            continue
+        i = bisect_right(ends, last) - 1  # the batch that ends where the last token starts
+        if i >= 0 and ends[i] == last and last - (ends[i - 1] if i else 0) == 1:
+            marks.add(last)
+    if not marks:
+        return list(ends)
+    out: list[int] = []
+    for e in ends:
+        out.append(e)
+        if e in marks:
+            out.append(e)
+    return out
+
+
 def shared_end(stored: Sequence[int], wanted: Sequence[int], limit: int, start: int = 0) -> int:
     """The last batch end, at most ``limit``, where two computations still agree.
 
@@ -82,3 +117,10 @@ def shared_end(stored: Sequence[int], wanted: Sequence[int], limit: int, start: 
 def ends_after(ends: Sequence[int], start: int) -> list[int]:
     """The batch ends of ``ends`` beyond ``start`` (``ends`` sorted)."""
     return list(ends[bisect_right(ends, start) :])
+
+
+def ends_from(ends: Sequence[int], start: int) -> list[int]:
+    """The batches of ``ends`` still to run from ``start`` on: those beyond it, after any
+    empty batch at ``start`` itself (``settle_marks``: the batch ending there is done)."""
+    marks = bisect_right(ends, start) - bisect_left(ends, start) - (1 if start else 0)
+    return [start] * max(0, marks) + ends_after(ends, start)

@@ -28,12 +28,13 @@ from localkv.model.loading import ModelLoadError, large_buffer, open_native
 from localkv.model.machine import ThreadFit
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.sampling import Sampler, SamplingParams
-from localkv.model.schedule import ends_after, request_ends
+from localkv.model.schedule import ends_from, request_ends, settle_marks
 from localkv.model.snapshots import (
     attention_state,
     memory_of,
     partial_after,
     partial_before,
+    settle_at,
     window_of,
 )
 from localkv.model.state import (
@@ -214,13 +215,11 @@ class ModelSession:
         """The canonical batch ends of a request (``model.schedule``); notes its segment ends."""
         boundaries = list(boundaries)
         self.segment_ends = {b for b in boundaries if b > 0} | {n_tokens}
-        return request_ends(
-            n_tokens,
-            boundaries,
-            self.config.block_size,
-            min(self.n_batch, self.config.block_size),
-            singles,
-        )
+        block = self.config.block_size
+        ends = request_ends(n_tokens, boundaries, block, min(self.n_batch, block), singles)
+        if self.memory_kind == "swa":  # every segment end is a settle (``model.snapshots``)
+            return settle_marks(ends, self.segment_ends, block)
+        return ends
 
     def prefill(
         self,
@@ -253,12 +252,15 @@ class ModelSession:
             ends = self.schedule(end, boundaries)
         if (start and start not in ends) or end not in ends:
             raise ValueError(f"tokens {start}..{end} do not start and end at batch ends")
-        batches = ends_after(ends, start)
+        batches = ends_from(ends, start)
         batches = batches[: batches.index(end) + 1]
         pos = start
         for i, stop in enumerate(batches):
             if cancel is not None and cancel():
                 raise PrefillCancelled(pos - start)
+            if stop == pos:  # an empty batch: settle here (``schedule.settle_marks``)
+                self._settle_mark(pos)
+                continue
             if stop - pos > self.n_batch:
                 raise ValueError(f"batch of {stop - pos} tokens (limit {self.n_batch})")
             if stop - pos == 1:
@@ -273,6 +275,14 @@ class ModelSession:
             if progress is not None:
                 progress(pos - start, end - start)
         return result
+
+    def _settle_mark(self, pos: int) -> None:
+        """The schedule's empty batch at ``pos``: an SWA session settles (once)."""
+        if self.batch_ends[-2:] == [pos, pos]:
+            return
+        if self.memory_kind == "swa":
+            settle_at(self, pos)
+        self.batch_ends.append(pos)
 
     def generate(
         self,

@@ -20,13 +20,16 @@ gemma3 model, a batch decoded after a restore differs from the live run by up
 to 3e-3 in a logit. So where a restore may end the SWA session *settles*:
 it writes its state, clears the memory and loads that state back, exactly
 what a restore does. It settles before a token decoded alone at a block-grid
-end, and before one decoded alone right after a batch of several tokens (a
-segment's end: ``settles_before``). Both depend on the position and the batch
-ends alone, which the chain hash covers, so every writer (prefill, generation,
-a replay) settles at the same positions, and a restore there is the state the
-uncached run holds. The window written at a settle gives the block its
-sliding rows (``windows``): a block stores each token's rows once, and a
-restore assembles the window from the blocks that cover it.
+end, before one decoded alone right after a batch of several tokens (a
+segment's end: ``settles_before``), and at an empty batch of the schedule
+(``schedule.settle_marks``: before a segment's last token where the token
+before it was decoded alone too, as a turn's closing tokens after its answer).
+All of these depend on the position and the batch ends alone, which the chain
+hash covers, so every writer (prefill, generation, a replay) settles at the
+same positions, and a restore there is the state the uncached run holds. The
+window written at a settle gives the block its sliding rows (``windows``): a
+block stores each token's rows once, and a restore assembles the window from
+the blocks that cover it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "partial_before",
     "read_state_ext",
     "settle",
+    "settle_at",
     "settles_before",
     "snapshot_here",
     "snapshot_interval",
@@ -171,13 +175,8 @@ def memory_of(model: Any) -> tuple[MemoryKind | None, str | None]:
 def partial_before(session: Any, pos: int) -> None:
     """Before token ``pos`` is decoded alone: settle (SWA) or capture the partial part."""
     kind = session.memory_kind
-    block = session.config.block_size
-    if kind == "swa" and settles_before(pos, session.batch_ends, block):
-        if session.settled_at == pos:  # just restored to this state (``cache.restore``)
-            return
-        window = window_of(settle(session.ctx, session.memory))
-        session.windows.open(pos + 1, pos // block * block, window)
-        session.settled_at = pos
+    if kind == "swa" and settles_before(pos, session.batch_ends, session.config.block_size):
+        settle_at(session, pos)
         return
     interval, ends = session.snapshot_interval, session.segment_ends
     if kind is None or not snapshot_here(kind, pos, interval, ends):
@@ -185,6 +184,20 @@ def partial_before(session: Any, pos: int) -> None:
     if pos in session.partials:  # just restored to this state (``cache.restore``)
         return
     session.partials[pos] = read_state_ext(session.ctx, PARTIAL_ONLY)
+
+
+def settle_at(session: Any, pos: int) -> None:
+    """Settle an SWA session holding ``pos`` tokens, before its token ``pos`` (decoded
+    alone next), and collect the window for the block ending after it.
+
+    Also where the schedule says so (an empty batch: ``schedule.settle_marks``).
+    """
+    if session.settled_at == pos:  # just restored to this state (``cache.restore``)
+        return
+    block = session.config.block_size
+    window = window_of(settle(session.ctx, session.memory))
+    session.windows.open(pos + 1, pos // block * block, window)
+    session.settled_at = pos
 
 
 def partial_after(session: Any, pos: int) -> None:

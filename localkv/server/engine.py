@@ -239,7 +239,9 @@ class Engine:
         """Bring the KV sequence to the prompt: live context, else disk, else prefill.
 
         Returns the sync report and the first position where the live context
-        diverged from the prompt (None when it did not).
+        diverged from the prompt (None when it did not). A prefill of 2,048 tokens
+        or more logs its progress: a line each time another eighth of it (at least
+        1,024 tokens) is computed, so at most seven; the request's own line says the end.
         """
         session, prompt = self.runtime.session, state.tokens
         n = len(prompt)
@@ -253,7 +255,17 @@ class Engine:
             session.reset()  # the disk holds more of this prompt than the live context
         elif 0 < keep < len(live):
             session.truncate(keep)
-        return chat.sync(cancel=channel.cancelled), diverged
+        logged = [0]
+
+        def progress(done: int, total: int) -> None:
+            step = max(1024, -(-total // 8))
+            if total < 2048 or done >= total or done < logged[0] + step:
+                return
+            logged[0] = done
+            reused = n - total
+            log.info("prefill: %d of %d tokens computed; %d of %d reused", done, total, reused, n)
+
+        return chat.sync(progress, cancel=channel.cancelled), diverged
 
     def _on_disk(self, tokens: Sequence[int], ends: Sequence[int]) -> int:
         """How many of ``tokens`` the disk cache could restore (an index lookup only)."""
@@ -309,7 +321,7 @@ class Engine:
         cancelled: bool,
     ) -> Outcome:
         report = sync.cache
-        cached = len(prompt) - sync.prefilled
+        cached = sync.reused  # not what a cancelled prefill left undone
         if cancelled:
             finish = "cancelled"
         elif stops.hit:

@@ -84,8 +84,19 @@ def prefix_label(first: str | Sequence[int] | Sequence[Message]) -> str:
 def snapshot_namer(
     snapshot: ConversationSnapshot, label: str, n_tokens: int
 ) -> Callable[[SaveResult], None]:
-    """What the save runs once the prefix is written: name it ``label``."""
-    return lambda saved: snapshot.name(saved, label, n_tokens)
+    """What the save runs once the prefix is written: name it ``label``.
+
+    The snapshot names the chain as saved: through the answer's closing tokens
+    (``n_tokens``), or where it ends before them (an answer cut by a full context
+    leaves its last token unread, so no block can end after it).
+    """
+
+    def name(saved: SaveResult) -> None:
+        if saved.tip is not None and saved.end != n_tokens:
+            log.debug("the prefix saved ends at %d of %d tokens", saved.end, n_tokens)
+        snapshot.name(saved, label, saved.end or n_tokens)
+
+    return name
 
 
 @dataclass(frozen=True, slots=True)

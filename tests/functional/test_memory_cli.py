@@ -223,10 +223,7 @@ def _resumed_chat_answers_as_uncached(home: Path, model: Path, swa: bool) -> Non
     match = re.search(resumed_line, resumed.stderr)
     assert match is not None, resumed.stderr
     restored = int(match.group(1).replace(",", ""))
-    if swa:  # settled at the last question's end (a turn's end follows sampled tokens)
-        assert n_conversation - 24 - 4 <= restored < n_conversation
-    else:
-        assert restored == n_conversation
+    assert restored == n_conversation  # SWA too: a turn's end is a settle (an empty batch)
     uncached = _chat(uncached_home, model, question, "--resume", "--no-cache", *sampling)
     assert "cache disabled" in uncached.stderr
     assert resumed.stdout.strip() and resumed.stdout == uncached.stdout

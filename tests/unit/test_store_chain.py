@@ -57,10 +57,26 @@ def test_block_ends_are_offsets_within_the_block() -> None:
         block_ends([3, 4, 7, 9], 4, 8)
 
 
-@pytest.mark.parametrize("bad", [[], [0, 3], [2, 2, 3], [3, 2], [1, 2]])
+@pytest.mark.parametrize("bad", [[], [0, 3], [2, 2, 2, 3], [3, 2], [1, 2]])
 def test_bad_batch_ends_are_refused(bad: list[int]) -> None:
     with pytest.raises(ValueError, match="batch ends"):
         chain_next(chain_root(ID_A, ""), [1, 2, 3], bad)
+
+
+def test_an_empty_batch_a_settle_is_part_of_the_hash() -> None:
+    """An end given twice (a sliding-window settle) names another computation, encoded
+    as the ends are (a block without one hashes as before: the documented encoding)."""
+    root = chain_root(ID_A, "")
+    settled = chain_next(root, [1, 2, 3], [1, 2, 2, 3])
+    assert settled != chain_next(root, [1, 2, 3], [1, 2, 3])
+    expected = hashlib.sha256(
+        bytes.fromhex(root[7:])
+        + struct.pack("<I", 3)
+        + struct.pack("<3i", 1, 2, 3)
+        + struct.pack("<I", 4)
+        + struct.pack("<4I", 1, 2, 2, 3)
+    ).hexdigest()
+    assert settled == "sha256:" + expected
 
 
 def test_roots_differ_by_identity_and_namespace() -> None:
