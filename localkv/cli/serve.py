@@ -219,7 +219,8 @@ def _is_loopback(host: str) -> bool:
     envvar="LOCALKV_KEEP_CLIENT_HEADERS",
     help="Keep the per-session text clients put before their prompts (Claude Code's "
     "x-anthropic-billing-header block) in the tokens; by default it is left out, so a new "
-    "session reuses the cached system prompt. [env: LOCALKV_KEEP_CLIENT_HEADERS]",
+    "session reuses the cached system prompt. System messages are placed the same either "
+    "way. [env: LOCALKV_KEEP_CLIENT_HEADERS]",
 )
 @model_options
 @cache_options

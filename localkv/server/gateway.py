@@ -7,8 +7,10 @@ the encoder: a whole body, or a stream that opens once the work has started
 (so a prompt too long for the context is still a plain 413), sends each piece
 as it comes, a keep-alive while nothing does, and the encoder's closing or
 failure at the end. A client that leaves cancels its work, waiting or running.
-A chat request is made canonical first (``canonical``: the client cache-busters
-its rules take out; none with ``keep_client_headers``).
+A chat request is made canonical first (``canonical``): its system messages
+before the first answer joined into the system prompt, whatever the protocol,
+then the client cache-busters its rules take out (none with
+``keep_client_headers``; the system messages are placed all the same).
 Errors before a stream opens are ``ApiError``s, which the app shapes per
 protocol (``errors``).
 """
@@ -50,7 +52,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     allowed_hosts: tuple[str, ...] = ()  # names besides loopback names and addresses
     allowed_origins: tuple[str, ...] = ()  # web pages that may call the server
-    keep_client_headers: bool = False  # apply no ``canonical`` rule
+    keep_client_headers: bool = False  # no ``canonical`` rule (system messages still placed)
 
 
 class Encoder(Protocol):

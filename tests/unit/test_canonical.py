@@ -1,6 +1,7 @@
-"""The canonical rules and the Anthropic system messages, as the tokens a request becomes.
+"""The canonical request (system messages placed, client cache-busters taken out), as
+the tokens a request becomes.
 
-Each request is parsed as the server parses it (``messages_request``), made
+Each request is parsed as the server parses it (each protocol's own parser), made
 canonical (``server.canonical``) and built into its prompt tokens by the one
 builder the engine uses, with the tiny model's chat template.
 """
@@ -17,10 +18,19 @@ from support.tinymodels import TinyModels, tiny_config
 
 from localkv.model.session import ModelSession
 from localkv.prompt.template import ChatTemplate, Message
-from localkv.server.canonical import RULES, Canonical, Rule, drop_billing_header
+from localkv.server.canonical import (
+    RULES,
+    Canonical,
+    Rule,
+    drop_billing_header,
+    place_system_messages,
+)
 from localkv.server.conversation import AnswerMemory, build_prompt
 from localkv.server.limits import Budget
 from localkv.server.protocols.anthropic.translate import messages_request
+from localkv.server.protocols.ollama.translate import chat_request as ollama_request
+from localkv.server.protocols.openai.parse import parse_chat
+from localkv.server.protocols.responses.translate import chat_request as responses_request
 from localkv.server.requests import Breakpoint, ChatRequest, Sampling
 
 AGENT = ClaudeCode(
@@ -98,7 +108,7 @@ def test_a_rule_is_logged_once_when_it_applies(caplog: pytest.LogCaptureFixture)
 
 
 def test_claude_codes_environment_joins_the_system_prompt(template: ChatTemplate) -> None:
-    parsed = messages_request(AGENT.first("What is 2+2?")).request
+    parsed = place_system_messages(messages_request(AGENT.first("What is 2+2?")).request)
     system, asked = parsed.messages
     assert system.role == "system" and system.content.endswith("\n\n" + AGENT.environment)
     assert asked.role == "user" and asked.content.endswith("What is 2+2?")
@@ -121,7 +131,8 @@ def test_a_system_message_after_an_answer_stays_in_its_place() -> None:
     body = AGENT.resumed("What is 2+2?", "4.", "And 3+3?", "34c")
     late = {"role": "system", "content": [{"type": "text", "text": "Now answer in French."}]}
     body["messages"] = [*body["messages"][:3], late, body["messages"][3]]
-    roles = [(m.role, m.content[:12]) for m in messages_request(body).request.messages]
+    placed = place_system_messages(messages_request(body).request)
+    roles = [(m.role, m.content[:12]) for m in placed.messages]
     assert roles == [
         ("system", billing_header("34c")[:12]),
         ("user", "<system-remi"),
@@ -141,3 +152,140 @@ def test_an_output_format_is_the_answers_grammar_and_effort_is_ignored() -> None
         {"output_format": {"type": "json_schema", "schema": schema}},
     ):
         assert messages_request({**body, **given}).request.sampling.grammar is not None
+
+
+SYSTEM, ENVIRONMENT = "You help with code.", "# Environment\nWorking directory: /home/me/project"
+ASKED, SAID, NEXT = "What does main.py do?", "It starts the server.", "And tests.py?"
+LATE = "From now on, answer in French."
+
+Turns = list[tuple[str, str]]  # (role, text); the first is the system prompt
+
+
+def every_protocol(turns: Turns) -> dict[str, ChatRequest]:
+    """``turns`` spelled each protocol's way (a system message as a ``developer`` item in
+    Responses), parsed as the server parses it."""
+    (_, system), rest = turns[0], turns[1:]
+    part = {"user": "input_text", "assistant": "output_text", "system": "input_text"}
+    items = [
+        {"type": "message", "role": "developer" if role == "system" else role,
+         "content": [{"type": part[role], "text": text}]}
+        for role, text in rest
+    ]  # fmt: skip
+    blocks = [
+        {"role": role, "content": text if role == "system" else [{"type": "text", "text": text}]}
+        for role, text in rest
+    ]
+    plain = [{"role": role, "content": text} for role, text in turns]
+    return {
+        "openai": parse_chat({"model": "m", "messages": plain}),
+        "responses": responses_request(
+            {"model": "m", "instructions": system, "input": items}
+        ).request,
+        "anthropic": messages_request(
+            {"model": "m", "max_tokens": 8, "system": system, "messages": blocks}
+        ).request,
+        "ollama": ollama_request({"model": "m", "messages": plain}),
+    }
+
+
+def prompt_tokens(template: ChatTemplate, request: ChatRequest) -> list[int]:
+    request = Canonical()(request)
+    built = build_prompt(template, request.messages, AnswerMemory(), Budget(4096), request.tools)
+    return built.state.tokens
+
+
+def explicit(template: ChatTemplate, *messages: Message) -> list[int]:
+    return prompt_tokens(template, ChatRequest(messages=messages, sampling=Sampling()))
+
+
+def test_a_system_message_after_the_question_joins_the_system_prompt_in_every_protocol(
+    template: ChatTemplate,
+) -> None:
+    # Claude Code's shape: the question, then the environment as a system message
+    turns = [("system", SYSTEM), ("user", ASKED), ("system", ENVIRONMENT), ("user", NEXT)]
+    joined = explicit(
+        template,
+        Message("system", SYSTEM + "\n\n" + ENVIRONMENT),
+        Message("user", ASKED),
+        Message("user", NEXT),
+    )
+    for name, request in every_protocol(turns).items():
+        assert prompt_tokens(template, request) == joined, name
+    # the same with an answer between the turns
+    answered = [*turns[:3], ("assistant", SAID), turns[3]]
+    joined = explicit(
+        template,
+        Message("system", SYSTEM + "\n\n" + ENVIRONMENT),
+        Message("user", ASKED),
+        Message("assistant", SAID),
+        Message("user", NEXT),
+    )
+    for name, request in every_protocol(answered).items():
+        assert prompt_tokens(template, request) == joined, name
+
+
+def test_a_system_message_after_the_first_answer_stays_in_place_in_every_protocol(
+    template: ChatTemplate,
+) -> None:
+    turns = [
+        ("system", SYSTEM),
+        ("user", ASKED),
+        ("system", ENVIRONMENT),
+        ("assistant", SAID),
+        ("system", LATE),
+        ("user", NEXT),
+    ]
+    head = (Message("system", SYSTEM + "\n\n" + ENVIRONMENT), Message("user", ASKED))
+    in_place = explicit(
+        template, *head, Message("assistant", SAID), Message("system", LATE), Message("user", NEXT)
+    )
+    moved = explicit(
+        template,
+        Message("system", SYSTEM + "\n\n" + ENVIRONMENT + "\n\n" + LATE),
+        *head[1:],
+        Message("assistant", SAID),
+        Message("user", NEXT),
+    )
+    assert in_place != moved
+    for name, request in every_protocol(turns).items():
+        assert prompt_tokens(template, request) == in_place, name
+
+
+def test_system_messages_before_the_first_answer_join_in_order_with_their_breakpoints() -> None:
+    said = Message("assistant", SAID)
+    request = ChatRequest(
+        messages=(
+            Message("system", "one"),
+            Message("system", "two"),
+            Message("user", ASKED),
+            Message("system", ""),  # nothing to join
+            Message("system", "three"),
+            said,
+            Message("system", LATE),
+            Message("user", NEXT),
+        ),
+        sampling=Sampling(),
+        breakpoints=tuple(Breakpoint(message=at, ttl_s=300) for at in (-1, 1, 2, 3, 4, 5, 6, 7)),
+    )
+    placed = place_system_messages(request)
+    assert placed.messages == (
+        Message("system", "one\n\ntwo\n\nthree"),
+        Message("user", ASKED),
+        said,
+        Message("system", LATE),
+        Message("user", NEXT),
+    )
+    # a breakpoint on a joined message ends at the system prompt; the others move along
+    ends = [p.message for p in placed.breakpoints]
+    assert ends == [-1, 0, 1, 0, 0, 2, 3, 4]
+    # one system message that starts the conversation: nothing to do
+    alone = ChatRequest(messages=placed.messages, sampling=Sampling())
+    assert place_system_messages(alone) is alone
+    # empty ones alone: no system prompt at all, and no breakpoint on it
+    empty = ChatRequest(
+        messages=(Message("user", ASKED), Message("system", "")),
+        sampling=Sampling(),
+        breakpoints=(Breakpoint(message=1, ttl_s=300),),
+    )
+    assert place_system_messages(empty).messages == (Message("user", ASKED),)
+    assert place_system_messages(empty).breakpoints == ()

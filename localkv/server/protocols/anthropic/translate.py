@@ -18,27 +18,16 @@ the answer is sampled under. ``cache_control`` on a system block, a tool, or a
 message's block is a ``Breakpoint``: the prompt up to the end of that message
 (the system prompt for a system block or a tool), at its last segment end
 there, is kept, pinned 5 minutes, or an hour with ``"ttl": "1h"``; a
-``cache_control`` on the request is one on its last message.
+``cache_control`` on the request is one on its last turn (the last message
+that is not a system message).
 
 System messages in ``messages`` (``role: "system"``, a string or text blocks,
-as Claude Code and the current SDKs send them). Those before the first
-assistant message join the system prompt, after ``system``, in their order,
-each a paragraph of its own. Later ones stay where they are, and the chat
-template renders them as it renders a system message there: a system turn in
-ChatML, Llama 3 or Qwen; folded into the next user turn by llama.cpp's
-``gemma`` format, which has no such turn; a Jinja template that refuses one
-there refuses the request (a 500 naming the template), as for any conversation
-it cannot render. The rule follows from what a system prompt is and from what
-a cache needs. Until the model's first answer nothing it said stands between
-a system message and the system prompt: both are instructions given before it
-acts, and the system prompt is where the template puts those. After an answer,
-a system message is an instruction given at that point, and moving it earlier
-would change the tokens of turns already computed, which a conversation never
-does as it grows. So Claude Code's first request, ``[user: question, system:
-environment]``, is ``system + environment`` then the question; a new session
-with another question shares every token up to that question; and its
-``--continue`` request (the same system message as a string instead of one
-block, the answer, a new question) begins with the first request's tokens.
+as Claude Code and the current SDKs send them) are system messages where they
+stand, ``system`` a system message before them all; the gateway places them as
+it places every protocol's (``server.canonical``: those before
+the first assistant message join the system prompt, later ones stay), so the
+same conversation is the same tokens through every protocol. Each text
+block's ``cache_control`` is a breakpoint on its system message.
 
 Honoured or ignored, never refused: ``thinking`` (any ``type``: the model
 reasons as its template makes it, and its reasoning comes back as ``thinking``
@@ -72,7 +61,7 @@ __all__ = ["Parsed", "messages_request"]
 log = logging.getLogger(__name__)
 
 TTLS = {"5m": 300.0, "1h": 3600.0}
-SYSTEM_PROMPT = -2  # a breakpoint's message while parsing: the end of the system prompt
+TOOLS = -1  # a breakpoint's message: the tools, which render into the system prompt
 _left_out: set[str] = set()  # tool types logged as left out
 
 
@@ -87,37 +76,16 @@ class Parsed:
 
 @dataclass
 class _Conversation:
-    """What the messages become as they are read: the system prompt's parts, the other
-    messages, and the breakpoints (on ``SYSTEM_PROMPT``, -1 the tools, or a message)."""
+    """What the messages become as they are read: the messages, in order (``system``
+    first), and the breakpoints (on ``TOOLS`` or a message)."""
 
-    system: list[str] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
-    points: list[tuple[int, float]] = field(default_factory=list)
-    answered: bool = False  # an assistant message has been read
+    points: list[Breakpoint] = field(default_factory=list)
 
-    def request(
-        self,
-        sampling: Sampling,
-        tools: tuple[tuple[dict[str, Any], ...], ToolChoice | None],
-        stream: bool,
-    ) -> ChatRequest:
-        prompt = "\n\n".join(part for part in self.system if part)
-        head = (Message("system", prompt),) if prompt else ()
-        points = []
-        for at, ttl in self.points:
-            if at == SYSTEM_PROMPT:
-                if head:
-                    points.append(Breakpoint(message=0, ttl_s=ttl))
-                continue
-            points.append(Breakpoint(message=at + len(head) if at >= 0 else at, ttl_s=ttl))
-        return ChatRequest(
-            messages=(*head, *self.messages),
-            sampling=sampling,
-            stream=stream,
-            tools=tools[0],
-            tool_choice=tools[1],
-            breakpoints=tuple(points),
-        )
+    def keep(self, at: int, ttl: float | None) -> None:
+        """A breakpoint on message ``at`` (``TOOLS``: the tools), if ``ttl`` asks for one."""
+        if ttl is not None:
+            self.points.append(Breakpoint(message=at, ttl_s=ttl))
 
 
 def messages_request(body: dict[str, Any], *, counting: bool = False) -> Parsed:
@@ -126,19 +94,27 @@ def messages_request(body: dict[str, Any], *, counting: bool = False) -> Parsed:
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required (any name: the loaded model answers)", "model")
     convo = _Conversation()
-    convo.system.append(_system(body.get("system"), convo))
+    if body.get("system") is not None:
+        _system(body.get("system"), convo)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages: must be a non-empty array", "messages")
     for i, message in enumerate(raw):
         _message(message, i, convo)
     _check_last(convo.messages, len(raw) - 1)
-    ttl = _ttl(body, "")  # on the request: the last message's last block
-    if ttl is not None:
-        convo.points.append((len(convo.messages) - 1, ttl))
-    tools = _tools(body, convo)
+    # on the request: the last turn's (system messages may follow it)
+    last = max(i for i, m in enumerate(convo.messages) if m.role != "system")
+    convo.keep(last, _ttl(body, ""))
+    tools, choice = _tools(body, convo)
     stream = flag(body.get("stream"), "stream")
-    request = convo.request(_sampling(body, counting), tools, stream)
+    request = ChatRequest(
+        messages=tuple(convo.messages),
+        sampling=_sampling(body, counting),
+        stream=stream,
+        tools=tools,
+        tool_choice=choice,
+        breakpoints=tuple(convo.points),
+    )
     return Parsed(request=request, stream=stream, model=model)
 
 
@@ -207,25 +183,24 @@ def _ttl(block: dict[str, Any], where: str) -> float | None:
     return TTLS[ttl]
 
 
-def _system(raw: object, convo: _Conversation, where: str = "system") -> str:
-    """A system text (a string or text blocks, joined as written); its breakpoints end the
-    system prompt."""
-    if raw is None:
-        return ""
+def _system(raw: object, convo: _Conversation, where: str = "system") -> None:
+    """A system text (a string or text blocks, joined as written) as a system message;
+    each block's ``cache_control`` a breakpoint on it."""
     if isinstance(raw, str):
-        return raw
+        convo.messages.append(Message("system", raw))
+        return
     if not isinstance(raw, list):
         raise bad_request(f"{where}: must be a string or an array of text blocks", where)
-    texts = []
+    texts, ttls = [], []
     for i, block in enumerate(raw):
         at = f"{where}[{i}]"
         if not isinstance(block, dict) or block.get("type") != "text":
             raise bad_request(f"{at}: only text blocks are supported", at)
         texts.append(_text(block, at))
-        ttl = _ttl(block, at)
-        if ttl is not None:
-            convo.points.append((SYSTEM_PROMPT, ttl))
-    return "".join(texts)
+        ttls.append(_ttl(block, at))
+    convo.messages.append(Message("system", "".join(texts)))
+    for ttl in ttls:
+        convo.keep(len(convo.messages) - 1, ttl)
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -247,11 +222,14 @@ def _message(raw: object, i: int, convo: _Conversation) -> None:
         )
     content = raw.get("content")
     if role == "system":
-        _system_message(content, where, convo)
+        if not isinstance(content, str | list):
+            raise bad_request(
+                f"{where}.content: must be a string or an array of text blocks", where
+            )
+        _system(content, convo, f"{where}.content")
         return
     if isinstance(content, str):
         convo.messages.append(Message(str(role), content))
-        convo.answered = convo.answered or role == "assistant"
         return
     if not isinstance(content, list):
         raise bad_request(f"{where}.content: must be a string or an array of blocks", where)
@@ -259,22 +237,6 @@ def _message(raw: object, i: int, convo: _Conversation) -> None:
         _assistant(content, where, convo)
     else:
         _user(content, where, convo)
-
-
-def _system_message(content: object, where: str, convo: _Conversation) -> None:
-    """Before the first answer: part of the system prompt; after it, a turn in place."""
-    if not isinstance(content, str | list):
-        raise bad_request(f"{where}.content: must be a string or an array of text blocks", where)
-    if not convo.answered:
-        convo.system.append(_system(content, convo, f"{where}.content"))
-        return
-    at = len(convo.points)
-    text = _system(content, convo, f"{where}.content")
-    kept = [ttl for _, ttl in convo.points[at:]]
-    del convo.points[at:]
-    convo.messages.append(Message("system", text))
-    if kept:
-        convo.points.append((len(convo.messages) - 1, max(kept)))
 
 
 def _blocks(content: list[Any], where: str) -> list[tuple[str, dict[str, Any]]]:
@@ -319,10 +281,7 @@ def _assistant(content: list[Any], where: str, convo: _Conversation) -> None:
     convo.messages.append(
         Message("assistant", "".join(texts), thought or None, tuple(calls), None, None)
     )
-    convo.answered = True
-    kept = _kept(blocks)
-    if kept is not None:
-        convo.points.append((len(convo.messages) - 1, kept))
+    convo.keep(len(convo.messages) - 1, _kept(blocks))
 
 
 def _user(content: list[Any], where: str, convo: _Conversation) -> None:
@@ -344,9 +303,7 @@ def _user(content: list[Any], where: str, convo: _Conversation) -> None:
     previous = convo.messages[-1].role if convo.messages else None
     if texts or (not results and previous != "tool"):
         convo.messages.append(Message("user", "".join(texts)))
-    kept = _kept(blocks)
-    if kept is not None:
-        convo.points.append((len(convo.messages) - 1, kept))
+    convo.keep(len(convo.messages) - 1, _kept(blocks))
 
 
 def _call(block: dict[str, Any], at: str) -> ToolCall:
@@ -424,9 +381,7 @@ def _tool(tool: object, where: str, convo: _Conversation) -> dict[str, Any] | No
         schema,
         lambda name: f"{where}.{'input_schema' if name == 'parameters' else name}",
     )
-    ttl = _ttl(tool, where)
-    if ttl is not None:
-        convo.points.append((-1, ttl))
+    convo.keep(TOOLS, _ttl(tool, where))
     return built
 
 
