@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AnswerText",
     "answer_text",
+    "chat_tool",
     "checked_choice",
     "function_tool",
     "tool_params",
@@ -75,6 +76,22 @@ def function_tool(
         out["description"] = description
     out["parameters"] = parameters
     return {"type": "function", "function": out}
+
+
+def chat_tool(raw: object, where: str) -> dict[str, Any]:
+    """A tool as the chat-completions JSON writes it (``{"type": "function", "function":
+    {"name", "description", "parameters"}}``: OpenAI's and Ollama's shape), checked."""
+    if not isinstance(raw, dict) or raw.get("type", "function") != "function":
+        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
+    function = raw.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{where}.function must be an object", f"{where}.function")
+    return function_tool(
+        function.get("name"),
+        function.get("description"),
+        function.get("parameters"),
+        lambda field: f"{where}.function.{field}",
+    )
 
 
 def checked_choice(

@@ -24,7 +24,7 @@ from localkv.prompt.template import Message, ToolCall
 from localkv.server.errors import bad_request
 from localkv.server.fields import integer, json_grammar, number, seed, stop_list, top_p
 from localkv.server.requests import ChatRequest, CompletionRequest, Sampling, ToolChoice
-from localkv.server.tools import checked_choice, function_tool
+from localkv.server.tools import chat_tool, checked_choice
 
 __all__ = ["chat_request", "generate_request", "is_stream"]
 
@@ -135,21 +135,7 @@ def _tools(raw: object) -> tuple[dict[str, Any], ...]:
         return ()
     if not isinstance(raw, list):
         raise bad_request("'tools' must be an array of function tools", "tools")
-    return tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(raw))
-
-
-def _tool(tool: object, where: str) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise bad_request(f"{where}.function must be an object", f"{where}.function")
-    return function_tool(
-        function.get("name"),
-        function.get("description"),
-        function.get("parameters"),
-        lambda field: f"{where}.function.{field}",
-    )
+    return tuple(chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(raw))
 
 
 def _messages(raw: list[Any]) -> tuple[Message, ...]:

@@ -27,7 +27,7 @@ from localkv.server.fields import (
     top_p,
 )
 from localkv.server.requests import ChatRequest, CompletionRequest, Sampling, ToolChoice
-from localkv.server.tools import checked_choice, function_tool
+from localkv.server.tools import chat_tool, checked_choice
 
 __all__ = ["parse_chat", "parse_completion"]
 
@@ -229,7 +229,7 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolC
         return (), None
     if not isinstance(raw, list):
         raise bad_request("'tools' must be an array of function tools", "tools")
-    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+    tools = tuple(chat_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
     return tools, checked_choice(
         tools,
         _choice(choice),
@@ -252,20 +252,6 @@ def _choice(choice: object) -> ToolChoice:
             "tool_choice",
         )
     return ToolChoice("function", name)
-
-
-def _tool(raw: object, where: str) -> dict[str, Any]:
-    if not isinstance(raw, dict) or raw.get("type", "function") != "function":
-        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
-    function = raw.get("function")
-    if not isinstance(function, dict):
-        raise bad_request(f"{where}.function must be an object", f"{where}.function")
-    return function_tool(
-        function.get("name"),
-        function.get("description"),
-        function.get("parameters"),
-        lambda field: f"{where}.function.{field}",
-    )
 
 
 def _message_calls(raw: object, where: str) -> tuple[ToolCall, ...]:
