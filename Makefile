@@ -31,13 +31,14 @@ endif
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF $(LLAMA_CPU_ARGS)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser
+.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser agents
 
 help:
 	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
 	@echo "make test   - set up dev tools and run ruff, mypy, import contracts and pytest"
 	@echo "make serve  - set up .venv with the server's extra and run localkv serve (ARGS=...)"
 	@echo "make rebuild-llama - build llama-cpp-python again for this CPU, past pip's wheel cache"
+	@echo "make agents - install the pinned coding-agent clients in build/agents and run them on a server"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +117,27 @@ bench: $(VENV)/.runtime $(VENV)/.bytecode
 LLAMA_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 rebuild-llama: | $(VENV)/bin/python
 	$(PIP) install --no-cache-dir --force-reinstall --no-deps "$(LLAMA_PIN)"
+
+# The coding-agent clients (Claude Code, Codex, opencode, Continue's cn from npm;
+# aider and llm from PyPI), installed as their users install them at the versions
+# pinned in tests/agents/, under build/agents/ and never globally, then run
+# against real servers (pytest -m agents: tens of minutes on two cores). npm
+# install with the lock rather than npm ci: the lock names only the platform
+# builds of opencode that the registry served when it was made.
+AGENTS := build/agents
+$(AGENTS)/.installed: tests/agents/package.json tests/agents/package-lock.json tests/agents/requirements-aider.txt tests/agents/requirements-llm.txt
+	@command -v npm >/dev/null || { echo ">> make agents needs Node.js and npm"; exit 1; }
+	mkdir -p $(AGENTS)/npm
+	cp tests/agents/package.json tests/agents/package-lock.json $(AGENTS)/npm/
+	cd $(AGENTS)/npm && npm install --no-audit --no-fund --loglevel=error
+	for venv in aider llm; do \
+	  $(PYTHON) -m venv $(AGENTS)/$$venv && \
+	  $(AGENTS)/$$venv/bin/python -m pip install --quiet -r tests/agents/requirements-$$venv.txt || exit 1; \
+	done
+	@touch $@
+
+agents: $(VENV)/.dev $(VENV)/.bytecode $(AGENTS)/.installed
+	$(PY) -m pytest -m agents tests/agents $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
