@@ -102,8 +102,9 @@ class Turn:
 
     def __str__(self) -> str:
         lines = "\n  ".join(str(r) for r in self.requests)
+        command = " ".join(a if len(a) < 40 else a[:36] + "..." for a in self.args[1:])
         return (
-            f"{' '.join(self.args[-2:])!r}: {self.cached}/{self.prompt} cached "
+            f"{Path(self.args[0]).name} {command}: {self.cached}/{self.prompt} cached "
             f"({self.share:.1%}) in {self.seconds:.0f} s\n  {lines}"
         )
 
@@ -165,7 +166,9 @@ class Served:
         self.start()
 
     def requests(self) -> list[Logged]:
-        return parse_log(self.log_path.read_text(encoding="utf-8", errors="replace"))
+        """The clients' requests so far (not the readiness checks of these tests)."""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return [r for r in parse_log(text) if r.path != "/health"]
 
     def idle(self) -> None:
         """Return once no request runs or waits (its log line is then written)."""
