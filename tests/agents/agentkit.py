@@ -103,6 +103,7 @@ class Turn:
     def __str__(self) -> str:
         lines = "\n  ".join(str(r) for r in self.requests)
         command = " ".join(a if len(a) < 40 else a[:36] + "..." for a in self.args[1:])
+        command = command.replace("\n", " ")
         return (
             f"{Path(self.args[0]).name} {command}: {self.cached}/{self.prompt} cached "
             f"({self.share:.1%}) in {self.seconds:.0f} s\n  {lines}"
