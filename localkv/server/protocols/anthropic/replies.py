@@ -42,10 +42,15 @@ def usage(outcome: Outcome) -> dict[str, int]:
     }
 
 
-def stop_reason(outcome: Outcome) -> str:
+def stop_reason(outcome: Outcome, asked: int | None = None) -> str:
+    """Why the answer ended. ``max_tokens`` only when it reached the request's own limit
+    (``asked``; None: count any cut): an answer cut short of it, at the server's
+    ``--max-tokens`` or the context's end, is ``end_turn``, since a client that gets
+    ``max_tokens`` below what it asked asks again for more (Claude Code, three times,
+    then fails the turn)."""
     if outcome.tool_calls:
         return "tool_use"
-    if outcome.finish_reason == "length":
+    if outcome.finish_reason == "length" and (asked is None or outcome.generated >= asked):
         return "max_tokens"
     return "stop_sequence" if outcome.stop_sequence is not None else "end_turn"
 
@@ -84,6 +89,7 @@ class Message:
     media_type: ClassVar[str] = "text/event-stream"
 
     model: str
+    asked: int | None = None  # the request's ``max_tokens``
     id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
     _open: str | None = None  # the type of the block being streamed
     _index: int = -1
@@ -95,7 +101,7 @@ class Message:
         return {
             **self._head(),
             "content": blocks(outcome),
-            "stop_reason": stop_reason(outcome),
+            "stop_reason": stop_reason(outcome, self.asked),
             "stop_sequence": outcome.stop_sequence,
             "usage": usage(outcome),
             "localkv": outcome.localkv(),
@@ -148,7 +154,10 @@ class Message:
             delta = {"type": "input_json_delta", "partial_json": partial}
             out += event("content_block_delta", {"index": self._index, "delta": delta})
             out += event("content_block_stop", {"index": self._index})
-        reason = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
+        reason = {
+            "stop_reason": stop_reason(outcome, self.asked),
+            "stop_sequence": outcome.stop_sequence,
+        }
         out += event("message_delta", {"delta": reason, "usage": usage(outcome)})
         return out + event("message_stop", {})
 

@@ -30,7 +30,9 @@ class AnthropicRoutes:
 
     async def messages(self, request: Request) -> Response:
         parsed = messages_request(await self.gateway.body(request))
-        return await self.gateway.answer(request, parsed.request, Message(parsed.model))
+        asked = parsed.request.sampling.max_tokens
+        encoder = Message(parsed.model, asked=asked)
+        return await self.gateway.answer(request, parsed.request, encoder)
 
     async def count_tokens(self, request: Request) -> Response:
         """``{"input_tokens": N}``: the prompt tokens of the same request to ``/v1/messages``
