@@ -2,10 +2,12 @@
 
 Each entry point runs in its own subprocess and must not load the chat app,
 textual, the benchmark or matplotlib; the command list ``localkv --help``
-shows without importing the commands agrees with the commands; and every
-module and function stays within the size a reader can hold in mind. The
-bounds flag a module or folder for review (STYLE.md: one concept per module,
-not a line count); they are not a reason to split a concept in two.
+shows without importing the commands agrees with the commands; every function
+fits on a screen; a module past ``REVIEW_MODULE_LINES`` is flagged for review
+(STYLE.md: one concept per module, sized by the concept, not a line count): it
+passes once it is listed in ``REVIEWED_LONG_MODULES`` with the reason it is one
+concept, never by being split to a count; and every room directly under
+``localkv/`` is a layer of the import contracts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import click
@@ -25,10 +28,10 @@ from localkv.cli import COMMANDS
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("textual", "localkv.tui", "localkv.bench", "matplotlib")
 PACKAGES = (REPO / "localkv", REPO / "storage", REPO / "tui")
-MAX_MODULE_LINES = 600
+REVIEW_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
-MAX_MODULES_PER_FOLDER = 20
-MAX_TOP_LEVEL_MODULES = 8
+# Modules past REVIEW_MODULE_LINES that a review kept whole: path -> why it is one concept.
+REVIEWED_LONG_MODULES: dict[str, str] = {}
 
 _PROBE = """
 import json, sys
@@ -83,13 +86,15 @@ def _modules() -> list[Path]:
     return sorted(p for root in PACKAGES for p in root.rglob("*.py"))
 
 
-def test_modules_stay_short() -> None:
+def test_a_long_module_is_reviewed() -> None:
+    """A module past the bound fails until a review lists it with its reason."""
     long = {
-        str(p.relative_to(REPO)): n
+        str(p.relative_to(REPO))
         for p in _modules()
-        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+        if len(p.read_text(encoding="utf-8").splitlines()) > REVIEW_MODULE_LINES
     }
-    assert long == {}
+    assert sorted(long - set(REVIEWED_LONG_MODULES)) == []
+    assert sorted(set(REVIEWED_LONG_MODULES) - long) == [], "no longer long: drop it from the list"
 
 
 def test_functions_fit_on_a_screen() -> None:
@@ -105,15 +110,20 @@ def test_functions_fit_on_a_screen() -> None:
     assert long == {}
 
 
-def test_folders_hold_few_modules() -> None:
-    crowded = {}
-    for root in PACKAGES:
-        for folder in [root, *(d for d in root.rglob("*") if d.is_dir())]:
-            n = len(list(folder.glob("*.py")))
-            if n > MAX_MODULES_PER_FOLDER:
-                crowded[str(folder.relative_to(REPO))] = n
-    assert crowded == {}
-    assert len(list((REPO / "localkv").glob("*.py"))) <= MAX_TOP_LEVEL_MODULES
+def test_every_room_under_localkv_is_a_layer() -> None:
+    """A module or package put directly under localkv/ is outside every layer of the
+    import contracts (and so may import anything) until pyproject.toml names it."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = config["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
+    named = {part.strip() for layer in layers for part in layer.split("|")}
+    rooms = {
+        f"localkv.{p.stem}"
+        for p in (REPO / "localkv").iterdir()
+        if (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
+        or (p.is_dir() and (p / "__init__.py").exists())
+    }
+    assert sorted(rooms - named) == []
 
 
 def test_a_command_missing_its_extra_says_how_to_install_it() -> None:
