@@ -202,13 +202,29 @@ class Runtime:
         self.session.reset()
         if self.cache is None:
             reason = self.cache_error or "cache disabled"
-            return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
+            return None, CacheReport(
+                hit=False,
+                verified=None,
+                snapshot=None,
+                miss_reason=reason,
+                reused=0,
+                restore_s=0.0,
+                saved_s=0.0,
+            )
         try:
             result = self.cache.restore(self.session, tokens, ends)
         except (OSError, sqlite3.Error) as exc:  # an unreadable index or disk: prefill instead
             log.warning("cache lookup failed (%s); continuing without it", exc)
             self.session.reset()
-            return None, CacheReport(False, None, None, f"cache error: {exc}", 0, 0.0, 0.0)
+            return None, CacheReport(
+                hit=False,
+                verified=None,
+                snapshot=None,
+                miss_reason=f"cache error: {exc}",
+                reused=0,
+                restore_s=0.0,
+                saved_s=0.0,
+            )
         report = CacheReport(
             hit=result.reused > 0,
             verified=result.verified,
@@ -369,10 +385,15 @@ class Runtime:
         return Answer(
             text=answer.text,
             tokens=TokenCounts(
-                len(request.tokens), reused, len(request.tokens) - reused, len(answer.ids)
+                prompt=len(request.tokens),
+                reused=reused,
+                prefilled=len(request.tokens) - reused,
+                generated=len(answer.ids),
             ),
             cache=self.with_snapshot(restored, report, request.tokens),
-            timing=Timing(report.restore_s, prefill_s, answer.ttft_s, total),
+            timing=Timing(
+                restore_s=report.restore_s, prefill_s=prefill_s, ttft_s=answer.ttft_s, total_s=total
+            ),
             finish_reason=answer.finish_reason,
         )
 

@@ -398,7 +398,7 @@ class SnapshotStore:
         between writing a block file and inserting its row.
         """
         if not self.layout.root.is_dir():  # opened with create=False
-            return GcReport(0, 0, 0, 0)
+            return GcReport(temp_files=0, orphan_files=0, missing_files=0, bytes_freed=0)
         report = reconcile.gc(self.layout, self._index, grace_seconds)
         self._catalogue.prune()
         return report

@@ -135,7 +135,7 @@ class Probe:
         return cls(digest, ids, logits)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class Block:
     """One block of a chain: its tokens, tensors (token-major, first axis = token) and probe.
 
@@ -198,7 +198,7 @@ class Block:
         return self.start + self.n_tokens
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class BlockRow:
     """A block's index row: everything but its tensors."""
 
@@ -230,7 +230,7 @@ class BlockRow:
         return self.start + self.n_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotRow:
     """A named pointer to a chain tip."""
 
@@ -252,7 +252,7 @@ class SnapshotRow:
     pin_owner: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GcReport:
     """What ``gc`` removed."""
 
@@ -262,7 +262,7 @@ class GcReport:
     bytes_freed: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ForgetReport:
     """What ``forget`` removed."""
 

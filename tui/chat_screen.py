@@ -67,7 +67,7 @@ class ChatScreen(Screen[None]):
         reply: AssistantMessage
         answered: Answered
 
-    @dataclass
+    @dataclass(kw_only=True)
     class AnswerFailed(Message):
         reply: AssistantMessage
         question: Static
@@ -213,10 +213,18 @@ class ChatScreen(Screen[None]):
         try:
             answered = controller.send(text, params, on_text, cancel)
         except ContextFullError as exc:
-            self.post_message(self.AnswerFailed(reply, question, text, str(exc), True))
+            self.post_message(
+                self.AnswerFailed(
+                    reply=reply, question=question, prompt=text, error=str(exc), context_full=True
+                )
+            )
         except Exception as exc:
             log.warning("answering failed", exc_info=True)
-            self.post_message(self.AnswerFailed(reply, question, text, str(exc), False))
+            self.post_message(
+                self.AnswerFailed(
+                    reply=reply, question=question, prompt=text, error=str(exc), context_full=False
+                )
+            )
         else:
             self.post_message(self.AnswerFinished(reply, answered))
 

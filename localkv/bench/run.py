@@ -105,7 +105,14 @@ def run_bench(
         f"on {os.cpu_count()} cores: other work on the machine slows and scatters timings.",
     ]
     return BenchResult(
-        cfg, machine, model, results, lookup, started, time.perf_counter() - t0, notes
+        config=cfg,
+        machine=machine,
+        model=model,
+        sizes=results,
+        lookup=lookup,
+        started=started,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
     )
 
 

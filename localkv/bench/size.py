@@ -48,7 +48,8 @@ def _first_token(session: ModelSession) -> int:
     return int(np.argmax(logits))
 
 
-class _Saved(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Saved:
     """The N tokens saved as blocks: the two save steps and the chain on disk."""
 
     prepare_s: float
@@ -58,7 +59,8 @@ class _Saved(NamedTuple):
     partial_bytes: int  # of stored_bytes: the SWA windows / recurrent states (``kv.partial``)
 
 
-class _Warm(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Warm:
     """Warm restores of one saved chain from the page cache."""
 
     ttft: Stat
@@ -76,7 +78,7 @@ class _Evicted(NamedTuple):
     firsts: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Restores:
     """Every verified restore of one length: plain blocks, evicted, compact; peak memory."""
 
@@ -152,7 +154,13 @@ class _SizeBench:
         partial = sum(
             end_state_bytes(b.meta, {k: a.nbytes for k, a in b.tensors.items()}) for b in blocks
         )
-        return _Saved(t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain), partial)
+        return _Saved(
+            prepare_s=t1 - t0,
+            write_s=t2 - t1,
+            blocks=len(chain),
+            stored_bytes=sum(r.stored_bytes for r in chain),
+            partial_bytes=partial,
+        )
 
     def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
         t0 = time.perf_counter()
@@ -193,7 +201,13 @@ class _SizeBench:
         steps[RESTORE] = Stat.of(restores)
         paired = Stat.of([r / lf for r, lf in zip(restores, loads, strict=True)])
         verified = all(r[2] for r in runs)
-        return _Warm(Stat.of([r[0] for r in runs]), steps, paired, verified, [r[3] for r in runs])
+        return _Warm(
+            ttft=Stat.of([r[0] for r in runs]),
+            steps=steps,
+            over_load_file=paired,
+            verified=verified,
+            firsts=[r[3] for r in runs],
+        )
 
     def compact(self, files: base.LlamaFiles) -> tuple[_Warm, int]:
         """``warm`` from a second store holding the same blocks in the compact format.
@@ -243,7 +257,13 @@ def _restores(sb: _SizeBench, files: base.LlamaFiles) -> _Restores:
     warm = sb.warm(files)
     evicted = sb.warm_evicted()
     compact, compact_bytes = sb.compact(files)
-    return _Restores(warm, evicted, compact, compact_bytes, sb.restore_memory())
+    return _Restores(
+        warm=warm,
+        evicted=evicted,
+        compact=compact,
+        compact_bytes=compact_bytes,
+        memory=sb.restore_memory(),
+    )
 
 
 def _baselines(

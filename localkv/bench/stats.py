@@ -20,7 +20,7 @@ from pathlib import Path
 __all__ = ["ColdStat", "PeakMemory", "Stat", "peak_memory", "timed"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stat:
     """Median, min and max of repeated measurements (seconds unless named otherwise)."""
 
@@ -33,13 +33,15 @@ class Stat:
     def of(cls, values: Sequence[float]) -> Stat:
         if not values:
             raise ValueError("no measurements")
-        return cls(statistics.median(values), min(values), max(values), len(values))
+        return cls(
+            median=statistics.median(values), min=min(values), max=max(values), n=len(values)
+        )
 
     def as_json(self) -> dict[str, float | int]:
         return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ColdStat:
     """Runs timed with their files evicted from the page cache before each (``disk``).
 

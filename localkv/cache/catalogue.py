@@ -170,7 +170,7 @@ def save_prefill(
     ends, the prefix the next run restores.
     """
     if cache is None:
-        return SaveResult(0, 0, 0, None), None, 0, 0
+        return SaveResult(blocks=0, new_blocks=0, new_bytes=0, tip=None), None, 0, 0
     label, pin, cancelled = naming
     saved, blocks = _write(cache, lambda: cache.prepare(session, tips, seconds_per_token))
     snapshot = None

@@ -48,7 +48,7 @@ __all__ = ["PrefixCache", "RestoreResult", "SaveResult", "open_prefix_cache"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreResult:
     """What a restore did. ``reused`` tokens are in the session when it is positive."""
 
@@ -147,7 +147,11 @@ class PrefixCache:
     @property
     def scope(self) -> BlockScope:
         return BlockScope(
-            self.store, self.root, self.identity.digest, self.namespace, self.block_size
+            store=self.store,
+            root=self.root,
+            identity=self.identity.digest,
+            namespace=self.namespace,
+            block_size=self.block_size,
         )
 
     # ---------------------------------------------------------------- lookup
@@ -190,7 +194,9 @@ class PrefixCache:
             session.reset()
             self.damaged = str(IndexDamaged(self.store.layout.index, str(exc)))
             log.info("cache miss: %s", self.damaged)
-            return RestoreResult(0, None, self.damaged, time.perf_counter() - t0)
+            return RestoreResult(
+                reused=0, verified=None, miss_reason=self.damaged, seconds=time.perf_counter() - t0
+            )
         return self._miss(tokens, reasons[-1], t0)
 
     def _quarantine(self, block_hash: str, reason: str) -> None:
@@ -284,7 +290,15 @@ class PrefixCache:
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
         seconds = marks[-1] - t0
         return RestoreResult(
-            reuse, True, None, seconds, hashes[-1], saved, steps, tuple(hashes), plan.common
+            reused=reuse,
+            verified=True,
+            miss_reason=None,
+            seconds=seconds,
+            tip=hashes[-1],
+            saved_seconds=saved,
+            breakdown=steps,
+            chain=tuple(hashes),
+            common=plan.common,
         )
 
     def _miss(
@@ -294,7 +308,13 @@ class PrefixCache:
         counted = None if is_not_cached(reason) else reason  # a first run has no reason
         self.defer(lambda: self.store.record_event("miss", counted, n, 0.0, self.namespace))
         log.info("cache miss: %s", reason)
-        return RestoreResult(0, None, reason, time.perf_counter() - t0, common=common)
+        return RestoreResult(
+            reused=0,
+            verified=None,
+            miss_reason=reason,
+            seconds=time.perf_counter() - t0,
+            common=common,
+        )
 
     # ------------------------------------------------------------- prefill rate
     def seconds_per_token(self, n_ctx: int) -> float | None:

@@ -29,7 +29,7 @@ __all__ = ["BlockScope", "SaveResult", "prepare_blocks", "write_blocks"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveResult:
     blocks: int  # blocks in the saved chain
     new_blocks: int  # of which written now
@@ -45,7 +45,7 @@ class SaveResult:
     end: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BlockScope:
     """Where blocks go: the store, the chain root, identity digest, namespace, block size."""
 
@@ -222,7 +222,19 @@ def write_blocks(store: SnapshotStore, blocks: Sequence[Block]) -> SaveResult:
             # disk full, an I/O error, or a parent evicted by another process:
             # the index is unchanged and the caller carries on uncached
             log.warning("could not save the prefix cache (%s); continuing without it", exc)
-            return SaveResult(len(blocks), new_blocks, new_bytes, None, str(exc))
+            return SaveResult(
+                blocks=len(blocks),
+                new_blocks=new_blocks,
+                new_bytes=new_bytes,
+                tip=None,
+                error=str(exc),
+            )
     if not blocks:
-        return SaveResult(0, new_blocks, new_bytes, None)
-    return SaveResult(len(blocks), new_blocks, new_bytes, blocks[-1].hash, end=blocks[-1].end)
+        return SaveResult(blocks=0, new_blocks=new_blocks, new_bytes=new_bytes, tip=None)
+    return SaveResult(
+        blocks=len(blocks),
+        new_blocks=new_blocks,
+        new_bytes=new_bytes,
+        tip=blocks[-1].hash,
+        end=blocks[-1].end,
+    )

@@ -73,7 +73,7 @@ class ConversationModel:
         return f"{self.file} (sha256 {self.sha256[:12]}…)" if self.sha256 else self.file
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConversationInfo:
     """One saved conversation, as a list shows it."""
 
@@ -200,7 +200,14 @@ def info_or_placeholder(row: Sequence[Any]) -> ConversationInfo:
     try:
         return decode_info(row)
     except MalformedConversation as exc:
-        return ConversationInfo(str(row[0]), f"(damaged: {exc.reason})", 0, 0, 0.0, 0.0)
+        return ConversationInfo(
+            id=str(row[0]),
+            title=f"(damaged: {exc.reason})",
+            messages=0,
+            tokens=0,
+            created=0.0,
+            updated=0.0,
+        )
 
 
 def parts_of(state: ChatState) -> Iterator[tuple[str, str, str]]:

@@ -286,7 +286,7 @@ def serve(
     _exit(failed, started=uv.started)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Limits:
     """What the queue admits, how long a request waits and an answer runs (0: no limit)."""
 

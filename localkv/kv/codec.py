@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVLayer:
     """One layer's K and V, token-major: ``k[i]`` / ``v[i]`` are token i's rows."""
 
@@ -76,7 +76,7 @@ class KVLayer:
         return int(self.v.shape[1])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVState:
     """A parsed sequence state: positions plus per-layer token-major K/V rows."""
 
@@ -108,11 +108,22 @@ class KVState:
         if not 0 <= start <= stop <= self.n_tokens:
             raise ValueError(f"slice {start}:{stop} outside 0:{self.n_tokens}")
         layers = tuple(
-            KVLayer(x.k_type, x.v_type, x.k[start:stop], x.v[start:stop], x.v_elem_bytes)
+            KVLayer(
+                k_type=x.k_type,
+                v_type=x.v_type,
+                k=x.k[start:stop],
+                v=x.v[start:stop],
+                v_elem_bytes=x.v_elem_bytes,
+            )
             for x in self.layers
         )
         tokens = None if self.cell_tokens is None else self.cell_tokens[start:stop]
-        return KVState(self.positions[start:stop], self.v_trans, layers, tokens)
+        return KVState(
+            positions=self.positions[start:stop],
+            v_trans=self.v_trans,
+            layers=layers,
+            cell_tokens=tokens,
+        )
 
 
 def parse(
@@ -146,7 +157,7 @@ def parse(
     layers = _parse_layers(r, n, n_layer, bool(v_trans), copy)
     if r.off != len(r.buf):
         raise StateFormatError(f"{len(r.buf) - r.off} unexpected trailing bytes")
-    return KVState(positions, bool(v_trans), layers, tokens)
+    return KVState(positions=positions, v_trans=bool(v_trans), layers=layers, cell_tokens=tokens)
 
 
 def _parse_layers(
@@ -171,7 +182,7 @@ def _parse_layers(
         if copy:
             k = k.copy()
             v = v if v_trans else v.copy()
-        layers.append(KVLayer(k_type, v_type, k, v, elem))
+        layers.append(KVLayer(k_type=k_type, v_type=v_type, k=k, v=v, v_elem_bytes=elem))
     return tuple(layers)
 
 
@@ -210,17 +221,17 @@ def concat(parts: Sequence[KVState]) -> KVState:
         return first
     layers = tuple(
         KVLayer(
-            x.k_type,
-            x.v_type,
-            np.concatenate([p.layers[i].k for p in parts]),
-            np.concatenate([p.layers[i].v for p in parts]),
-            x.v_elem_bytes,
+            k_type=x.k_type,
+            v_type=x.v_type,
+            k=np.concatenate([p.layers[i].k for p in parts]),
+            v=np.concatenate([p.layers[i].v for p in parts]),
+            v_elem_bytes=x.v_elem_bytes,
         )
         for i, x in enumerate(first.layers)
     )
     positions = np.concatenate([p.positions for p in parts])
     tokens = _cell_tokens(parts, len(positions)) if first.cell_ext else None
-    return KVState(positions, first.v_trans, layers, tokens)
+    return KVState(positions=positions, v_trans=first.v_trans, layers=layers, cell_tokens=tokens)
 
 
 def _cell_tokens(parts: Sequence[KVState], n: int) -> np.ndarray | None:

@@ -53,7 +53,7 @@ class Room(Protocol):
 MAX_SEGMENTED = 64
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rendered:
     """A whole conversation's tokens, its segment ends and its assistants' spans."""
 

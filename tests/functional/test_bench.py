@@ -197,9 +197,13 @@ def test_without_posix_fadvise_nothing_is_called_cold(
     assert evicted is False
     stat = Stat.of([0.001, 0.002])
     cases = [
-        ColdStat(stat, Stat.of([8192, 8192]), 8192, evicted=False),  # no eviction
-        ColdStat(stat, Stat.of([0, 8192]), 8192, evicted=True),  # one run from the page cache
-        ColdStat(stat, None, 8192, evicted=True),  # no /proc/self/io
+        ColdStat(
+            time=stat, read_bytes=Stat.of([8192, 8192]), file_bytes=8192, evicted=False
+        ),  # no eviction
+        ColdStat(
+            time=stat, read_bytes=Stat.of([0, 8192]), file_bytes=8192, evicted=True
+        ),  # one run from the page cache
+        ColdStat(time=stat, read_bytes=None, file_bytes=8192, evicted=True),  # no /proc/self/io
     ]
     for cold in cases:
         assert not cold.dropped and cold.why_not_cold
@@ -209,10 +213,16 @@ def test_without_posix_fadvise_nothing_is_called_cold(
         benchreport.fmt_cold(cases[0]) == benchreport.fmt_cold(cases[1]) == "page cache not dropped"
     )
     assert benchreport.fmt_cold(cases[2]) == "page cache drop not verified"
-    fine = ColdStat(stat, Stat.of([4096, 8192]), 8192, evicted=True)
+    fine = ColdStat(time=stat, read_bytes=Stat.of([4096, 8192]), file_bytes=8192, evicted=True)
     assert fine.dropped and benchreport.fmt_cold(fine) == benchreport.fmt_stat(stat)
     # a restore that leaves the partial states of all but the last block unread
-    partly = ColdStat(stat, Stat.of([4096, 4096]), 32768, evicted=True, needed_bytes=8192)
+    partly = ColdStat(
+        time=stat,
+        read_bytes=Stat.of([4096, 4096]),
+        file_bytes=32768,
+        evicted=True,
+        needed_bytes=8192,
+    )
     assert partly.dropped and not dataclasses.replace(partly, needed_bytes=None).dropped
 
 

@@ -62,8 +62,24 @@ def test_cache_screen(
 ) -> None:
     now = time.time()
     rows = [
-        SnapshotInfo("a1", "notes.txt", 2431, 3_311_616, 4, now - 7200, True),
-        SnapshotInfo("b2", "handbook.md, faq.md", 12_044, 16_400_000, 0, now - 3 * 86400, False),
+        SnapshotInfo(
+            id="a1",
+            label="notes.txt",
+            tokens=2431,
+            bytes_on_disk=3_311_616,
+            hits=4,
+            last_used=now - 7200,
+            pinned=True,
+        ),
+        SnapshotInfo(
+            id="b2",
+            label="handbook.md, faq.md",
+            tokens=12_044,
+            bytes_on_disk=16_400_000,
+            hits=0,
+            last_used=now - 3 * 86400,
+            pinned=False,
+        ),
     ]
     assert app.controller is not None
     monkeypatch.setattr(app.controller, "snapshots", lambda: rows)

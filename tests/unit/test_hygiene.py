@@ -110,6 +110,68 @@ def test_functions_fit_on_a_screen() -> None:
     assert long == {}
 
 
+# Value types whose first fields stay positional (before ``_: KW_ONLY``): name -> why.
+POSITIONAL_FIELDS = {
+    "localkv/prompt/template.py:Message": "a role, then its text: Message('user', text)",
+}
+
+
+def _init_fields(cls: ast.ClassDef) -> list[ast.AnnAssign]:
+    fields = []
+    for node in cls.body:
+        if not isinstance(node, ast.AnnAssign) or "ClassVar" in ast.unparse(node.annotation):
+            continue
+        value = node.value
+        no_init = isinstance(value, ast.Call) and any(
+            k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+            for k in value.keywords
+        )
+        if not no_init:
+            fields.append(node)
+    return fields
+
+
+def _value_types() -> list[tuple[str, ast.ClassDef, ast.expr | None]]:
+    """(path:name, class, its @dataclass decorator or None for a NamedTuple)."""
+    found = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            where = f"{path.relative_to(REPO)}:{node.name}"
+            if any(ast.unparse(b).endswith("NamedTuple") for b in node.bases):
+                found.append((where, node, None))
+            for dec in node.decorator_list:
+                named = dec.func if isinstance(dec, ast.Call) else dec
+                if ast.unparse(named).endswith("dataclass"):
+                    found.append((where, node, dec))
+    return found
+
+
+def test_value_types_of_more_than_three_fields_are_built_by_keyword() -> None:
+    """STYLE.md: ``CacheReport(False, None, None, reason, 0, 0.0, 0.0)`` tells the reader
+    nothing. A dataclass of more than three fields is declared ``kw_only=True`` (or keeps
+    the few positional fields listed above), so Python refuses a positional call; a
+    NamedTuple, positional by nature, keeps to three fields or becomes a dataclass."""
+    positional = {}
+    for where, cls, dec in _value_types():
+        fields = _init_fields(cls)
+        if len([f for f in fields if "KW_ONLY" not in ast.unparse(f.annotation)]) <= 3:
+            continue
+        if dec is None:
+            positional[where] = "NamedTuple"
+            continue
+        kw_only = isinstance(dec, ast.Call) and any(
+            k.arg == "kw_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+            for k in dec.keywords
+        )
+        marks = [i for i, f in enumerate(fields) if "KW_ONLY" in ast.unparse(f.annotation)]
+        leading = 0 if kw_only else (marks[0] if marks else len(fields))
+        if leading and where not in POSITIONAL_FIELDS:
+            positional[where] = f"{leading} positional fields"
+    assert positional == {}
+
+
 def test_every_room_under_localkv_is_a_layer() -> None:
     """A module or package put directly under localkv/ is outside every layer of the
     import contracts (and so may import anything) until pyproject.toml names it."""

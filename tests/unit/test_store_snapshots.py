@@ -172,7 +172,9 @@ def test_gc_removes_orphans_temp_files_and_rows_without_files(store: SnapshotSto
         store.layout.block_relpath(h).split("/")[-1] for h in (a[0].hash, a[1].hash)
     }
     assert store.verify() == []
-    assert store.gc(grace_seconds=0) == type(report)(0, 0, 0, 0)
+    assert store.gc(grace_seconds=0) == type(report)(
+        temp_files=0, orphan_files=0, missing_files=0, bytes_freed=0
+    )
 
 
 def test_stats(store: SnapshotStore) -> None:
