@@ -136,10 +136,10 @@ class LlamaFiles:
             load=Stat.of(loads),
             ttft=Stat.of([t for t, _ in ttfts]),
             ttft_cold=ColdStat.of(
-                [(t, read, ev) for (t, _), read, ev in colds], self.head.stat().st_size
+                [c.map(lambda ttft: ttft[0]) for c in colds], self.head.stat().st_size
             ),
             file_bytes=self.full.stat().st_size,
-            first_tokens=tuple(f for _, f in ttfts) + tuple(f for (_, f), _, _ in colds),
+            first_tokens=tuple(f for _, f in ttfts) + tuple(c.value[1] for c in colds),
         )
 
 

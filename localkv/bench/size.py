@@ -60,6 +60,16 @@ class _Saved:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class _Restored:
+    """One restore of the saved chain, timed through its first token."""
+
+    seconds: float
+    steps: dict[str, float]  # the restore's breakdown (``STEPS``)
+    verified: bool
+    first: int  # the first token decoded after it; -1 when the restore fell short
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Warm:
     """Warm restores of one saved chain from the page cache."""
 
@@ -162,19 +172,24 @@ class _SizeBench:
             partial_bytes=partial,
         )
 
-    def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
+    def _restore_timed(self) -> _Restored:
         t0 = time.perf_counter()
         result = self.cache.restore(self.session, self.tokens, self.ends)
         first = _first_token(self.session) if result.reused == self.n else -1
         seconds = time.perf_counter() - t0
-        return seconds, dict(result.breakdown), bool(result.verified), first
+        return _Restored(
+            seconds=seconds,
+            steps=dict(result.breakdown),
+            verified=bool(result.verified),
+            first=first,
+        )
 
     def _run_deferred(self) -> None:
         for fn in self.deferred:
             fn()
         self.deferred.clear()
 
-    def _restore_once(self) -> tuple[float, dict[str, float], bool, int]:
+    def _restore_once(self) -> _Restored:
         self.session.reset()
         out = self._restore_timed()
         self._run_deferred()
@@ -195,18 +210,18 @@ class _SizeBench:
         for _ in range(self.cfg.repeats):
             loads.append(files.timed_load())
             runs.append(self._restore_once())
-        steps = {s: Stat.of([r[1].get(s, 0.0) for r in runs]) for s in STEPS}
+        steps = {s: Stat.of([r.steps.get(s, 0.0) for r in runs]) for s in STEPS}
         # the state restored, before the probe decode: what llama.cpp's load_file does
-        restores = [sum(r[1].get(s, 0.0) for s in STEPS[:3]) for r in runs]
+        restores = [sum(r.steps.get(s, 0.0) for s in STEPS[:3]) for r in runs]
         steps[RESTORE] = Stat.of(restores)
         paired = Stat.of([r / lf for r, lf in zip(restores, loads, strict=True)])
-        verified = all(r[2] for r in runs)
+        verified = all(r.verified for r in runs)
         return _Warm(
-            ttft=Stat.of([r[0] for r in runs]),
+            ttft=Stat.of([r.seconds for r in runs]),
             steps=steps,
             over_load_file=paired,
             verified=verified,
-            firsts=[r[3] for r in runs],
+            firsts=[r.first for r in runs],
         )
 
     def compact(self, files: base.LlamaFiles) -> tuple[_Warm, int]:
@@ -242,8 +257,8 @@ class _SizeBench:
             self._run_deferred()
         unread = unread_bytes(self.blocks)
         on_disk = sum(p.stat().st_size for p in files)
-        cold = ColdStat.of([(r[0], read, ev) for r, read, ev in runs], on_disk, on_disk - unread)
-        return _Evicted(cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs])
+        cold = ColdStat.of([r.map(lambda x: x.seconds) for r in runs], on_disk, on_disk - unread)
+        return _Evicted(cold, all(r.value.verified for r in runs), [r.value.first for r in runs])
 
     def restore_memory(self) -> PeakMemory:
         self.session.reset()
