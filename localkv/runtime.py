@@ -30,6 +30,7 @@ from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import (
     ClientPin,
+    SnapshotName,
     covering_snapshot,
     has_room,
     save_prefill,
@@ -280,20 +281,20 @@ class Runtime:
         self.note_prefill(time.perf_counter() - t1, prefilled)
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
-        saved, snapshot, bytes_on_disk, kept = save_prefill(
-            self.cache, self.session, tips, documents, (label, pin, cancelled), self._rate
-        )
+        name = None if cancelled else SnapshotName(label, pin)
+        stored = save_prefill(self.cache, self.session, tips, documents, name, self._rate)
+        saved = stored.saved
         return PrefillReport(
-            snapshot=snapshot,
+            snapshot=stored.snapshot,
             tokens=len(request.tokens),
             reused=reused,
             prefilled=prefilled,
             blocks=saved.blocks,
             new_blocks=saved.new_blocks + sum(r.new_blocks for r in early),
-            bytes_on_disk=bytes_on_disk,
+            bytes_on_disk=stored.bytes_on_disk,
             seconds=time.perf_counter() - t0,
             cancelled=cancelled,
-            kept=kept,
+            kept=stored.kept,
             cache=self.with_snapshot(restored, report, request.tokens),
             not_kept=saved.not_kept,
             over_budget=saved.over_budget,

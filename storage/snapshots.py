@@ -48,6 +48,7 @@ class SnapshotCatalogue:
         self,
         tip: str,
         label: str,
+        *,
         source_path: str | None,
         source_sha256: str | None,
         n_tokens: int,

@@ -317,6 +317,7 @@ class SnapshotStore:
         self,
         tip: str,
         label: str,
+        *,
         source_path: str | None,
         source_sha256: str | None,
         n_tokens: int,
@@ -330,9 +331,17 @@ class SnapshotStore:
         a pin with ``pinned_until`` lapses then (seconds since the epoch); with
         ``client_share``, it is a server's client's, made only within that many bytes
         of clients' pins (``SnapshotCatalogue.put``)."""
-        source, where = (source_path, source_sha256), (identity, namespace)
         return self._catalogue.put(
-            tip, label, *source, n_tokens, *where, pinned, pinned_until, client_share
+            tip,
+            label,
+            source_path=source_path,
+            source_sha256=source_sha256,
+            n_tokens=n_tokens,
+            identity=identity,
+            namespace=namespace,
+            pinned=pinned,
+            pinned_until=pinned_until,
+            client_share=client_share,
         )
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:

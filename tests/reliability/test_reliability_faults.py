@@ -72,7 +72,15 @@ def test_a_persistent_commit_failure_rolls_back_and_releases_the_lock(tmp_path: 
             with pytest.raises(OSError):
                 store.put_block(blocks[1])
             with pytest.raises(OSError):
-                store.put_snapshot(blocks[0].hash, "x", None, None, 16, blocks[0].identity, "")
+                store.put_snapshot(
+                    blocks[0].hash,
+                    "x",
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=16,
+                    identity=blocks[0].identity,
+                    namespace="",
+                )
         # another process can write at once: no transaction was left open
         with SnapshotStore.open(root) as other:
             assert other.put_block(blocks[1])

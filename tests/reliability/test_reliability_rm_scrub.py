@@ -204,7 +204,15 @@ def test_rm_takes_the_tips_beside_its_chain_and_keeps_those_a_staying_chain_hold
         for blocks in chains.values():
             put_chain(store, blocks)
         ids = {
-            name: store.put_snapshot(chains[name][-1].hash, name, None, None, n, IDENTITY, "")
+            name: store.put_snapshot(
+                chains[name][-1].hash,
+                name,
+                source_path=None,
+                source_sha256=None,
+                n_tokens=n,
+                identity=IDENTITY,
+                namespace="",
+            )
             for name, n in (("mine", len(mine)), ("theirs", len(theirs)))
         }
         store.remove_snapshot(ids["mine"])

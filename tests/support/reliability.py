@@ -159,7 +159,13 @@ def seed_store(root: Path, seed: int, n_docs: int) -> list[Block]:
                 store.put_block(b)
             tip = blocks[-1]
             store.put_snapshot(
-                tip.hash, f"doc {seed}/{i}", None, None, tip.end, tip.identity, tip.namespace
+                tip.hash,
+                f"doc {seed}/{i}",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=tip.end,
+                identity=tip.identity,
+                namespace=tip.namespace,
             )
             out.extend(blocks)
     return out

@@ -55,7 +55,14 @@ def write_doc(store: SnapshotStore, log: Log, seed: int, i: int, pinned: bool = 
     tip = blocks[-1]
     try:
         snap = store.put_snapshot(
-            tip.hash, f"doc {seed}/{i}", None, None, tip.end, tip.identity, tip.namespace, pinned
+            tip.hash,
+            f"doc {seed}/{i}",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=tip.end,
+            identity=tip.identity,
+            namespace=tip.namespace,
+            pinned=pinned,
         )
     except ValueError:  # its tip was evicted by a churn process already
         log("X", tip.hash)

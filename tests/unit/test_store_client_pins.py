@@ -22,7 +22,16 @@ def _save(store: SnapshotStore, i: int, *, pin: bool, share: int | None = None) 
     blocks = make_chain(_doc(i), BLOCK)
     put_chain(store, blocks)
     return store.put_snapshot(
-        blocks[-1].hash, f"doc {i}", None, None, 64, IDENTITY, "", pin, None, share
+        blocks[-1].hash,
+        f"doc {i}",
+        source_path=None,
+        source_sha256=None,
+        n_tokens=64,
+        identity=IDENTITY,
+        namespace="",
+        pinned=pin,
+        pinned_until=None,
+        client_share=share,
     )
 
 

@@ -164,7 +164,16 @@ def test_index_path_outside_the_root_is_refused(store: SnapshotStore) -> None:
 
 def test_quarantine_moves_file_and_drops_descendants(store: SnapshotStore) -> None:
     rows = _stored(store)
-    sid = store.put_snapshot(rows[-1].hash, "doc", None, None, 64, IDENTITY, "", pinned=True)
+    sid = store.put_snapshot(
+        rows[-1].hash,
+        "doc",
+        source_path=None,
+        source_sha256=None,
+        n_tokens=64,
+        identity=IDENTITY,
+        namespace="",
+        pinned=True,
+    )
     _flip_byte(_path(store, rows[1]))
     with pytest.raises(BlockCorrupt) as info:
         store.read_blocks(rows)

@@ -37,7 +37,15 @@ def test_directories_0700_files_0600(tmp_path: Path, umask: int) -> None:
     with SnapshotStore.open(root) as store:
         blocks = make_chain(list(range(40)), 16)
         put_chain(store, blocks)
-        store.put_snapshot(blocks[-1].hash, "doc", None, None, 40, blocks[0].identity, "")
+        store.put_snapshot(
+            blocks[-1].hash,
+            "doc",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=40,
+            identity=blocks[0].identity,
+            namespace="",
+        )
         store.quarantine(blocks[1].hash, "test")
         names = {p.name for p in root.rglob("*")}
         assert {"index.db", "index.db-wal", "CACHEDIR.TAG", "blocks", "tmp", "quarantine"} <= names

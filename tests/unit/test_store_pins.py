@@ -21,7 +21,17 @@ def _snapshot(store: SnapshotStore, tokens: list[int], label: str, until: float 
     blocks = make_chain(tokens, 16)
     put_chain(store, blocks)
     tip = blocks[-1].hash
-    return store.put_snapshot(tip, label, None, None, len(tokens), IDENTITY, "", True, until)
+    return store.put_snapshot(
+        tip,
+        label,
+        source_path=None,
+        source_sha256=None,
+        n_tokens=len(tokens),
+        identity=IDENTITY,
+        namespace="",
+        pinned=True,
+        pinned_until=until,
+    )
 
 
 def _stored(store: SnapshotStore) -> set[str]:

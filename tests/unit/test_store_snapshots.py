@@ -23,7 +23,14 @@ def _doc(store: SnapshotStore, tokens: list[int], label: str, pinned: bool = Fal
     blocks = make_chain(tokens, 16)
     put_chain(store, blocks)
     return store.put_snapshot(
-        blocks[-1].hash, label, f"{label}.txt", "ab" * 32, len(tokens), IDENTITY, "", pinned
+        blocks[-1].hash,
+        label,
+        source_path=f"{label}.txt",
+        source_sha256="ab" * 32,
+        n_tokens=len(tokens),
+        identity=IDENTITY,
+        namespace="",
+        pinned=pinned,
     )
 
 
@@ -69,9 +76,25 @@ def test_snapshot_ids_lookup_and_pinning(store: SnapshotStore) -> None:
     assert [s.id for s in store.snapshots("")] == [a, b]
     assert store.snapshots("elsewhere") == []
     with pytest.raises(ValueError, match="tip block ends"):
-        store.put_snapshot(make_chain(DOC_A, 16)[-1].hash, "x", None, None, 71, IDENTITY, "")
+        store.put_snapshot(
+            make_chain(DOC_A, 16)[-1].hash,
+            "x",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=71,
+            identity=IDENTITY,
+            namespace="",
+        )
     with pytest.raises(ValueError, match="not stored"):
-        store.put_snapshot("sha256:" + "0" * 64, "x", None, None, 1, IDENTITY, "")
+        store.put_snapshot(
+            "sha256:" + "0" * 64,
+            "x",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=1,
+            identity=IDENTITY,
+            namespace="",
+        )
 
 
 def test_remove_snapshot_keeps_blocks_another_snapshot_needs(store: SnapshotStore) -> None:
