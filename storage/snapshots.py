@@ -62,15 +62,14 @@ class SnapshotCatalogue:
 
         ``pinned`` with ``pinned_until``: pinned until then (an existing snapshot's
         pin is extended to it, a pin for good stays one); without: pinned for good.
-        ``client_share``: the pin is a server's client's, made only if the clients'
-        pins then keep at most that many bytes (``budget.client_pin_fits``); else a new
-        snapshot is saved unpinned, marked as a client's refused pin (evicted first),
-        and an existing one is left as it is. A pin of the user's is never a client's.
+        ``client_share``: a server's client's pin, made only if the clients' pins then keep
+        at most that many bytes (``budget.client_pin_fits``); else a new snapshot is saved
+        unpinned, marked a client's refused pin (evicted first), an existing one left as it
+        is. A pin of the user's is never a client's.
         """
         h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
         snap_id = h[:_SNAPSHOT_ID_HEX]
-        now = time.time()
-        owner = None if client_share is None else CLIENT
+        now, owner = time.time(), (None if client_share is None else CLIENT)
         with self._index.write() as db:
             fits = client_share is None or budget.client_pin_fits(db, tip, client_share)
             if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localkv.kv.layout import LayerLayout, assembly, scratch_view, state_size
+from localkv.kv.layout import Assembly, LayerLayout, assembly, scratch_view, state_size
 from localkv.kv.section import ELEMENT_BYTES as _ELEMENT_BYTES
 from localkv.kv.section import (
     EXT_CELL,
@@ -45,6 +45,7 @@ from localkv.kv.section import known_type as _known_type
 
 __all__ = [
     "STATE_MAGIC",
+    "Assembly",
     "KVLayer",
     "KVState",
     "LayerLayout",
@@ -99,7 +100,7 @@ class KVState:
     def nbytes(self) -> int:
         return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
 
-    def layout(self) -> tuple[tuple[int, int, int, int], ...]:
+    def layout(self) -> tuple[LayerLayout, ...]:
         """Per layer (k_type, k_row_bytes, v_type, v_row_bytes): the representation."""
         return tuple((x.k_type, x.k_row_bytes, x.v_type, x.v_row_bytes) for x in self.layers)
 

@@ -364,12 +364,13 @@ class Engine:
     def prefill(self, body: dict[str, Any]) -> dict[str, object]:
         """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints, and whether
         the pin asked for was made (a client's: within the clients' share of the budget)."""
-        system, documents, label, pin = prefill_body(body)
+        asked = prefill_body(body)
+        documents, system = asked.documents, asked.system
         budget = Budget(self.runtime.session.n_ctx + 1, param="documents")  # no answer follows
         budget.before_chars(0, len(system or "") + sum(len(d.text) for d in documents))
-        asked = ClientPin() if pin else False
+        pin = ClientPin() if asked.pin else False
         try:
-            report = self.runtime.prefill(documents, system=system, label=label, pin=asked)
+            report = self.runtime.prefill(documents, system=system, label=asked.label, pin=pin)
         except ValueError as exc:  # ContextFullError is one
             raise ApiError(
                 413, str(exc), param="documents", code="context_length_exceeded"

@@ -172,6 +172,39 @@ def test_value_types_of_more_than_three_fields_are_built_by_keyword() -> None:
     assert positional == {}
 
 
+# Functions annotated to return a tuple of three or more: path:name -> why it has no name.
+ANONYMOUS_TUPLES = {
+    "localkv/prompt/template.py:work": "counters read as one vector: callers subtract two readings",
+}
+
+
+def _tuple_size(node: ast.expr | None) -> int:
+    """The most elements of any ``tuple[...]`` in an annotation (``tuple[int, ...]``: 0)."""
+    if node is None:
+        return 0
+    most = 0
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Subscript) and ast.unparse(sub.value) in ("tuple", "Tuple"):
+            elts = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
+            if not any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elts):
+                most = max(most, len(elts))
+    return most
+
+
+def test_no_function_returns_an_anonymous_tuple_of_three_or_more() -> None:
+    """Three values or more come back as a value type named for what it is (a frozen
+    dataclass, or a NamedTuple of up to three fields), so a reader of the call site
+    need not open the function to know which is which."""
+    anonymous = set()
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if function and _tuple_size(node.returns) >= 3:
+                anonymous.add(f"{path.relative_to(REPO)}:{node.name}")
+    assert sorted(anonymous - set(ANONYMOUS_TUPLES)) == []
+    assert sorted(set(ANONYMOUS_TUPLES) - anonymous) == [], "named now: drop it from the list"
+
+
 def test_every_room_under_localkv_is_a_layer() -> None:
     """A module or package put directly under localkv/ is outside every layer of the
     import contracts (and so may import anything) until pyproject.toml names it."""
