@@ -282,7 +282,9 @@ class Runtime:
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
         name = None if cancelled else SnapshotName(label, pin)
-        stored = save_prefill(self.cache, self.session, tips, documents, name, self._rate)
+        stored = save_prefill(
+            self.cache, self.session, tips, documents, name, seconds_per_token=self._rate
+        )
         saved = stored.saved
         return PrefillReport(
             snapshot=stored.snapshot,

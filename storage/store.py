@@ -295,10 +295,13 @@ class SnapshotStore:
         tokens: int,
         seconds: float,
         namespace: str | None = None,
+        *,
         snapshot: str | None = None,
     ) -> None:
         """Record a ``hit`` (tokens reused, seconds saved, the snapshot it names) or a ``miss``."""
-        events.record(self._index, kind, reason, tokens, seconds, namespace, snapshot)
+        events.record(
+            self._index, kind, reason, tokens, seconds, namespace=namespace, snapshot=snapshot
+        )
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""

@@ -192,7 +192,7 @@ class ChatScreen(Screen[None]):
         def emit(piece: str) -> None:
             app.call_from_thread(reply.append_piece, piece)
 
-        self._answer(self.controller, text, self.params, emit, reply, question)
+        self._answer(self.controller, text, self.params, emit, reply, question=question)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="answer")
     def _answer(
@@ -202,6 +202,7 @@ class ChatScreen(Screen[None]):
         params: SamplingParams,
         emit: TextFn,
         reply: AssistantMessage,
+        *,
         question: Static,
     ) -> None:
         cancel = _cancelled()

@@ -46,6 +46,7 @@ def _chain_block(
     position: int,
     tokens: np.ndarray,
     tensors: dict[str, np.ndarray],
+    *,
     probe: Probe,
 ) -> Block:
     """The block at ``position`` of a chain, after ``parent``: one batch end at its last token."""
@@ -98,7 +99,7 @@ def bench_lookup(
             if position == 0:
                 parent = None
             toks = rng.integers(0, VOCAB, size=block_size, dtype=np.int32)
-            block = _chain_block(cache, parent, position, toks, tensors, probe)
+            block = _chain_block(cache, parent, position, toks, tensors, probe=probe)
             store.put_block(block)
             parent = block.hash
             if i < per_chain:

@@ -86,7 +86,7 @@ def run_bench(
             with DiskCacheBench(cfg.model_path, cfg.n_ctx, session.n_threads) as llm:
                 for n in cfg.sizes:
                     say(f"{n:,} tokens")
-                    results.append(bench_size(cfg, session, identity, llm, work, n, say))
+                    results.append(bench_size(cfg, session, identity, llm, work, n=n, say=say))
         lookup = None
         if cfg.lookup_blocks:
             lookup = bench_lookup(

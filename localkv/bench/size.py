@@ -123,6 +123,7 @@ class _SizeBench:
         identity: Identity,
         work: Path,
         n: int,
+        *,
         say: ProgressFn,
     ) -> None:
         self.cfg, self.session, self.work, self.n, self.say = cfg, session, work, n, say
@@ -328,7 +329,7 @@ def _document(rt: Runtime, n: int) -> Document:
 
 
 def _encodings(
-    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: ProgressFn, kind: MemoryKind | None
+    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: ProgressFn, *, kind: MemoryKind | None
 ) -> list[benchcodecs.EncodingResult]:
     """The block encodings of the state ``raw`` (``llama_state_seq_get_data`` of N tokens):
     its attention part (the rows blocks hold; a partial part is stored as it is)."""
@@ -350,11 +351,12 @@ def bench_size(
     identity: Identity,
     llm: base.DiskCacheBench,
     work: Path,
+    *,
     n: int,
     say: ProgressFn,
 ) -> SizeResult:
     """Every per-length measurement for ``n`` tokens, in the order the module names them."""
-    sb = _SizeBench(cfg, session, identity, work, n, say)
+    sb = _SizeBench(cfg, session, identity, work, n, say=say)
     try:
         cold, cold_first = sb.cold()
         get_data = base.get_data(session, cfg.repeats)
@@ -369,7 +371,7 @@ def bench_size(
         restores = _restores(sb, files)
         baselines = _baselines(sb, files, llm, raw_path)
         ask = _ask(cfg, work, n, say)
-        encodings = _encodings(cfg, raw, work, n, say, session.memory_kind)
+        encodings = _encodings(cfg, raw, work, n, say, kind=session.memory_kind)
     finally:
         sb.close()
     firsts = restores.firsts | set(baselines.llama_file.first_tokens)
@@ -379,10 +381,10 @@ def bench_size(
         get_data,
         len(raw),
         saved,
-        restores,
-        baselines,
-        ask,
-        encodings,
+        restores=restores,
+        baselines=baselines,
+        ask=ask,
+        encodings=encodings,
         first_token_agrees=firsts == {cold_first},
     )
 
@@ -393,11 +395,11 @@ def _size_result(
     get_data: Stat,
     raw_bytes: int,
     saved: _Saved,
+    *,
     restores: _Restores,
     baselines: _Baselines,
     ask: AskResult,
     encodings: list[benchcodecs.EncodingResult],
-    *,
     first_token_agrees: bool,
 ) -> SizeResult:
     """The steps' figures as one ``SizeResult``."""

@@ -179,6 +179,7 @@ def save_prefill(
     tips: list[int],
     documents: Sequence[Document],
     name: SnapshotName | None,
+    *,
     seconds_per_token: float,
 ) -> SavedPrefill:
     """Save a prefill's blocks now, then its snapshot as ``name`` says (None: no

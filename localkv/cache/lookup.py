@@ -58,6 +58,7 @@ def plan_chain(
     scope: tuple[str, str],
     block_size: int,
     tokens: Sequence[int],
+    *,
     ends: Sequence[int],
     whole_blocks: bool = False,
 ) -> Plan:

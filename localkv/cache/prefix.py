@@ -97,6 +97,7 @@ class PrefixCache:
         namespace: str,
         block_size: int,
         defer: Callable[[Callable[[], None]], object] | None = None,
+        *,
         budget_bytes: int | None = None,
     ) -> None:
         """``defer(fn)`` runs index bookkeeping (hit counts, stats) off the restore path.
@@ -159,7 +160,9 @@ class PrefixCache:
         """The stored chain that holds the longest exact prefix of ``tokens`` (see ``lookup``)."""
         scope = (self.identity.digest, self.namespace)
         whole = self.identity.memory_kind != "kv"
-        return plan_chain(self.store, self.root, scope, self.block_size, tokens, ends, whole)
+        return plan_chain(
+            self.store, self.root, scope, self.block_size, tokens, ends=ends, whole_blocks=whole
+        )
 
     def miss_reason(self, tokens: Sequence[int]) -> str:
         """Why nothing was found: the identity field that differs, or no stored prefix."""
@@ -284,7 +287,7 @@ class PrefixCache:
         def bookkeeping() -> None:
             self.store.touch(hashes)
             named = covering(self.store, self.namespace, hashes, reuse, prefix)
-            self.store.record_event("hit", None, reuse, saved, self.namespace, named)
+            self.store.record_event("hit", None, reuse, saved, self.namespace, snapshot=named)
 
         self.defer(bookkeeping)
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))

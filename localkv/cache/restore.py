@@ -52,7 +52,9 @@ def load_chain(
         if session.memory_kind == "swa":
             blocks, window_state = read_window_chain(store, session, opened)
         elif (found := _in_pieces(session, opened)) is not None:
-            blocks, loaded = read_in_pieces(store, session, opened, *found, root), True
+            layout, v_trans = found
+            blocks = read_in_pieces(store, session, opened, layout, v_trans, parent=root)
+            loaded = True
         else:
             blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
@@ -166,7 +168,7 @@ def _read(store: SnapshotStore, session: ModelSession, opened: list[OpenedBlock]
     # the chain's final token is read (the checksum covers it) but not loaded:
     # its rows go to a spill area, one row per tensor
     spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
-    targets = fill_targets(opened, layout, k_rows, v_places, n, spill)
+    targets = fill_targets(opened, layout, k_rows, v_places, n, spill=spill)
     if tip_rows is not None:  # pages reused from the last restore: no page faults
         targets[-1][PARTIAL] = [tip_rows]
     blocks = store.fill_blocks(opened, targets, drops, parallel=parallel_reads(session))

@@ -68,7 +68,7 @@ def run_plain_chat(
         system,
         stdin or _lenient(sys.stdin),
         stdout or sys.stdout,
-        stderr or sys.stderr,
+        stderr=stderr or sys.stderr,
     )
     try:
         with chat.signals():
@@ -118,6 +118,7 @@ class _PlainChat:
         system: str | None,
         stdin: TextIO,
         stdout: TextIO,
+        *,
         stderr: TextIO,
     ) -> None:
         self.controller = controller

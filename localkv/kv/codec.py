@@ -282,7 +282,7 @@ def _spans(parts: list[KVState], n: int) -> list[_Span]:
 
 
 def _put_rows(
-    w: _StateWriter, spans: list[_Span], n: int, layer: int, kind: str, width: int
+    w: _StateWriter, spans: list[_Span], n: int, layer: int, kind: str, *, width: int
 ) -> None:
     dst = w.take(n * width).reshape(n, width)
     for p, at, rows in spans:
@@ -335,13 +335,13 @@ def assemble(
     w.put("<II", 1 if first.v_trans else 0, len(first.layers))
     for i, x in enumerate(first.layers):
         w.put("<iQ", x.k_type, x.k_row_bytes)
-        _put_rows(w, spans, n, i, "k", x.k_row_bytes)
+        _put_rows(w, spans, n, i, "k", width=x.k_row_bytes)
     for i, x in enumerate(first.layers):
         if first.v_trans:
             _put_v_transposed(w, spans, n, i)
         else:
             w.put("<iQ", x.v_type, x.v_row_bytes)
-            _put_rows(w, spans, n, i, "v", x.v_row_bytes)
+            _put_rows(w, spans, n, i, "v", width=x.v_row_bytes)
     if w.off != w.out.shape[0]:
         raise RuntimeError(f"assembled {w.off} of {w.out.shape[0]} bytes")
     return w.out

@@ -96,7 +96,7 @@ class Engine:
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
             built = build_prompt(
-                template, request.messages, self.memory, budget, request.tools, self.known
+                template, request.messages, self.memory, budget, request.tools, known=self.known
             )
         finally:
             _log_work(template.work(), work, len(request.messages))
@@ -107,7 +107,9 @@ class Engine:
         stops = StopText(request.sampling.stop)
         params = tool_params(self._params(request.sampling, len(prompt)), request, template)
         if sync.cancelled:  # the client went away during the prefill
-            return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
+            return self._outcome(
+                t0, prompt, sync, diverged, stops, ids=[], ttft_s=0.0, params=params, cancelled=True
+            )
         split = answer_text(request, self.runtime.session, prompt, channel)
         answer = stream_answer(
             self.runtime.session,
@@ -128,10 +130,10 @@ class Engine:
             sync,
             diverged,
             stops,
-            answer.ids,
-            answer.ttft_s,
-            params,
-            channel.cancelled(),
+            ids=answer.ids,
+            ttft_s=answer.ttft_s,
+            params=params,
+            cancelled=channel.cancelled(),
         )
         asked = (len(request.breakpoints), len(kept.ends))
         outcome = replace(outcome, pinned_new=new_tokens(kept.last, outcome), breakpoints=asked)
@@ -173,7 +175,7 @@ class Engine:
         namer = snapshot_namer(chat.snapshot, label, state.boundaries[-1])
         if pins is not None:
             prompt = (list(state.tokens), chat.schedule())
-            namer = pin_namer(self.runtime, namer, label, pins[0], prompt, pins[1])
+            namer = pin_namer(self.runtime, namer, label, pins[0], prompt, kept=pins[1])
         self.runtime.save_prefix(state.boundaries, namer)
 
     def count(self, request: ChatRequest, channel: Channel) -> int:
@@ -207,7 +209,9 @@ class Engine:
         stops = StopText(request.sampling.stop)
         params = self._params(request.sampling, len(prompt))
         if sync.cancelled:
-            return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
+            return self._outcome(
+                t0, prompt, sync, diverged, stops, ids=[], ttft_s=0.0, params=params, cancelled=True
+            )
         answer = stream_answer(
             session,
             params,
@@ -226,10 +230,10 @@ class Engine:
             sync,
             diverged,
             stops,
-            answer.ids,
-            answer.ttft_s,
-            params,
-            channel.cancelled(),
+            ids=answer.ids,
+            ttft_s=answer.ttft_s,
+            params=params,
+            cancelled=channel.cancelled(),
         )
 
     # ------------------------------------------------------------- the cache
@@ -315,6 +319,7 @@ class Engine:
         sync: SyncReport,
         diverged: int | None,
         stops: StopText,
+        *,
         ids: list[int],
         ttft_s: float,
         params: SamplingParams,

@@ -184,6 +184,7 @@ def pin_namer(
     label: str,
     pins: Sequence[Pin],
     prompt: tuple[Sequence[int], Sequence[int]],
+    *,
     kept: KeptPins,
 ) -> Callable[[SaveResult], None]:
     """``namer``, then the stored block ending at each pin (of ``prompt``'s tokens and

@@ -235,7 +235,7 @@ def fill_block(
         if name not in RESERVED_TENSORS:
             check_rows(name, spec.shape, row, tail_rows)
         if is_tail(name):
-            into = _tail_views(name, spec, targets, tail_from, own, tail_rows)
+            into = _tail_views(name, spec, targets, tail_from, own, rows=tail_rows)
             if name in targets:
                 placed.append((name, into))
             pieces.extend(_tail_pieces(name, spec, into, start, tail_rows))
@@ -291,6 +291,7 @@ def _tail_views(
     targets: Targets,
     tail_from: int | None,
     own: dict[str, np.ndarray],
+    *,
     rows: int,
 ) -> list[memoryview]:
     """Where a tail tensor's rows from ``tail_from`` go (all rows when None)."""

@@ -30,6 +30,7 @@ def record(
     reason: str | None,
     tokens: int,
     seconds: float,
+    *,
     namespace: str | None,
     snapshot: str | None,
 ) -> None:
