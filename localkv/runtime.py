@@ -346,7 +346,7 @@ class Runtime:
         return failed and (self.cache is None or not has_room(self.cache))
 
     # -------------------------------------------------------------------- ask
-    def ask(
+    def ask(  # noqa: PLR0913 - to take a value type
         self,
         documents: Sequence[Document],
         question: str,

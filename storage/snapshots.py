@@ -44,7 +44,7 @@ class SnapshotCatalogue:
         self._index = index
         self._layout = layout
 
-    def put(
+    def put(  # noqa: PLR0913 - to take a value type
         self,
         tip: str,
         label: str,

@@ -316,7 +316,7 @@ class SnapshotStore:
 
     # -------------------------------------------------------------- snapshots
     # The catalogue lives in ``snapshots.py``, the privacy path in ``removal/forget.py``.
-    def put_snapshot(
+    def put_snapshot(  # noqa: PLR0913 - to take a value type
         self,
         tip: str,
         label: str,

@@ -162,7 +162,7 @@ def decode(encoded: Encoded, out: np.ndarray, workers: Workers) -> None:
 
 
 # ----------------------------------------------------------------- measure
-def measure(
+def measure(  # noqa: PLR0913 - to take a value type
     encoding: Encoding,
     state: codec.KVState,
     directory: Path,
@@ -217,7 +217,7 @@ def measure(
     )
 
 
-def compare(
+def compare(  # noqa: PLR0913 - to take a value type
     raw_state: bytes | bytearray | memoryview,
     directory: Path,
     *,

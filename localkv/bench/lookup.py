@@ -67,7 +67,7 @@ def _chain_block(
     )
 
 
-def bench_lookup(
+def bench_lookup(  # noqa: PLR0913 - to take a value type
     identity: Identity,
     work: Path,
     *,

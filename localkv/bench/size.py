@@ -345,7 +345,7 @@ def _encodings(
     )
 
 
-def bench_size(
+def bench_size(  # noqa: PLR0913 - to take a value type
     cfg: BenchConfig,
     session: ModelSession,
     identity: Identity,
@@ -389,7 +389,7 @@ def bench_size(
     )
 
 
-def _size_result(
+def _size_result(  # noqa: PLR0913 - to take a value type
     n: int,
     cold: Stat,
     get_data: Stat,

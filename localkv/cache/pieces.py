@@ -139,7 +139,7 @@ def check_chain(parent: str, rows: Sequence[BlockRow], blocks: Sequence[Block]) 
     return parent
 
 
-def fill_targets(
+def fill_targets(  # noqa: PLR0913 - to take a value type
     opened: list[OpenedBlock],
     layout: tuple[LayerLayout, ...],
     k_rows: list[np.ndarray],

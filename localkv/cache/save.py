@@ -190,7 +190,7 @@ class _Content:
     end_state: bool  # a restore may end at it
 
 
-def _block(
+def _block(  # noqa: PLR0913 - to take a value type
     scope: BlockScope,
     block_hash: str,
     parent: str,

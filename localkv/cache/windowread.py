@@ -123,7 +123,7 @@ def read_window_chain(
     return blocks, buffer
 
 
-def _place(
+def _place(  # noqa: PLR0913 - to take a value type
     places: _Targets,
     prefix: str,
     layers: tuple[codec.LayerLayout, ...],

@@ -42,7 +42,7 @@ from localkv.runtime import Runtime
 __all__ = ["run_plain_chat"]
 
 
-def run_plain_chat(
+def run_plain_chat(  # noqa: PLR0913 - to take a value type
     runtime: Runtime,
     params: SamplingParams,
     *,

@@ -107,7 +107,7 @@ def _command_line(ctx: click.Context) -> str:
     help="Regenerate this markdown page (e.g. docs/BENCHMARKS.md) with the results.",
 )
 @click.pass_context
-def bench(  # noqa: PLR0917 - click passes each option by parameter
+def bench(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
     ctx: click.Context,
     model: str | None,
     sizes: str,

@@ -224,7 +224,7 @@ def _is_loopback(host: str) -> bool:
 )
 @model_options
 @cache_options
-def serve(  # noqa: PLR0917 - click passes each option by parameter
+def serve(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
     host: str,
     port: int,
     api_key: str | None,

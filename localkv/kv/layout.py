@@ -56,7 +56,7 @@ class Assembly(NamedTuple):
     v_rows: list[np.ndarray]
 
 
-def assembly(
+def assembly(  # noqa: PLR0913 - to take a value type
     layout: Sequence[LayerLayout],
     n: int,
     seq_id: int = 0,

@@ -312,7 +312,7 @@ class Engine:
             except GrammarError as exc:
                 raise bad_request(f"response_format: {exc}", "response_format") from None
 
-    def _outcome(
+    def _outcome(  # noqa: PLR0913 - to take a value type
         self,
         t0: float,
         prompt: list[int],

@@ -24,7 +24,7 @@ __all__ = ["EVENT_KINDS", "note_rate", "rate", "record", "stats"]
 EVENT_KINDS = frozenset({"hit", "miss"})
 
 
-def record(
+def record(  # noqa: PLR0913 - to take a value type
     index: BlockIndex,
     kind: str,
     reason: str | None,
