@@ -24,7 +24,7 @@ from localkv import ContextFullError, DocumentError, SamplingParams, TextError
 from localkv.chat.commands import HELP, Command, message_text, parse_command
 from localkv.chat.controller import Answered, Attached, ChatController, Opened
 from localkv.chat.formats import finish_line, sync_line, turn_line
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 
 from .assistant_message import AssistantMessage
 from .cache_screen import CacheScreen

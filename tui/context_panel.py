@@ -9,7 +9,7 @@ from textual.widgets import Label, ProgressBar, Static
 
 from localkv.chat.controller import ContextInfo, ModelInfo
 from localkv.chat.formats import human_bytes
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 
 __all__ = ["ContextPanel"]
 

@@ -18,7 +18,7 @@ from textual.widgets import DataTable, Footer, Label, Static
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import ago
 from localkv.chat.history import ConversationInfo
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 
 __all__ = ["HistoryScreen"]
 

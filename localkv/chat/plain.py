@@ -36,8 +36,8 @@ from localkv.prompt.request import (
     check_text,
     read_document,
 )
-from localkv.reports import printable
 from localkv.runtime import Runtime
+from localkv.runtime.reports import printable
 
 __all__ = ["run_plain_chat"]
 

@@ -25,7 +25,7 @@ from localkv.chat.history import (
 from localkv.chat.historyrows import parts_of
 from localkv.chat.session import ChatState
 from localkv.cli.options import cache_dir_option
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 
 __all__ = ["history"]
 

@@ -36,7 +36,7 @@ from localkv.cache.save import SaveResult
 from localkv.chat.snapshots import ConversationSnapshot
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 from localkv.server.errors import bad_request
 from localkv.server.requests import Breakpoint
 

@@ -18,7 +18,7 @@ from localkv.chat.commands import COMMANDS, HELP, PLAIN_HELP, Command, message_t
 from localkv.chat.formats import sync_line, turn_line
 from localkv.chat.session import SyncReport, TurnReport
 from localkv.cli import cli
-from localkv.reports import CacheReport
+from localkv.runtime.reports import CacheReport
 
 
 @pytest.fixture()

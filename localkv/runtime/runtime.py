@@ -51,9 +51,9 @@ from localkv.model.session import (
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, Request, build_request
 from localkv.prompt.template import ChatTemplate
-from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
+from localkv.runtime.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 
-__all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "TokenCounts"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger(__name__)
 
