@@ -22,12 +22,12 @@ from typing import cast
 
 from localkv.chat.history import ConversationInfo, ConversationStore, Skipped, title_of
 from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model_of
-from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document, byte_limit, check_text, read_document
 from localkv.runtime import Runtime
+from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
 
 __all__ = [
     "Answered",

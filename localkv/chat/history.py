@@ -47,7 +47,7 @@ from localkv.chat.historyrows import (
     title_of,
 )
 from localkv.chat.historyschema import MIGRATIONS, connect, migrate, rebuild_table
-from localkv.chat.session import ChatState
+from localkv.runtime.chatsession import ChatState
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
 from localkv.storage.removal.forget import DocumentRuns
 

@@ -20,8 +20,8 @@ import sqlite3
 from pathlib import Path
 
 from localkv.chat.history import ConversationInfo, ConversationModel, ConversationStore
-from localkv.chat.session import ChatState
 from localkv.runtime import Runtime
+from localkv.runtime.chatsession import ChatState
 
 __all__ = ["HistoryKeeper", "ModelMismatch", "check_model", "model_of"]
 

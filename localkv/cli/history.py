@@ -23,8 +23,8 @@ from localkv.chat.history import (
     MalformedConversation,
 )
 from localkv.chat.historyrows import parts_of
-from localkv.chat.session import ChatState
 from localkv.cli.options import cache_dir_option
+from localkv.runtime.chatsession import ChatState
 from localkv.runtime.reports import printable
 
 __all__ = ["history"]

@@ -1,9 +1,11 @@
 """The runtime room: the API the faces use (the CLI, the chat, the server).
 
 ``Runtime`` (``localkv.runtime.runtime``) holds one model and its verified
-cache; ``localkv.runtime.reports`` holds the values it reports. The names
-load on first use, so a face that only needs ``printable`` does not load
-llama.cpp.
+cache; ``localkv.runtime.reports`` holds the values it reports;
+``localkv.runtime.chatsession`` is a cached chat on a runtime, and
+``localkv.runtime.chatsnapshot`` the snapshot that names its saved prefix.
+The names below load on first use, so a face that only needs ``printable``
+does not load llama.cpp.
 """
 
 from __future__ import annotations

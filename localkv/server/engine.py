@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from localkv.cache.catalogue import ClientPin, pinned
-from localkv.chat.session import ChatSession, ChatState, SyncReport
 from localkv.model.native import llama_cpp
 from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
@@ -26,6 +25,7 @@ from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
+from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport
 from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget

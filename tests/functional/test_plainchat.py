@@ -16,8 +16,8 @@ from support.tinymodels import TinyModels
 
 from localkv.chat.commands import COMMANDS, HELP, PLAIN_HELP, Command, message_text, parse_command
 from localkv.chat.formats import sync_line, turn_line
-from localkv.chat.session import SyncReport, TurnReport
 from localkv.cli import cli
+from localkv.runtime.chatsession import SyncReport, TurnReport
 from localkv.runtime.reports import CacheReport
 
 

@@ -371,10 +371,10 @@ def test_bad_serve_options_are_refused_before_anything_starts(args: list[str], s
 def test_a_resent_history_is_the_tokens_the_chat_computed(tiny_models: TinyModels) -> None:
     from support.tinymodels import tiny_config
 
-    from localkv.chat.session import ChatSession
     from localkv.model.sampling import SamplingParams
     from localkv.prompt.template import Message
     from localkv.runtime import Runtime
+    from localkv.runtime.chatsession import ChatSession
     from localkv.server.conversation import AnswerMemory, build_history
 
     with Runtime(tiny_config(tiny_models.base), use_cache=False) as rt:

@@ -338,8 +338,8 @@ def test_a_document_that_repeats_its_opening_leaves_the_shared_block_before_it(
 
 
 def test_saved_conversations_holding_a_document_by_text_or_tokens(tmp_path: Path) -> None:
-    from localkv.chat.session import ChatState
     from localkv.prompt.template import Message
+    from localkv.runtime.chatsession import ChatState
 
     doc = np.arange(2000, 2040, dtype=np.int32)
     path = tmp_path / "conversations.db"

@@ -23,8 +23,8 @@ from localkv.chat.history import (
 )
 from localkv.chat.historyrows import encode_state
 from localkv.chat.saving import HistoryKeeper
-from localkv.chat.session import ChatState
 from localkv.prompt.template import Message
+from localkv.runtime.chatsession import ChatState
 
 EXPECTED = {
     "id": str,
