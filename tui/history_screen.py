@@ -17,7 +17,7 @@ from textual.widgets import DataTable, Footer, Label, Static
 
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import ago
-from localkv.chat.history import ConversationInfo
+from localkv.history.store import ConversationInfo
 from localkv.runtime.reports import printable
 
 __all__ = ["HistoryScreen"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from localkv.chat.history import ConversationInfo, ConversationStore, Skipped, title_of
 from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model_of
+from localkv.history.store import ConversationInfo, ConversationStore, Skipped, title_of
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.renderbudget import TemplateRenderError

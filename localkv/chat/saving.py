@@ -19,7 +19,7 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from localkv.chat.history import ConversationInfo, ConversationModel, ConversationStore
+from localkv.history.store import ConversationInfo, ConversationModel, ConversationStore
 from localkv.runtime import Runtime
 from localkv.runtime.chatsession import ChatState
 

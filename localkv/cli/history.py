@@ -16,14 +16,14 @@ from typing import Any
 
 import click
 
-from localkv.chat.history import (
+from localkv.cli.options import cache_dir_option
+from localkv.history.rows import parts_of
+from localkv.history.store import (
     ConversationInfo,
     ConversationNotFound,
     ConversationStore,
     MalformedConversation,
 )
-from localkv.chat.historyrows import parts_of
-from localkv.cli.options import cache_dir_option
 from localkv.runtime.chatsession import ChatState
 from localkv.runtime.reports import printable
 

@@ -127,7 +127,7 @@ def test_a_missing_document_or_model_is_a_clean_error(
 
 def test_the_line_mode_chat_and_history_import_without_textual() -> None:
     code = (
-        "import sys, localkv.cli, localkv.chat.plain, localkv.chat.history; "
+        "import sys, localkv.cli, localkv.chat.plain, localkv.history.store; "
         "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

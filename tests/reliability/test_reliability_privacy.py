@@ -21,8 +21,8 @@ from localkv.storage.store import SnapshotStore
 from support.reliability import record
 from support.tinymodels import TinyModels, tiny_config
 
-from localkv.chat.history import ConversationStore
 from localkv.cli import cli
+from localkv.history.store import ConversationStore
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
