@@ -16,8 +16,9 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Static
 
-from localkv.chat.controller import ChatController, SnapshotInfo
+from localkv.chat.controller import ChatController
 from localkv.chat.formats import ago, human_bytes
+from localkv.runtime.info import SnapshotInfo
 from localkv.runtime.reports import printable
 
 __all__ = ["CacheScreen"]

@@ -384,8 +384,9 @@ class Engine:
         }
 
     def snapshots(self) -> list[dict[str, object]]:
+        """The namespace's snapshots as ``/v1/localkv/cache`` lists them, once saves are done."""
         self.runtime.wait_for_saves()
-        return self.runtime.snapshots()
+        return [snap.as_json() for snap in self.runtime.snapshots()]
 
 
 def model_facts(runtime: Runtime, model_id: str) -> ModelFacts:

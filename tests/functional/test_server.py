@@ -176,6 +176,12 @@ def test_prefill_then_a_chat_reuses_it_and_the_cache_lists_it(
     with urllib.request.urlopen(server.base_url + "/v1/localkv/cache", timeout=60) as r:
         listed = json.loads(r.read())["data"]
     assert [(s["id"], bool(s["pinned"])) for s in listed] == [(report["snapshot"], True)]
+    assert list(listed[0]) == [
+        *("id", "label", "model", "this_model", "tokens", "bytes_on_disk"),
+        *("hits", "last_used", "pinned", "pinned_until"),
+    ]
+    assert (listed[0]["label"], listed[0]["this_model"]) == ("notes.txt", True)
+    assert listed[0]["tokens"] == report["tokens"] and listed[0]["pinned_until"] is None
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": document},

@@ -241,7 +241,7 @@ def test_the_side_panel_describes_the_model_as_localkv_models_does(
 
     listed = describe(FoundModel("tiny-base", "path", tiny_models.base))
     with Runtime(tiny_config(tiny_models.base), cache_dir=home) as rt:
-        assert rt.model_info()["description"] == listed.label() == "llama 6.59M F32"
+        assert rt.model_info().description == listed.label() == "llama 6.59M F32"
 
 
 def test_history_export_json_marks_an_attached_document(
