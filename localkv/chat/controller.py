@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from localkv.model.session import ContextFullError
 from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document, byte_limit, check_text, read_document
 from localkv.runtime import Runtime
+from localkv.runtime.callbacks import CancelFn, ProgressFn, TextFn
 from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
 from localkv.runtime.info import SnapshotInfo
 
@@ -41,10 +41,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-CancelFn = Callable[[], bool]
-ProgressFn = Callable[[int, int], None]
-TextFn = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)

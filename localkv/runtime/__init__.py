@@ -3,7 +3,9 @@
 ``Runtime`` (``localkv.runtime.runtime``) holds one model and its verified
 cache; ``localkv.runtime.reports`` holds the values it reports;
 ``localkv.runtime.chatsession`` is a cached chat on a runtime, and
-``localkv.runtime.chatsnapshot`` the snapshot that names its saved prefix.
+``localkv.runtime.chatsnapshot`` the snapshot that names its saved prefix;
+``localkv.runtime.info`` what a runtime tells about its model and snapshots,
+and ``localkv.runtime.callbacks`` the callbacks its calls take.
 The names below load on first use, so a face that only needs ``printable``
 does not load llama.cpp.
 """

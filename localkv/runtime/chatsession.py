@@ -30,13 +30,13 @@ from localkv.prompt.conversation import Streamed, stream_answer
 from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document
 from localkv.prompt.template import Message
+from localkv.runtime.callbacks import TextFn
 from localkv.runtime.chatsnapshot import ConversationSnapshot
 from localkv.runtime.reports import CacheReport
 from localkv.runtime.runtime import Runtime
 
 __all__ = ["ChatSession", "ChatState", "SyncReport", "TurnReport"]
 
-TextFn = Callable[[str], None]
 LabelFn = Callable[["ChatState"], str | None]
 
 

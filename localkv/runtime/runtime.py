@@ -45,14 +45,13 @@ from localkv.model.session import (
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, Request, build_request
 from localkv.prompt.template import ChatTemplate
+from localkv.runtime.callbacks import TextFn
 from localkv.runtime.info import LoadedModel, SnapshotInfo, list_snapshots
 from localkv.runtime.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 
 __all__ = ["Runtime"]
 
 log = logging.getLogger(__name__)
-
-TextFn = Callable[[str], None]
 
 
 class Runtime:
