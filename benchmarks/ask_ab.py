@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     from faces import _documents
 
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
 
     model = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="localkv-ask-ab-"))

@@ -635,7 +635,7 @@ def main() -> None:
         ap.error("--peer-python is needed (or --no-peer)")
     sys.path.insert(0, str(HERE.parent / "tests"))
     sys.path.insert(0, str(HERE.parent))
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
 
     args.model = resolve_model(args.model)
     args.ctx = (args.tokens + 512 + 255) // 256 * 256

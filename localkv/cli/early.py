@@ -99,7 +99,7 @@ def guess_config(argv: list[str]) -> SessionConfig | None:
     if found is None:
         return None
     from localkv.model.config import LoraSpec, SessionConfig
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
 
     values: dict[str, Any] = {}
     try:
