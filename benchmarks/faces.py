@@ -44,7 +44,7 @@ cores are shared between the groups first).
 Both sides use the same model, n_ctx and flash attention (``--flash-attn``, off by
 default: what localkv's ``auto`` is on a CPU at this size); the peer's prompt is the
 token ids localkv builds. The peer runs with every core; localkv with its default,
-one thread per core the other work leaves free (``localkv.model.machine.ThreadFit``), unless
+one thread per core the other work leaves free (``localkv.model.threads.ThreadFit``), unless
 ``--threads N`` sets both. Neither has OpenMP variables set
 by the bench: localkv chooses its wait policy from the load, the peer runs with
 libgomp's defaults. Medians per face and load; every run and the load average

@@ -27,8 +27,8 @@ from localkv.cache.restore.verify import chain_layout, check_chain, check_partia
 from localkv.cache.restore.window import read_window_chain
 from localkv.kv import codec, partial
 from localkv.kv.blocks import PARTIAL, block_partial, tensors_to_state
-from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
+from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, BlockRow

@@ -22,8 +22,8 @@ import numpy as np
 from localkv.cache.restore.verify import check_chain
 from localkv.kv import codec
 from localkv.kv.layout import LayerLayout, state_size
-from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
+from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block
