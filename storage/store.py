@@ -34,7 +34,7 @@ from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
-from .readpool import BlockReader, Drops, Fills, Tails
+from .readpool import MAX_RAW_BLOCK_BYTES, BlockReader, Drops, Fills, Tails
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
@@ -65,8 +65,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_RAW_BLOCK_BYTES = 4 << 30
 
 
 class SnapshotStore:
