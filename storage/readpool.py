@@ -17,9 +17,7 @@ from .formats.readinto import HeaderCache, OpenedBlock, Targets, fill_block, ope
 from .paths import CacheLayout
 from .values import Block, BlockCorrupt, BlockRow
 
-__all__ = ["MAX_RAW_BLOCK_BYTES", "BlockReader", "Drops", "Fills", "Tails"]
-
-MAX_RAW_BLOCK_BYTES = 4 << 30  # the largest block a store reads (its raw, decoded bytes)
+__all__ = ["BlockReader", "Drops", "Fills", "Tails"]
 
 Fills = Sequence[Targets | None]  # per block, where its tensors go (``fill_block``'s ``targets``)
 # per block, the tensors a read checks or skips but does not keep (``fill_block``'s ``discard``)

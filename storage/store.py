@@ -34,10 +34,11 @@ from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
-from .readpool import MAX_RAW_BLOCK_BYTES, BlockReader, Drops, Fills, Tails
+from .readpool import BlockReader, Drops, Fills, Tails
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
+    MAX_RAW_BLOCK_BYTES,
     Block,
     BlockCorrupt,
     BlockRow,

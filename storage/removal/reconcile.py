@@ -26,8 +26,8 @@ from ..chain import chain_next, chain_root
 from ..disk import remove_file, remove_if_abandoned
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
-from ..readpool import MAX_RAW_BLOCK_BYTES, BlockReader
-from ..values import BlockCorrupt, BlockRow, GcReport
+from ..readpool import BlockReader
+from ..values import MAX_RAW_BLOCK_BYTES, BlockCorrupt, BlockRow, GcReport
 from .quarantine import quarantine
 
 __all__ = ["gc", "verify"]

@@ -55,13 +55,18 @@ def _is_extension(folder: Path, name: str) -> bool:
 
 
 def _imports_only_extensions(package: str, lines: list[list[object]], tree: Path) -> bool:
-    """Whether every import line is ``from <package> import <compiled extensions>``."""
+    """Whether every import line names only compiled extensions of ``package``:
+    ``from <package> import _ext`` or ``import <package>._ext``."""
     folder = tree.joinpath(*package.split("."))
     for _, text in lines:
-        names = re.findall(r"import\s+(.+)", str(text))
-        wanted = [n.split(" as ")[0].strip(" ()") for n in ",".join(names).split(",")]
-        compiled = [n for n in wanted if n and _is_extension(folder, n)]
-        if not wanted or compiled != wanted:
+        found = re.match(r"\s*(from\s+\S+\s+)?import\s+(.+)", str(text))
+        if found is None:
+            return False
+        wanted = [n.split(" as ")[0].strip(" ()") for n in found.group(2).split(",")]
+        if found.group(1) is None:  # import a.b.c: a module of the package, by its whole name
+            prefix = package + "."
+            wanted = [n.removeprefix(prefix) if n.startswith(prefix) else "" for n in wanted]
+        if not all(n and "." not in n and _is_extension(folder, n) for n in wanted):
             return False
     return True
 
