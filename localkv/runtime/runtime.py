@@ -30,9 +30,8 @@ from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
 from localkv.cache.catalogue import ClientPin, covering_snapshot, has_room, save_prefill
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
-from localkv.model.discovery import model_label
+from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
-from localkv.model.resolve import resolve_model
 from localkv.model.sampling import SamplingParams, check_grammar, json_schema_grammar
 from localkv.model.session import (
     CancelFn,
