@@ -13,8 +13,8 @@ own. ``wait`` is called before the command opens its runtime.
 
 From the command line's first import to ``wait``, Python's cyclic garbage
 collector is off (``hold_collector``): the imports make
-~100,000 long-lived objects and no garbage worth a collection, yet start ~80
-collections (~15 ms on the way to the first token, measured). ``wait`` turns it
+many long-lived objects and no garbage worth a collection, yet start dozens of
+collections on the way to the first token. ``wait`` turns it
 back on after moving what the imports made to the collector's permanent
 generation (``gc.freeze``), so later collections do not walk the modules again.
 

@@ -16,7 +16,7 @@ FLASH_ATTN_TYPES = {
 }
 
 # llama.cpp's GGML_MAX_N_THREADS (ggml.h): its CPU thread pool holds no more; past
-# it, measured, 5,000 threads hang and 100,000 crash the process (SIGSEGV)
+# it, a pool hangs or crashes the process (tests/reliability: `--threads` 5000, 100000)
 MAX_THREADS = 512
 
 
