@@ -70,12 +70,12 @@ def _bindings_first() -> bool:
     The package's ``__init__`` runs ``from .llama_cpp import *`` then ``from .llama
     import *``; the second (the ``Llama`` class, its chat formats, caches and
     tokenizers, with their imports) is nothing localkv calls, and importing it
-    would hold back every command's model load (``localkv.cli.early``), so
-    ``python -X importtime`` shows what it costs. Python has no supported way to
-    import a submodule without its package's ``__init__``, so here, and only for
-    the ``__init__`` in ``BINDINGS_FIRST_FOR`` (its bytes' hash), the package
-    object is made from the first line alone, and the second runs when a name
-    only it gives is asked for (a module ``__getattr__``, PEP 562):
+    would come before every model load (``python -X importtime -c "import
+    llama_cpp"`` against ``localkv.model.native`` shows what it costs). Python has
+    no supported way to import a submodule without its package's ``__init__``,
+    so here, and only for the ``__init__`` in ``BINDINGS_FIRST_FOR`` (its bytes'
+    hash), the package object is made from the first line alone, and the second
+    runs when a name only it gives is asked for (a module ``__getattr__``, PEP 562):
     ``llama_cpp.Llama`` and ``from llama_cpp import *`` still work. Any other
     ``__init__`` (another version), or a package already imported, is left to
     the import system. Whether the package was made here.

@@ -107,7 +107,6 @@ class ModelSession:
         self.memory_kind, self.memory_refusal = memory_of(self.model)
         self.swa_window = int(llama_cpp.llama_model_n_swa(self.model))
         self.cell_ext = cell_ext_of(self.model, self.memory_kind)  # cells name their tokens
-        self.probed = native.probed  # the early open's probe (``cache.identity``)
 
     def flash_attn_setting(self) -> str:  # what llama.cpp got (``loading.flash_attn_setting``)
         return self._flash_attn

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -47,3 +48,29 @@ def test_the_pinned_package_is_imported_bindings_first() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == ["True", "False"]
+
+
+_NAMES = "sorted(n for n in dir(llama_cpp) if not n.startswith('_'))"
+
+
+def _python(code: str) -> list[str]:
+    """Lines a fresh interpreter prints for ``code`` (this one imported everything)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.splitlines()
+
+
+def test_the_llama_cpp_package_is_whole_when_its_high_level_names_are_used() -> None:
+    plain = _python(f"import json, llama_cpp; print(json.dumps({_NAMES}))")
+    code = "import json, sys, localkv.model.native, llama_cpp\n"
+    code += f"print(json.dumps({_NAMES})); print(llama_cpp.__version__)\n"
+    code += "from llama_cpp import Llama, LlamaGrammar\n"
+    code += f"print(json.dumps({_NAMES})); print(Llama is sys.modules['llama_cpp.llama'].Llama)\n"
+    code += "print(all(getattr(llama_cpp, n) is getattr(sys.modules['llama_cpp.llama'], n)"
+    code += " for n in vars(sys.modules['llama_cpp.llama']) if not n.startswith('_')))"
+    before, version, after, same, every = _python(code)
+    assert version == native.llama_cpp.__version__
+    assert "llama_decode" in json.loads(before) and "Llama" not in json.loads(before)
+    assert json.loads(after) == json.loads(plain[0])  # what `import llama_cpp` binds, and no more
+    assert same == every == "True"
