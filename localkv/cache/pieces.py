@@ -80,7 +80,7 @@ def parallel_reads(session: ModelSession) -> bool:
     Only while its decodes have more than one thread (``ThreadFit``: cores are free). When
     other work holds the cores, each hand-off to a reader thread waits for a time slice, so
     a restore reads sooner on its own thread; on free cores the readers read in parallel
-    (``benchmarks/faces.py`` times restores idle and beside CPU-bound processes)."""
+    (``benchmarks/faces.py`` times the warm first token idle and with ``--load``)."""
     session.threads.check()
     return session.threads.current > 1
 

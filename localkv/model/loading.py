@@ -75,7 +75,7 @@ def flash_attn_setting(cfg: SessionConfig, model: Any) -> str:
     cache, is ``off`` while the scratch that attention without it needs (``n_ctx`` x
     ``n_batch`` x heads floats) stays within ``AUTO_OFF_SCRATCH``: llama.cpp's CPU
     flash attention is slower for every batch size and context length
-    (``benchmarks/geometry.py`` times batches with it on and off). Elsewhere --
+    (``benchmarks/faces.py --flash-attn on`` against ``off``). Elsewhere --
     offloaded to a GPU, a quantized V, a larger scratch -- ``auto`` lets llama.cpp
     decide (where supported: on). With flash attention on, CPU logits depend on the
     thread count (``benchmarks/numerics.py``), so the identity records the thread
