@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from localkv.kv import codec, partial
 from localkv.model.memories import memory_refusal
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
-from localkv.model.snapshots import read_state_ext, snapshot_interval
+from localkv.model.partial_state import read_state_ext, snapshot_interval
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession

@@ -152,13 +152,13 @@ def main() -> None:
 def start_up() -> None:
     """What the command line does first, before a command's modules load.
 
-    It samples the machine's load (``machine.note_start``: the OpenMP wait that
+    It samples the machine's load (``threads.note_start``: the OpenMP wait that
     llama.cpp takes when it loads is chosen from it) and asks numpy's OpenBLAS
     for one thread (``BLAS_THREADS``).
     """
-    from localkv.model import machine
+    from localkv.model import threads
 
-    machine.note_start()
+    threads.note_start()
     if "numpy" not in sys.modules and not os.environ.get(BLAS_THREADS):
         os.environ[BLAS_THREADS] = "1"
 

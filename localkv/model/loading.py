@@ -4,8 +4,6 @@
 (quantized KV types on the model's head size), loads the model, creates the
 context and the batch, attaches LoRA adapters, and registers every handle's
 free on the stack, so the session that owns the stack frees each once.
-Also here: ``large_buffer``, the memory a restore assembles llama.cpp's
-state in.
 """
 
 from __future__ import annotations
@@ -13,29 +11,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from localkv.model.config import FLASH_ATTN_TYPES, MAX_THREADS, LoraSpec, SessionConfig
+from localkv.model.config import FLASH_ATTN_TYPES, LoraSpec, SessionConfig
 from localkv.model.native import (
     ggml_type_id,
     llama_cpp,
     recent_errors,
     sync_log_detail,
 )
-
-if TYPE_CHECKING:  # numpy is imported by the restore buffer's first use
-    import numpy as np
+from localkv.model.threads import context_threads
 
 __all__ = [
     "ModelLoadError",
     "Native",
     "flash_attn_setting",
-    "large_buffer",
     "open_native",
 ]
 
@@ -113,7 +107,7 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     vocab = llama_cpp.llama_model_get_vocab(model)
     _check_kv_types(cfg, model)
     _check_kv_memory(cfg, model)
-    threads = cfg.n_threads or min(MAX_THREADS, max(1, os.cpu_count() or 1))
+    threads = context_threads(cfg.n_threads)
     flash_attn = flash_attn_setting(cfg, model)
     n_seq = 2 if _plain_kv(model) else 1
     ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads, flash_attn, n_seq))
@@ -283,21 +277,3 @@ def _attach_loras(
     scales = (ctypes.c_float * len(handles))(*(s.scale for s in loras))
     if llama_cpp.llama_set_adapters_lora(ctx, arr, len(handles), scales) != 0:
         raise ModelLoadError("llama.cpp refused the LoRA adapters")
-
-
-def large_buffer(nbytes: int) -> np.ndarray:
-    """A uint8 array for a restore buffer, backed by transparent huge pages where possible.
-
-    Its pages are touched for the first time by a restore; with huge pages that
-    costs one page fault per huge page instead of one per 4 KiB page.
-    """
-    import numpy as np
-
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if advice is None or not flags:
-        return np.empty(nbytes, dtype=np.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=flags)
-    with contextlib.suppress(OSError):
-        mapping.madvise(advice)
-    return np.frombuffer(mapping, dtype=np.uint8)

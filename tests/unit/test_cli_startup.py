@@ -11,7 +11,7 @@ import pytest
 from support.tinymodels import TinyModels
 
 from localkv.cli import BLAS_THREADS
-from localkv.model.machine import ENV_OTHER_TASKS
+from localkv.model.threads import ENV_OTHER_TASKS
 
 # the files a process opens and the modules it imports, in order, as Python's audit hooks see them
 _WATCH = """

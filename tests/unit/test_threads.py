@@ -14,9 +14,9 @@ from support.tinyarch import build_tiny_arch_models
 from support.tinymodels import TinyModels, tiny_config
 
 import localkv
-from localkv.model import machine
-from localkv.model.machine import RECHECK_S, fitting_threads
+from localkv.model import threads as thread_choice
 from localkv.model.session import ModelSession, SessionConfig
+from localkv.model.threads import RECHECK_S, fitting_threads
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
 
@@ -31,7 +31,7 @@ def load(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     be using: none until a test sets one."""
 
     def set_load(n: float) -> None:
-        monkeypatch.setenv(machine.ENV_OTHER_TASKS, str(n))
+        monkeypatch.setenv(thread_choice.ENV_OTHER_TASKS, str(n))
 
     set_load(0)
     return set_load
