@@ -38,6 +38,7 @@ from .readpool import BlockReader, Drops, Fills, Tails
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
+    MAX_RAW_BLOCK_BYTES,
     Block,
     BlockCorrupt,
     BlockRow,
@@ -65,8 +66,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_RAW_BLOCK_BYTES = 4 << 30
 
 
 class SnapshotStore:
@@ -308,7 +307,7 @@ class SnapshotStore:
         return events.stats(self._index, namespace)
 
     def prefill_rate(self, identity: str, n_ctx: int) -> tuple[float, int] | None:
-        """Measured prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx`` (``events``)."""
+        """Timed prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx`` (``events``)."""
         return events.rate(self._index, identity, n_ctx)
 
     def note_prefill(self, identity: str, n_ctx: int, seconds: float, tokens: int) -> None:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from localkv.model.config import MAX_THREADS
+from localkv.model.find import ModelNotFoundError, resolve_model
 from localkv.model.native import GGML_TYPES
-from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.sampling import GrammarError, SamplingParams, json_schema_grammar
 from localkv.model.sampling.grammar import MAX_GRAMMAR_CHARS, check_gbnf
 from localkv.model.session import LoraSpec, SessionConfig
@@ -266,10 +266,8 @@ def open_runtime(opts: dict[str, Any]) -> Runtime:
     A model that cannot be found is a ``click.ClickException`` (from
     ``session_config``), raised before anything loads.
     """
-    from localkv.cli import early
     from localkv.runtime import Runtime  # imported when a command runs, not on --help
 
-    early.wait()  # the model ``localkv.cli.early`` opens, which the runtime takes
     return Runtime(
         session_config(opts),
         cache_dir=opts.get("cache_dir"),

@@ -1,7 +1,7 @@
 """Grammars for sampling: GBNF text checked before llama.cpp parses it, and JSON schemas as GBNF.
 
-llama.cpp parses GBNF recursively: groups nested some 15,000 deep overflow an
-8 MiB stack (measured: a segmentation fault, not an error), so ``check_gbnf``
+llama.cpp parses GBNF recursively: groups nested deep enough overflow the
+thread's stack (a segmentation fault, not an error), so ``check_gbnf``
 refuses grammars that nest deeper than ``MAX_NESTING`` or are longer than
 ``MAX_GRAMMAR_CHARS`` before llama.cpp sees them. What llama.cpp itself
 refuses (a syntax error, an undefined rule, no ``root``, left recursion) is
@@ -26,6 +26,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+from localkv.model.sampling.errors import GrammarError
+
 __all__ = [
     "MAX_GRAMMAR_CHARS",
     "MAX_NESTING",
@@ -41,10 +43,6 @@ MAX_NESTING = 1_000
 MAX_REPEAT = 1_000  # minLength, maxLength, minItems, maxItems: the converter nests each one
 _REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
 _NAMED_KEYS = ("properties", "$defs", "definitions", "patternProperties")
-
-
-class GrammarError(ValueError):
-    """A grammar or JSON schema that cannot constrain sampling; the message says why."""
 
 
 def check_gbnf(text: object) -> str:

@@ -34,12 +34,10 @@ from localkv.cache.catalogue import (
     covering_snapshot,
     has_room,
     save_prefill,
-    snapshot_listing,
 )
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
-from localkv.model.discovery import model_label
+from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
-from localkv.model.resolve import resolve_model
 from localkv.model.sampling import SamplingParams, check_grammar, json_schema_grammar
 from localkv.model.session import (
     CancelFn,
@@ -52,13 +50,13 @@ from localkv.model.session import (
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, Request, build_request
 from localkv.prompt.template import ChatTemplate
-from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
+from localkv.runtime.callbacks import TextFn
+from localkv.runtime.info import LoadedModel, SnapshotInfo, list_snapshots
+from localkv.runtime.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 
-__all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "TokenCounts"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger(__name__)
-
-TextFn = Callable[[str], None]
 
 
 class Runtime:
@@ -79,7 +77,7 @@ class Runtime:
         self.cache: PrefixCache | None = None
         self.cache_error: str | None = None if use_cache else "cache disabled"
         self.work = BackgroundWork()  # saves and bookkeeping, after the answer
-        self._rate = 1 / 240  # updated from measured prefills
+        self._rate = 1 / 240  # a first guess, updated from the prefills this runtime times
         if use_cache:
             self._open_cache(cache_dir, compact_cache)
 
@@ -136,22 +134,21 @@ class Runtime:
         return self.work.wait()
 
     # ------------------------------------------------------------ information
-    def model_info(self) -> dict[str, object]:
+    def model_info(self) -> LoadedModel:
         """Name, quantization, file size, GPU layers and KV types, for display."""
         cfg = self.session.config
         path = Path(cfg.model_path)
-        return {
-            "name": self.session.meta("general.name") or path.stem,
-            "description": model_label(path) or self.session.describe(),
-            "path": str(path),
-            "file_bytes": path.stat().st_size,
-            # 0 on a CPU-only build, whatever was asked for
-            "n_gpu_layers": cfg.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0,
-            "type_k": cfg.type_k,
-            "type_v": cfg.type_v,
-            "flash_attn": self.flash_attn_effective(),
-            "n_ctx": self.session.n_ctx,
-        }
+        return LoadedModel(
+            name=self.session.meta("general.name") or path.stem,
+            description=model_label(path) or self.session.describe(),
+            path=str(path),
+            file_bytes=path.stat().st_size,
+            n_gpu_layers=cfg.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0,
+            type_k=cfg.type_k,
+            type_v=cfg.type_v,
+            flash_attn=self.flash_attn_effective(),
+            n_ctx=self.session.n_ctx,
+        )
 
     def flash_attn_effective(self) -> str:
         """``on``/``off`` as llama.cpp chose it (from the cache identity), else the setting."""
@@ -159,12 +156,11 @@ class Runtime:
             return "on" if self.cache.identity.flash_attn else "off"
         return self.session.flash_attn_setting()
 
-    def snapshots(self) -> list[dict[str, object]]:
-        """This namespace's snapshots, of every model (label, model, this_model, tokens,
-        bytes, hits, last used, pinned)."""
+    def snapshots(self) -> list[SnapshotInfo]:
+        """This namespace's snapshots, of every model."""
         if self.cache is None:
             return []
-        return snapshot_listing(self.cache.store, self.namespace, self.cache.identity.digest)
+        return list_snapshots(self.cache.store, self.namespace, self.cache.identity.digest)
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         if self.cache is None:
@@ -401,7 +397,7 @@ class Runtime:
         )
 
     def note_prefill(self, seconds: float, tokens: int) -> None:
-        """A measured prefill: it joins the one rate (per identity and n_ctx) every writer uses."""
+        """A timed prefill: it joins the one rate (per identity and n_ctx) every writer uses."""
         if tokens >= 32 and seconds > 0:
             cache, n = self.cache, self.session.n_ctx
             self._rate = cache.note_prefill(n, seconds, tokens) if cache else seconds / tokens

@@ -1,30 +1,32 @@
-"""The work running on the machine, read before llama.cpp loads, and the OpenMP wait it calls for.
+"""How many threads llama.cpp runs and how OpenMP waits, from the work running on the machine.
 
 OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads (its
 libgomp starts). Spinning threads (libgomp's default) decode fastest on idle
 cores; on cores other processes use, every barrier of every decode waits for a
-spinning thread's time slice (docs/FIRSTTOKEN.md). So with other work running on
-at least half the cores the wait is passive; otherwise a short spin
-(``GOMP_SPINCOUNT`` 3000: as fast as libgomp's default of 300000 idle, measured,
-and in a long-lived process it gives the core up soon when other work arrives).
+spinning thread's time slice. So with other work running on at least half the
+cores the wait is passive; otherwise a short spin (``GOMP_SPINCOUNT``
+``IDLE_SPINCOUNT``: as fast as libgomp's default on idle cores, and in a
+long-lived process it gives the core up soon when other work arrives).
+``benchmarks/firsttoken.py`` compares the settings idle and busy.
 
 The work running is ``/proc/loadavg``'s count of runnable tasks, less this
-process's own running threads, sampled when localkv starts to import
+process's own running threads, sampled when the command line starts
 (``note_start``) and again just before llama.cpp loads: the 1-minute average
 lags a load by a minute and counts the user's own earlier commands, and a single
-moment can catch a process that is just ending.
+moment can catch a process that is just ending. ``LOCALKV_OTHER_TASKS`` (a
+number) stands for the samples: tests and benchmarks give the load they mean.
 
-The thread count (``ThreadFit``): on cores other processes use, each of
+A context's threads (``context_threads``): the ``--threads`` the user gave,
+else one per core, at most ``MAX_THREADS``. The count its decodes use
+(``ThreadFit``): on cores other processes use, each of
 llama.cpp's threads gets a share of a core, and every barrier of a decode
 (several per layer) waits for the slowest to be scheduled again. So a decode
 uses one thread per core the other work leaves free, at least one, and every
-core when they are idle. Measured on 2 cores (``benchmarks/ask_ab.py --face
-api``, 30 restores each, medians): with one CPU-bound process besides, the first
-token of a new question about a restored 2k prompt came after 387 ms against
-449 ms with two threads; with two, after 531 against 669 ms, and the slowest
-after 781 against 1,190 ms. The count follows the machine: before a decode,
-once the last look is older than ``RECHECK_S``, the runnable tasks are sampled
-again (~1 ms). It changes only where it cannot change a result: with flash
+core when they are idle; ``benchmarks/ask_ab.py --face api`` compares the first
+token with one thread per core against the fitted count beside CPU-bound
+processes. The count follows the machine: before a decode, once the last look
+is older than ``RECHECK_S``, the runnable tasks are sampled again (a few reads
+of ``/proc``). It changes only where it cannot change a result: with flash
 attention off on a CPU, where llama.cpp computes the same bits at every thread
 count (tested), so the count is no part of the cache identity. A ``--threads``
 the user gave, flash attention ``on`` or left to llama.cpp, or a GPU keep the
@@ -34,15 +36,18 @@ count the context was made with.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 __all__ = [
+    "ENV_OTHER_TASKS",
     "IDLE_SPINCOUNT",
+    "MAX_THREADS",
     "RECHECK_S",
     "ThreadFit",
+    "context_threads",
     "fitting_threads",
     "latest_others",
     "note_start",
@@ -50,9 +55,15 @@ __all__ = [
     "wait_settings",
 ]
 
+log = logging.getLogger(__name__)
+
 IDLE_SPINCOUNT = "3000"
+ENV_OTHER_TASKS = "LOCALKV_OTHER_TASKS"  # the runnable tasks to assume, instead of sampling
+# llama.cpp's GGML_MAX_N_THREADS (ggml.h): its CPU thread pool holds no more; past
+# it, a pool hangs or crashes the process (tests/reliability: `--threads` 5000, 100000)
+MAX_THREADS = 512
 _SAMPLES = 3
-_started: list[int] = []  # samples taken when localkv started to import
+_started: list[int] = []  # samples taken when the command line started
 _latest: list[tuple[float, float]] = []  # (time.monotonic(), runnable_others()) last seen
 
 
@@ -82,9 +93,30 @@ def _sample(n: int, gap_s: float) -> list[int]:
 
 
 def note_start() -> None:
-    """Sample the machine as localkv starts to import (nothing if it cannot be read)."""
+    """Sample the machine as a command starts, before its imports (nothing if it cannot be read).
+
+    ``import localkv`` does not call it: a program using the API is sampled when
+    llama.cpp loads, which is when the OpenMP wait is chosen.
+    """
+    if _given_others() is not None:
+        return
     with contextlib.suppress(OSError, ValueError, IndexError):
         _started.extend(_sample(_SAMPLES, 0.001))
+
+
+def _given_others() -> float | None:
+    """``$LOCALKV_OTHER_TASKS`` as a count of tasks, or None where it is unset or not one."""
+    value = os.environ.get(ENV_OTHER_TASKS, "").strip()
+    if not value:
+        return None
+    try:
+        others = float(value)
+    except ValueError:
+        others = -1.0
+    if not 0 <= others < float("inf"):
+        log.warning("%s=%r is not a count of tasks: the machine is sampled", ENV_OTHER_TASKS, value)
+        return None
+    return others
 
 
 def runnable_others(
@@ -92,8 +124,12 @@ def runnable_others(
 ) -> float | None:
     """Tasks runnable besides this process's: the median of new samples (and the start's).
 
-    None where ``/proc`` cannot be read.
+    ``$LOCALKV_OTHER_TASKS`` where it is set; None where ``/proc`` cannot be read.
     """
+    given = _given_others()
+    if given is not None:
+        _latest[:] = [(time.monotonic(), given)]
+        return given
     try:
         counts = [*(_started if with_start else ()), *_sample(samples, gap_s)]
     except (OSError, ValueError, IndexError):
@@ -126,6 +162,11 @@ def wait_settings(others: float, cpus: int) -> tuple[str, dict[str, str]]:
 RECHECK_S = 0.5
 
 
+def context_threads(asked: int | None) -> int:
+    """The threads a context is made with: ``asked`` (``--threads``), else one per core."""
+    return asked or min(MAX_THREADS, max(1, os.cpu_count() or 1))
+
+
 def fitting_threads(cores: int, others: float) -> int:
     """Threads for ``cores`` with ``others`` tasks runnable besides this process: one
     per core they leave, at least one (half a core left, a median's, counts as one)."""
@@ -143,16 +184,6 @@ class ThreadFit:
         if adapt and seen is not None and time.monotonic() - seen[0] < RECHECK_S:
             self._set(fitting_threads(cores, seen[1]))
             self._checked = seen[0]
-
-    @classmethod
-    def of(cls, native: Any, config: Any) -> ThreadFit:
-        """A fit for a ``loading.Native`` opened with ``config`` (a ``SessionConfig``)."""
-        from localkv.model.native import llama_cpp  # (loaded by then: ``native`` imports this)
-
-        gpu = config.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
-        adapt = config.n_threads is None and native.flash_attn == "off" and not gpu
-        ctx = native.ctx
-        return cls(lambda n: llama_cpp.llama_set_n_threads(ctx, n, n), native.n_threads, adapt)
 
     def check(self) -> None:
         """Fit the count for the next decode, when the last look is old (``current``)."""
