@@ -298,9 +298,15 @@ class SnapshotStore:
         snapshot: str | None = None,
     ) -> None:
         """Record a ``hit`` (tokens reused, seconds saved, the snapshot it names) or a ``miss``."""
-        events.record(
-            self._index, kind, reason, tokens, seconds, namespace=namespace, snapshot=snapshot
+        event = events.Event(
+            kind=kind,
+            reason=reason,
+            tokens=tokens,
+            seconds=seconds,
+            namespace=namespace,
+            snapshot=snapshot,
         )
+        events.record(self._index, event)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""
