@@ -44,6 +44,7 @@ from .values import (
     BlockRow,
     ForgetReport,
     GcReport,
+    NewSnapshot,
     Probe,
     SnapshotRow,
     StoreStats,
@@ -321,35 +322,20 @@ class SnapshotStore:
 
     # -------------------------------------------------------------- snapshots
     # The catalogue lives in ``snapshots.py``, the privacy path in ``removal/forget.py``.
-    def put_snapshot(  # noqa: PLR0913 - to take a value type
+    def put_snapshot(
         self,
-        tip: str,
-        label: str,
+        new: NewSnapshot,
         *,
-        source_path: str | None,
-        source_sha256: str | None,
-        n_tokens: int,
-        identity: str,
-        namespace: str,
         pinned: bool = False,
         pinned_until: float | None = None,
         client_share: int | None = None,
     ) -> str:
-        """Name the chain ending at ``tip`` (the same tip, label and namespace keep one id);
-        a pin with ``pinned_until`` lapses then (seconds since the epoch); with
+        """Name the chain ending at ``new.tip`` (the same tip, label and namespace keep one
+        id); a pin with ``pinned_until`` lapses then (seconds since the epoch); with
         ``client_share``, it is a server's client's, made only within that many bytes
         of clients' pins (``SnapshotCatalogue.put``)."""
         return self._catalogue.put(
-            tip,
-            label,
-            source_path=source_path,
-            source_sha256=source_sha256,
-            n_tokens=n_tokens,
-            identity=identity,
-            namespace=namespace,
-            pinned=pinned,
-            pinned_until=pinned_until,
-            client_share=client_share,
+            new, pinned=pinned, pinned_until=pinned_until, client_share=client_share
         )
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:

@@ -235,6 +235,19 @@ class BlockRow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NewSnapshot:
+    """A name for the chain ending at ``tip``: what a snapshot is made from."""
+
+    tip: str
+    label: str
+    source_path: str | None = None
+    source_sha256: str | None = None
+    n_tokens: int  # where the chain ends; the tip block must end there
+    identity: str
+    namespace: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotRow:
     """A named pointer to a chain tip."""
 

@@ -21,6 +21,7 @@ from localkv.cache.naming import covering, model_names
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document, path_text
+from localkv.storage import NewSnapshot
 from localkv.storage.disk import check_free_space
 from localkv.storage.removal.budget import client_share
 from localkv.storage.store import SnapshotStore
@@ -108,13 +109,15 @@ def save_snapshot(
     share = _client_share(cache) if isinstance(pin, ClientPin) else None
     try:
         snapshot = cache.store.put_snapshot(
-            tip=tip,
-            label=label or ", ".join(document_label(d) for d in documents) or "(system prompt)",
-            source_path=_source_path(documents),
-            source_sha256=_source_sha(documents),
-            n_tokens=n_tokens,
-            identity=cache.identity.digest,
-            namespace=cache.namespace,
+            NewSnapshot(
+                tip=tip,
+                label=label or ", ".join(document_label(d) for d in documents) or "(system prompt)",
+                source_path=_source_path(documents),
+                source_sha256=_source_sha(documents),
+                n_tokens=n_tokens,
+                identity=cache.identity.digest,
+                namespace=cache.namespace,
+            ),
             pinned=bool(pin),
             pinned_until=pin.until if isinstance(pin, ClientPin) else None,
             client_share=share,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.store import SnapshotStore
 from support.store import IDENTITY, make_chain, put_chain
 from support.tinymodels import TinyModels
@@ -235,13 +236,15 @@ def test_the_store_counts_pinned_bytes_once_and_events_per_namespace(tmp_path: P
             ns = chain[-1].namespace
             end = chain[-1].end
             store.put_snapshot(
-                chain[-1].hash,
-                f"{ns}{end}",
-                source_path=None,
-                source_sha256=None,
-                n_tokens=end,
-                identity=IDENTITY,
-                namespace=ns,
+                NewSnapshot(
+                    tip=chain[-1].hash,
+                    label=f"{ns}{end}",
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=end,
+                    identity=IDENTITY,
+                    namespace=ns,
+                ),
                 pinned=pin,
             )
         store.record_event("miss", "no stored prefix in namespace 'b'", 5, 0.0, "b")

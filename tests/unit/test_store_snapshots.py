@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.removal.budget import parse_size
 from localkv.storage.store import Block, SnapshotStore
 from support.store import IDENTITY, block_files, make_chain, put_chain
@@ -23,13 +24,15 @@ def _doc(store: SnapshotStore, tokens: list[int], label: str, pinned: bool = Fal
     blocks = make_chain(tokens, 16)
     put_chain(store, blocks)
     return store.put_snapshot(
-        blocks[-1].hash,
-        label,
-        source_path=f"{label}.txt",
-        source_sha256="ab" * 32,
-        n_tokens=len(tokens),
-        identity=IDENTITY,
-        namespace="",
+        NewSnapshot(
+            tip=blocks[-1].hash,
+            label=label,
+            source_path=f"{label}.txt",
+            source_sha256="ab" * 32,
+            n_tokens=len(tokens),
+            identity=IDENTITY,
+            namespace="",
+        ),
         pinned=pinned,
     )
 
@@ -77,23 +80,27 @@ def test_snapshot_ids_lookup_and_pinning(store: SnapshotStore) -> None:
     assert store.snapshots("elsewhere") == []
     with pytest.raises(ValueError, match="tip block ends"):
         store.put_snapshot(
-            make_chain(DOC_A, 16)[-1].hash,
-            "x",
-            source_path=None,
-            source_sha256=None,
-            n_tokens=71,
-            identity=IDENTITY,
-            namespace="",
+            NewSnapshot(
+                tip=make_chain(DOC_A, 16)[-1].hash,
+                label="x",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=71,
+                identity=IDENTITY,
+                namespace="",
+            )
         )
     with pytest.raises(ValueError, match="not stored"):
         store.put_snapshot(
-            "sha256:" + "0" * 64,
-            "x",
-            source_path=None,
-            source_sha256=None,
-            n_tokens=1,
-            identity=IDENTITY,
-            namespace="",
+            NewSnapshot(
+                tip="sha256:" + "0" * 64,
+                label="x",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=1,
+                identity=IDENTITY,
+                namespace="",
+            )
         )
 
 
