@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.naming import covering, model_names
+from localkv.cache.naming import covering
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document, path_text
@@ -36,7 +36,6 @@ __all__ = [
     "pinned",
     "save_prefill",
     "save_snapshot",
-    "snapshot_listing",
 ]
 
 
@@ -49,34 +48,6 @@ class ClientPin:
 
 
 log = logging.getLogger(__name__)
-
-
-def snapshot_listing(
-    store: SnapshotStore, namespace: str, identity: str | None = None
-) -> list[dict[str, object]]:
-    """The namespace's snapshots: id, label, model (``naming.model_names``), whether it
-    is of ``identity`` (``this_model``: a session restores only those), tokens, bytes on
-    disk, hits, last used, pinned."""
-    out: list[dict[str, object]] = []
-    snaps = store.snapshots(namespace)
-    names = model_names(store, (snap.identity for snap in snaps))
-    for snap in snaps:
-        chain = store.chain_of(snap.tip)
-        out.append(
-            {
-                "id": snap.id,
-                "label": snap.label,
-                "model": names[snap.identity],
-                "this_model": snap.identity == identity,
-                "tokens": snap.n_tokens,
-                "bytes_on_disk": sum(r.stored_bytes for r in chain),
-                "hits": snap.hits,
-                "last_used": snap.last_used,
-                "pinned": snap.pinned,
-                "pinned_until": snap.pinned_until if snap.pinned else None,
-            }
-        )
-    return out
 
 
 def covering_snapshot(
