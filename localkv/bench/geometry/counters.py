@@ -34,7 +34,7 @@ class Io:
     write_bytes: int = 0
 
     def __sub__(self, other: Io) -> Io:
-        return Io(*(getattr(self, f) - getattr(other, f) for f in _FIELDS))
+        return Io(**{f: getattr(self, f) - getattr(other, f) for f in _FIELDS})
 
 
 def io_now() -> Io:
