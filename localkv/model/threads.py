@@ -7,7 +7,8 @@ spinning thread's time slice. So with other work running on at least half the
 cores the wait is passive; otherwise a short spin (``GOMP_SPINCOUNT``
 ``IDLE_SPINCOUNT``: as fast as libgomp's default on idle cores, and in a
 long-lived process it gives the core up soon when other work arrives).
-``benchmarks/firsttoken.py`` compares the settings idle and busy.
+``benchmarks/firsttoken.py`` compares the settings idle and busy
+(docs/performance/firsttoken.md).
 
 The work running is ``/proc/loadavg``'s count of runnable tasks, less this
 process's own running threads, sampled when the command line starts
