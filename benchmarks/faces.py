@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/faces.py --peer-python PY [--model PATH] [--tokens 2000]
         [--runs 5] [--load 2] [--load-group same|own] [--localkv-python PY --label NAME] [--no-peer]
-        [--out FIGURES.json] [--write-docs docs/FACES.md]
-    .venv/bin/python benchmarks/faces.py --render A.json [B.json ...] --write-docs docs/FACES.md
+        [--out FIGURES.json] [--write-docs docs/performance/faces.md]
+    .venv/bin/python benchmarks/faces.py --render A.json [B.json ...]
+        --write-docs docs/performance/faces.md
 
 ``--peer-python`` is a Python with ``llama-cpp-python[server]==0.3.36`` (its
 server's extras conflict with localkv's pinned Starlette, so it lives in its own

@@ -1,7 +1,7 @@
 """The first token a person sees: a fresh ``localkv ask`` on a warm cache, idle and busy.
 
     .venv/bin/python benchmarks/firsttoken.py [--model PATH] [--tokens 2000] [--runs 5]
-        [--load 2] [--threads N] [--out FIGURES.json] [--write-docs docs/FIRSTTOKEN.md]
+        [--load 2] [--threads N] [--out FIGURES.json] [--write-docs docs/performance/firsttoken.md]
     .venv/bin/python benchmarks/firsttoken.py --render FIGURES.json --write-docs PATH
 
 One prefill of a document of about N tokens (the bench text) into a fresh

@@ -1,6 +1,6 @@
 """The cache at real model geometry: ``python benchmarks/geometry.py --out DIR``.
 
-See ``localkv.bench.geometry`` and docs/GEOMETRY.md.
+See ``localkv.bench.geometry`` and docs/performance/geometry.md.
 """
 
 import sys

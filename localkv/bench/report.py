@@ -154,7 +154,7 @@ def _escape(cell: str) -> str:
 
 
 def markdown(result: BenchResult, command: str, chart: str | None = None) -> str:
-    """The whole ``docs/BENCHMARKS.md`` page; ``chart`` is a relative image path."""
+    """The whole ``docs/performance/benchmarks.md`` page; ``chart`` is a relative image path."""
     m, mo = result.machine, result.model
     head = ["prompt tokens", *[f"{s.tokens:,}" for s in result.sizes]]
     lines = [
@@ -282,13 +282,14 @@ METHOD = [
     "- **the first token a person sees**: a fresh `localkv ask` process on a warm cache, "
     "from the process's start to the answer's first text, per OpenMP wait setting, idle "
     "and under a fixed load of CPU-bound processes, with the load average of every run: "
-    "`benchmarks/firsttoken.py --write-docs docs/FIRSTTOKEN.md` (one command), in "
-    "[FIRSTTOKEN.md](FIRSTTOKEN.md).",
+    "`benchmarks/firsttoken.py --write-docs docs/performance/firsttoken.md` (one command), in "
+    "[firsttoken.md](firsttoken.md).",
     "- **the warm first token in every face**: a fresh `ask`, `Runtime.ask`, `serve` after "
     "a restart and a live repeat, idle and with two CPU-bound processes, each beside "
     "llama-cpp-python's own path (its state file, `llama_cpp.server` with its disk cache), "
     "medians of 5, with how many of localkv's modules ran from compiled bytecode: "
-    "`benchmarks/faces.py --peer-python PY --write-docs docs/FACES.md`, in [FACES.md](FACES.md).",
+    "`benchmarks/faces.py --peer-python PY --write-docs docs/performance/faces.md`, in "
+    "[faces.md](faces.md).",
     "- **get_data / set_data**: llama.cpp's state calls alone, on a buffer allocated beforehand.",
     "- **peak RSS**: the resident set size high-water mark during one restore, and how far "
     "it rose above the size before. Memory the allocator kept from earlier steps is reused "

@@ -104,7 +104,7 @@ def _command_line(ctx: click.Context) -> str:
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     metavar="PATH",
-    help="Regenerate this markdown page (e.g. docs/BENCHMARKS.md) with the results.",
+    help="Regenerate this markdown page (e.g. docs/performance/benchmarks.md) with the results.",
 )
 @click.pass_context
 def bench(

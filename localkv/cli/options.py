@@ -381,7 +381,7 @@ def cache_options(func: F) -> F:
             is_flag=True,
             envvar="LOCALKV_COMPACT_CACHE",
             help="Write new cache blocks compact: less disk space, slower restores "
-            "(measured in docs/BENCHMARKS.md). Blocks of every kind are read. "
+            "(measured in docs/performance/benchmarks.md). Blocks of every kind are read. "
             "[env: LOCALKV_COMPACT_CACHE=1]",
         ),
     ]

@@ -3,7 +3,7 @@
 OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads (its
 libgomp starts). Spinning threads (libgomp's default) decode fastest on idle
 cores; on cores other processes use, every barrier of every decode waits for a
-spinning thread's time slice (docs/FIRSTTOKEN.md). So with other work running on
+spinning thread's time slice (docs/performance/firsttoken.md). So with other work running on
 at least half the cores the wait is passive; otherwise a short spin
 (``GOMP_SPINCOUNT`` 3000: as fast as libgomp's default of 300000 idle, measured,
 and in a long-lived process it gives the core up soon when other work arrives).

@@ -21,7 +21,7 @@ Why uncompressed (``lkv-block2``): restoring is what the cache is for, and
 decompressing dominated it, while compression saved little of a KV cache's
 bytes; a plain file is read straight into llama.cpp's state buffer
 (``readinto``), checksum included. ``localkv bench`` measures the encodings
-(docs/BENCHMARKS.md).
+(docs/performance/benchmarks.md).
 
 A store opened ``compact`` writes a compact file instead (format
 ``lkv-planes2``, see ``planes`` and ``q6``): still a safetensors file, each

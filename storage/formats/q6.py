@@ -7,7 +7,7 @@ the tensor's 63 most frequent high bytes; index 63 means "escaped", and the
 escaped high bytes follow the table, in value order. An entropy coder stores
 a little less but decodes symbol by symbol; this code decodes 64 values with
 a few vector instructions (``_planes.c``, AVX2) and writes them straight to
-their place (docs/BENCHMARKS.md has the sizes and times).
+their place (docs/performance/benchmarks.md has the sizes and times).
 
 Per tensor of n values, three arrays:
 

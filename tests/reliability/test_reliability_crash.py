@@ -7,7 +7,7 @@ that returned before the kill are still there, and running the killed script
 again ends in exactly the state of a run that was never killed.
 
 The fast set kills at every named point once or twice and runs two random
-rounds; ``-m reliability_long`` runs many more (see docs/RELIABILITY.md).
+rounds; ``-m reliability_long`` runs many more (see docs/performance/reliability.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ probe are a pure function of its tokens and start. Whatever a reader loads
 can be compared with what the writer meant to write, and must be equal.
 
 ``record`` appends figures (runs, kills, corruptions...) as JSON lines to
-``$LOCALKV_RELIABILITY_LOG`` when it is set; docs/RELIABILITY.md quotes them.
+``$LOCALKV_RELIABILITY_LOG`` when it is set; docs/performance/reliability.md quotes them.
 This module holds no tests.
 """
 
