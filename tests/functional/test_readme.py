@@ -195,8 +195,9 @@ def test_a_readme_block_runs_as_written(block: Block, tmp_path: Path) -> None:
 SERVED_PAGES = sorted({b.page for b in ALL if b.served})
 
 
-def test_the_client_examples_are_a_python_and_a_shell_client() -> None:
-    assert {b.lang for b in ALL if b.served} == {"python", "sh"}
+def test_the_client_examples_are_python_or_shell_clients() -> None:
+    assert {b.lang for b in ALL if b.served} <= {"python", "sh"}
+    assert any(b.served for b in ALL if b.page == "README.md")
 
 
 @pytest.mark.parametrize("page", SERVED_PAGES)
