@@ -281,3 +281,12 @@ def test_a_link_to_a_missing_file_or_heading_is_broken() -> None:
         "```sh\n[not a link](none.md)\n```\n`[not a link](none.md)`\n"
     )
     assert _broken(text, README) == ["docs/none.md", "#nowhere", "README.md#nowhere"]
+
+
+def test_the_readme_is_a_front_door_with_a_table_of_contents() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    sections = re.findall(r"^## (.+)$", _fenceless(text), re.M)
+    contents = text.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^- \[(.+?)\]\(#", contents, re.M)
+    assert listed == [s for s in sections if s != "Contents"]
