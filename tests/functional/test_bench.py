@@ -303,7 +303,7 @@ def test_chart_without_matplotlib_says_so(
 
 def test_bench_command_writes_results_and_docs(tiny_models: TinyModels, tmp_path: Path) -> None:
     out = tmp_path / "results"
-    docs = tmp_path / "docs" / "BENCHMARKS.md"
+    docs = tmp_path / "docs" / "performance" / "benchmarks.md"
     args = [
         "--model", str(tiny_models.base), "--sizes", "300,64", "--repeats", "1",
         "--cold-repeats", "1", "--lookup-blocks", "10", "--threads", "1",
