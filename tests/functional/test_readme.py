@@ -1,8 +1,8 @@
 """A newcomer follows the README and the manual: every command block runs as written.
 
 Each ```sh, ```console or ```python block of README.md and of every page under
-docs/ is a command block
-(a synopsis with placeholders is ```text, and so is a log line). Either it
+docs/ is a command block (a synopsis with placeholders is ```text, and so is a
+log line); each is a test of its own, named by its page and line. Either it
 runs here, in a fresh ``LOCALKV_HOME`` from the repository root, with the
 venv activated as the README says, and every command exits 0; or the line
 before it is ``<!-- not run: REASON -->``, saying why a test cannot run it
