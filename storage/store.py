@@ -38,6 +38,7 @@ from .readpool import BlockReader, Drops, Fills, Tails
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .values import (
+    MAX_RAW_BLOCK_BYTES,
     Block,
     BlockCorrupt,
     BlockRow,
@@ -65,8 +66,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_RAW_BLOCK_BYTES = 4 << 30
 
 
 class SnapshotStore:

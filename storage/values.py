@@ -17,6 +17,7 @@ from .chain import HASH_PREFIX, digest_bytes, ends_array, tokens_array
 __all__ = [
     "DETACHED",
     "DETACHED_XXH3",
+    "MAX_RAW_BLOCK_BYTES",
     "PROBE_TOP",
     "RESERVED_META",
     "RESERVED_TENSORS",
@@ -35,6 +36,9 @@ __all__ = [
 ]
 
 PROBE_TOP = 64
+# The largest block a reader accepts: a bound on what a damaged index row can
+# make it allocate.
+MAX_RAW_BLOCK_BYTES = 4 << 30
 RESERVED_TENSORS = frozenset({"tokens", "pos"})
 # A block's tensor that a read may leave unread: its bytes are left out of the
 # index's checksum and carry their own (``DETACHED_XXH3``) in the file's metadata.

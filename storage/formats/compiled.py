@@ -7,7 +7,7 @@ was not built, and ``q6`` then decodes with numpy, more slowly.
 from __future__ import annotations
 
 try:
-    from .. import _planes as extension
+    import localkv.storage._planes as extension
 except ImportError:  # pragma: no cover - depends on the build
     extension = None  # type: ignore[assignment]
 

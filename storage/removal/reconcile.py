@@ -27,7 +27,7 @@ from ..disk import remove_file, remove_if_abandoned
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
 from ..readpool import BlockReader
-from ..values import BlockCorrupt, BlockRow, GcReport
+from ..values import MAX_RAW_BLOCK_BYTES, BlockCorrupt, BlockRow, GcReport
 from .quarantine import quarantine
 
 __all__ = ["gc", "verify"]
@@ -125,7 +125,6 @@ def _files_without_rows(layout: CacheLayout, index: BlockIndex, cutoff: float) -
 def _intact(layout: CacheLayout, relpath: str) -> bool:
     """Whether a block file carries a whole, checked index row (``repair`` can use it)."""
     from ..repair import recover_row  # imported here: repair builds on removal
-    from ..store import MAX_RAW_BLOCK_BYTES
 
     try:
         recover_row(layout, relpath, MAX_RAW_BLOCK_BYTES)
