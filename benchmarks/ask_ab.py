@@ -17,7 +17,7 @@ counted), seconds from the call to the first text. Both checkouts run with
 ``--flash-attn`` (off by default: what localkv's ``auto`` is on a CPU at this
 size, as in ``faces.py``). ``--threads NAME=N`` gives that entry ``--threads N``
 (one Python may be named twice, e.g. to compare one thread with two); the others
-keep localkv's default (``model.machine.ThreadFit``). ``--load N`` runs the turns
+keep localkv's default (``model.threads.ThreadFit``). ``--load N`` runs the turns
 beside N CPU-bound processes (``faces.py``'s load: in the bench's session, or with
 ``--load-group own`` in a session of their own). Prints the medians and runs.
 """
@@ -43,7 +43,7 @@ def _api(
     py: str, opened: dict[str, Any], docs: dict[str, Path], base: int, env: dict[str, str], at: Path
 ) -> list[float]:
     """``opened``: ``Runtime.open``'s model, n_ctx, flash attention (``fa``) and threads (None:
-    localkv's default, ``model.machine.ThreadFit``)."""
+    localkv's default, ``model.threads.ThreadFit``)."""
     p = {**opened, "runs": 7}
     p |= {"max_tokens": 16, "system": SYSTEM, "docs": [str(docs["A"]), str(docs["B"])]}
     p["questions"] = [question(base + i) for i in range(7)]
@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     from faces import _documents
 
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
 
     model = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="localkv-ask-ab-"))

@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=6)
     args = parser.parse_args()
-    from localkv.model.resolve import default_model_path
+    from localkv.model.find import default_model_path
 
     model = default_model_path()
     if model is None:

@@ -45,7 +45,7 @@ cores are shared between the groups first).
 Both sides use the same model, n_ctx and flash attention (``--flash-attn``, off by
 default: what localkv's ``auto`` is on a CPU at this size); the peer's prompt is the
 token ids localkv builds. The peer runs with every core; localkv with its default,
-one thread per core the other work leaves free (``localkv.model.machine.ThreadFit``), unless
+one thread per core the other work leaves free (``localkv.model.threads.ThreadFit``), unless
 ``--threads N`` sets both. Neither has OpenMP variables set
 by the bench: localkv chooses its wait policy from the load, the peer runs with
 libgomp's defaults. Medians per face and load; every run and the load average
@@ -636,7 +636,7 @@ def main() -> None:
         ap.error("--peer-python is needed (or --no-peer)")
     sys.path.insert(0, str(HERE.parent / "tests"))
     sys.path.insert(0, str(HERE.parent))
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
 
     args.model = resolve_model(args.model)
     args.ctx = (args.tokens + 512 + 255) // 256 * 256

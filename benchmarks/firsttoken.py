@@ -60,7 +60,7 @@ def _env(home: Path, extra: dict[str, str]) -> dict[str, str]:
 
 def _document(model: str | None, n: int, path: Path) -> None:
     from localkv.bench.text import prompt_tokens
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
     from localkv.model.session import ModelSession, SessionConfig
 
     with ModelSession(SessionConfig(model_path=resolve_model(model), n_ctx=n + 512)) as s:

@@ -20,7 +20,7 @@ import argparse
 import numpy as np
 
 from localkv.bench.text import bench_text
-from localkv.model.resolve import resolve_model
+from localkv.model.find import resolve_model
 from localkv.model.session import ModelSession, SessionConfig
 
 

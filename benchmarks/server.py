@@ -28,7 +28,7 @@ from pathlib import Path
 import llama_cpp
 
 from localkv.bench.text import bench_text
-from localkv.model.resolve import resolve_model
+from localkv.model.find import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from faces import stop_server, stream_ttft, wait_ready  # benchmarks/faces.py, beside this file

@@ -36,9 +36,8 @@ from localkv.cache.catalogue import (
     snapshot_listing,
 )
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
-from localkv.model.discovery import model_label
+from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
-from localkv.model.resolve import resolve_model
 from localkv.model.sampling import SamplingParams, check_grammar, json_schema_grammar
 from localkv.model.session import (
     CancelFn,

@@ -15,7 +15,7 @@ import pytest
 from support.gemma import gemma3_270m
 from support.tinymodels import TinyModels, build_tiny_models
 
-from localkv.model.resolve import default_model_path as default_model_path_or_none
+from localkv.model.find import default_model_path as default_model_path_or_none
 
 
 @pytest.fixture(autouse=True)

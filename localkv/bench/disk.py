@@ -132,7 +132,7 @@ def file_system(path: Path | str) -> str | None:
 def unread_bytes(blocks: list[Block]) -> int:
     """What a restore ending at the last of ``blocks`` leaves unread: every block's recurrent
     state but the last one's (``cache.restore``), and the sliding rows before the window's
-    row group (``cache.windowread``)."""
+    row group (``cache.restore.window``)."""
     unread = sum(b.tensors[PARTIAL].nbytes for b in blocks[:-1] if PARTIAL in b.tensors)
     first = int(blocks[-1].meta.get("window_first", -1)) if blocks else -1
     for b in blocks:

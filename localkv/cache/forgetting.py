@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from localkv.model.find import ModelNotFoundError, resolve_model
 from localkv.model.native import ensure_backend, llama_cpp
-from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.vocab import tokenize
 from localkv.storage.filehash import recorded_paths
 from localkv.storage.store import SnapshotStore

@@ -29,7 +29,7 @@ import numpy as np
 from localkv.kv import codec, partial
 from localkv.model.memories import memory_refusal
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
-from localkv.model.snapshots import attention_state, read_state_ext, snapshot_interval
+from localkv.model.partial_state import attention_state, read_state_ext, snapshot_interval
 from localkv.model.state import STATE_WORK, check_cells
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ def _probed(
     session: ModelSession, token: int, kind: partial.MemoryKind | None
 ) -> codec.KVState | None:
     """What ``session.capture()`` gives after ``decode_one(token)`` on an empty sequence,
-    where the early open (``model.loading``) decoded it and read the state already."""
+    where the early open (``model.early_open``) decoded it and read the state already."""
     probed, session.probed = session.probed, None  # once: the sequence has moved on
     if probed is None or kind != "kv" or probed[0] != token:
         return None

@@ -64,7 +64,7 @@ def plan_chain(
     """The stored chain (under ``scope``: identity digest, namespace) that holds the
     longest exact prefix of ``tokens``, whose canonical schedule is ``ends``.
 
-    ``whole_blocks``: memory that cannot be trimmed (``cache.partials``) can use a
+    ``whole_blocks``: memory that cannot be trimmed (``cache.restore.ends``) can use a
     following block only whole and only where a restore may end at it.
     """
     chain = list(store.match_chain(chain_hashes(root, tokens, block_size, ends)))

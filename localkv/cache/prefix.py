@@ -1,10 +1,11 @@
 """The verified prefix cache: a session's view of the store, and its restore loop.
 
 ``PrefixCache.restore`` finds the stored chain holding the longest exact
-prefix of a request (``lookup``), loads and verifies it (``restore``: chain
-hashes, then the probe token's logits bit for bit), and trims the sequence to
-the planned prefix. Any failure leaves the session empty, records a miss
-reason, quarantines what was bad, and the caller prefills normally.
+prefix of a request (``lookup``), loads and verifies it (``restore``; every
+check, chain hashes to the probe token's logits bit for bit, in
+``restore.verify``), and trims the sequence to the planned prefix. Any
+failure leaves the session empty, records a miss reason, quarantines what
+was bad, and the caller prefills normally.
 ``prepare``/``write`` save the session's blocks (``save``).
 
 A read-only cache directory is restored from and never written (no blocks,
@@ -31,8 +32,9 @@ import numpy as np
 from localkv.cache.identity import Identity, identity_of
 from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
-from localkv.cache.partials import snapshot_cut
-from localkv.cache.restore import load_chain, probe_matches
+from localkv.cache.restore.ends import snapshot_cut
+from localkv.cache.restore.load import load_chain
+from localkv.cache.restore.verify import probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
 from localkv.kv import codec
 from localkv.model.session import ModelSession

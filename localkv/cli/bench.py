@@ -22,7 +22,7 @@ from rich.console import Console
 
 from localkv.bench import report as benchreport
 from localkv.bench.run import BenchConfig, BenchResult, run_bench
-from localkv.model.resolve import ModelNotFoundError, resolve_model
+from localkv.model.find import ModelNotFoundError, resolve_model
 from localkv.model.session import ModelLoadError
 
 __all__ = ["bench", "parse_sizes"]

@@ -5,8 +5,8 @@ their modules (Python work, one core) before they open the model; loading the
 model and creating its context is llama.cpp's work, which leaves the GIL
 free. So ``start``, called as the process starts, reads the model options from
 the arguments and opens that model and context in a thread
-(``localkv.model.loading.open_early``), beside the imports. The command's own
-``open_native`` takes the context only when the configuration it builds from
+(``localkv.model.early_open.open_early``), beside the imports. The command's own
+``open_model`` takes the context only when the configuration it builds from
 the parsed options is the same; where the two differ (an option written in a
 way read here differently), the early one is freed and the command opens its
 own. ``wait`` is called before the command opens its runtime.
@@ -99,7 +99,7 @@ def guess_config(argv: list[str]) -> SessionConfig | None:
     if found is None:
         return None
     from localkv.model.config import LoraSpec, SessionConfig
-    from localkv.model.resolve import resolve_model
+    from localkv.model.find import resolve_model
 
     values: dict[str, Any] = {}
     try:
@@ -132,7 +132,7 @@ def start(argv: list[str]) -> None:
     _started = True
     try:
         cfg = guess_config(argv)
-        from localkv.model.loading import open_early
+        from localkv.model.early_open import open_early
     except Exception:  # a broken install, say: the command imports it again and says so
         cfg = None
     if cfg is None:
@@ -185,6 +185,6 @@ def _finish() -> None:
     wait()
     import sys
 
-    loading = sys.modules.get("localkv.model.loading")
-    if loading is not None:
-        loading.drop_early()
+    early_open = sys.modules.get("localkv.model.early_open")
+    if early_open is not None:
+        early_open.drop_early()

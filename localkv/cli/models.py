@@ -7,7 +7,7 @@ import json
 
 import click
 
-from localkv.model.discovery import ModelInfo, count_label, describe, find_models
+from localkv.model.find import ModelInfo, count_label, describe, find_models
 from localkv.reports import printable
 
 __all__ = ["models"]

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from localkv.model.config import MAX_THREADS
+from localkv.model.find import ModelNotFoundError, resolve_model
 from localkv.model.native import GGML_TYPES
-from localkv.model.resolve import ModelNotFoundError, resolve_model
 from localkv.model.sampling import GrammarError, SamplingParams, json_schema_grammar
 from localkv.model.sampling.grammar import MAX_GRAMMAR_CHARS, check_gbnf
 from localkv.model.session import LoraSpec, SessionConfig

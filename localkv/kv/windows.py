@@ -10,7 +10,7 @@ A block ``[s, e)`` keeps the sliding rows of positions ``[max(s, f), e)``,
 where ``f`` is the first position of the window held before its last token
 (``e - 1``): exactly the rows a restore ending at ``e`` or later can need.
 They are collected while the session runs: where it settles before a block's
-last token (``snapshots``), the window it wrote holds every row but that last
+last token (``model.partial_state``), the window it wrote holds every row but that last
 one, which a later window brings (the next settle, the save's capture, or —
 when the window is narrower than a block — a capture right after that token).
 """

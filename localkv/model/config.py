@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localkv.model.native import ggml_type_id, llama_cpp
+from localkv.model.threads import MAX_THREADS
 
 __all__ = ["FLASH_ATTN_TYPES", "MAX_THREADS", "LoraSpec", "SessionConfig"]
 
@@ -14,10 +15,6 @@ FLASH_ATTN_TYPES = {
     "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
-
-# llama.cpp's GGML_MAX_N_THREADS (ggml.h): its CPU thread pool holds no more; past
-# it, measured, 5,000 threads hang and 100,000 crash the process (SIGSEGV)
-MAX_THREADS = 512
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,7 @@
 (quantized KV types on the model's head size), loads the model, creates the
 context and the batch, attaches LoRA adapters, and registers every handle's
 free on the stack, so the session that owns the stack frees each once.
-Also here: ``large_buffer``, the memory a restore assembles llama.cpp's
-state in, and ``open_early``: a model and context opened ahead of need (by the
-command line, in a thread, while the rest of it loads), which ``open_native``
-takes when it is asked for the same configuration.
+A context opened ahead of need is ``localkv.model.early_open``'s.
 """
 
 from __future__ import annotations
@@ -15,33 +12,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import re
-import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from localkv.model.config import FLASH_ATTN_TYPES, MAX_THREADS, LoraSpec, SessionConfig
+from localkv.model.config import FLASH_ATTN_TYPES, LoraSpec, SessionConfig
 from localkv.model.native import (
-    ensure_backend,
     ggml_type_id,
     llama_cpp,
     recent_errors,
     sync_log_detail,
 )
-
-if TYPE_CHECKING:  # numpy is imported by the restore buffer's first use: the early open needs none
-    import numpy as np
+from localkv.model.threads import context_threads
 
 __all__ = [
     "ModelLoadError",
     "Native",
-    "drop_early",
     "flash_attn_setting",
-    "large_buffer",
-    "open_early",
     "open_native",
 ]
 
@@ -108,94 +97,8 @@ def attention_scratch(cfg: SessionConfig, model: Any) -> int:
     return context_tokens(cfg.n_ctx) * n_batch * n_head * 4
 
 
-# what ``open_early`` opened: its configuration, the handles, their frees
-_early: tuple[SessionConfig, Native, contextlib.ExitStack] | None = None
-_early_lock = threading.Lock()
-
-
-def open_early(cfg: SessionConfig) -> bool:
-    """Open ``cfg``'s model and context now, for the next ``open_native`` of ``cfg``.
-
-    What fails here is not reported (False): the command opens the model again
-    and says what failed in its own words. Any earlier one not taken is freed.
-    """
-    global _early
-    ensure_backend()
-    stack = contextlib.ExitStack()
-    try:
-        native = open_native(cfg, stack)
-        native = replace(native, probed=_probe_early(native))
-    except Exception:  # ModelLoadError, an unreadable file: the command reports it
-        stack.close()
-        return False
-    with _early_lock:
-        early, _early = _early, (cfg, native, stack)
-    if early is not None:
-        early[2].close()
-    return True
-
-
-def _probe_early(native: Native) -> tuple[int, Any] | None:
-    """Decode what ``cache.identity.probe_kv_layout`` decodes first, and read the state.
-
-    The probe's one decode then runs here, beside the command line's imports,
-    not after them. Plain KV memory only (the others' probes read more); the
-    sequence is emptied after, as the probe leaves it. None where it fails.
-    """
-    model, ctx = native.model, native.ctx
-    if not _plain_kv(model):
-        return None
-    bos = int(llama_cpp.llama_vocab_bos(native.vocab))
-    token = bos if bos >= 0 else 0  # as the probe chooses it
-    b = native.batch
-    b.n_tokens, b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = 1, token, 0, 1, 1
-    b.seq_id[0][0] = 0
-    try:
-        if llama_cpp.llama_decode(ctx, b) != 0:
-            return None
-        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
-        raw = (ctypes.c_uint8 * size)()
-        if llama_cpp.llama_state_seq_get_data(ctx, raw, size, 0) != size:
-            return None
-        return token, raw
-    finally:
-        llama_cpp.llama_memory_clear(native.memory, False)
-
-
-def drop_early() -> None:
-    """Free what ``open_early`` opened and no ``open_native`` took."""
-    global _early
-    with _early_lock:
-        early, _early = _early, None
-    if early is not None:
-        early[2].close()
-
-
-def _take_early(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native | None:
-    """The context ``open_early`` opened, if for exactly ``cfg``; otherwise it is freed.
-
-    Only a context whose sequence is empty is kept there (the layout probe's
-    decode emptied again, ``_probe_early``), and only an equal configuration
-    takes it (the chat template aside: it only shapes the tokens).
-    """
-    global _early
-    with _early_lock:
-        early, _early = _early, None
-    if early is None:
-        return None
-    opened, native, frees = early
-    if replace(opened, chat_template=cfg.chat_template) != cfg:
-        frees.close()
-        return None
-    stack.enter_context(frees)
-    return native
-
-
 def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     """Load ``cfg``'s model and create its context; frees go on ``stack``."""
-    early = _take_early(cfg, stack)
-    if early is not None:
-        return early
     path = Path(cfg.model_path)
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
@@ -210,7 +113,7 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     vocab = llama_cpp.llama_model_get_vocab(model)
     _check_kv_types(cfg, model)
     _check_kv_memory(cfg, model)
-    threads = cfg.n_threads or min(MAX_THREADS, max(1, os.cpu_count() or 1))
+    threads = context_threads(cfg.n_threads)
     flash_attn = flash_attn_setting(cfg, model)
     n_seq = 2 if _plain_kv(model) else 1
     ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads, flash_attn, n_seq))
@@ -380,21 +283,3 @@ def _attach_loras(
     scales = (ctypes.c_float * len(handles))(*(s.scale for s in loras))
     if llama_cpp.llama_set_adapters_lora(ctx, arr, len(handles), scales) != 0:
         raise ModelLoadError("llama.cpp refused the LoRA adapters")
-
-
-def large_buffer(nbytes: int) -> np.ndarray:
-    """A uint8 array for a restore buffer, backed by transparent huge pages where possible.
-
-    Its pages are touched for the first time by a restore; with huge pages that
-    costs one page fault per huge page instead of one per 4 KiB page.
-    """
-    import numpy as np
-
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if advice is None or not flags:
-        return np.empty(nbytes, dtype=np.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=flags)
-    with contextlib.suppress(OSError):
-        mapping.madvise(advice)
-    return np.frombuffer(mapping, dtype=np.uint8)

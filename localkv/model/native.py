@@ -19,10 +19,10 @@ import threading
 import types
 from typing import Any
 
-from localkv.model.machine import runnable_others, wait_settings
+from localkv.model.threads import runnable_others, wait_settings
 
 # OpenMP's wait is chosen from the machine's load before llama.cpp loads
-# (localkv.model.machine). A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# (localkv.model.threads). A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 CHOSEN_MARK = "LOCALKV_OPENMP_CHOSEN"  # what localkv itself set, for the processes it starts
 

@@ -21,7 +21,7 @@ covers its batch ends, and a restore stops at the last batch end that the
 stored computation and the request's own schedule share (``shared_end``).
 
 A sliding-window session *settles* before some tokens it decodes alone
-(``model.snapshots``), which changes the numbers after them: where its batch
+(``model.partial_state``), which changes the numbers after them: where its batch
 ends alone do not say so (a segment's last token after a token decoded alone,
 as a turn's closing tokens after its answer), the schedule says it with a
 batch end repeated: an empty batch, a settle (``settle_marks``). So the hash
@@ -74,7 +74,7 @@ def request_ends(
 
 def settle_marks(ends: Sequence[int], segment_ends: Iterable[int], block_size: int) -> list[int]:
     """``ends`` with an empty batch (its end repeated) before each segment's last token that
-    a sliding-window session settles before only by being told (``model.snapshots``).
+    a sliding-window session settles before only by being told (``model.partial_state``).
 
     The batch ends alone make it settle before a token decoded alone at a block-grid
     end or right after a batch of two or more tokens; a segment that ends otherwise

@@ -1,7 +1,7 @@
 """A loaded model with one KV sequence: tokenize, prefill, generate, capture, restore.
 
 The session owns its native handles (model, context, batch, LoRA adapters) through an
-``ExitStack``; ``close()`` frees them once. Decodes use the free cores (``machine.ThreadFit``).
+``ExitStack``; ``close()`` frees them once. Decodes use the free cores (``threads.ThreadFit``).
 
 Prefill follows the request's canonical batch schedule (``localkv.model.schedule``): positions are
 0..n-1 of sequence 0; the last token of every block, segment and request is decoded alone. The
@@ -24,12 +24,10 @@ import numpy as np
 from localkv.kv import codec
 from localkv.kv.windows import WindowLog
 from localkv.model.config import LoraSpec, SessionConfig
-from localkv.model.loading import ModelLoadError, large_buffer, open_native
-from localkv.model.machine import ThreadFit
+from localkv.model.early_open import open_model
+from localkv.model.loading import ModelLoadError, Native
 from localkv.model.native import ensure_backend, llama_cpp
-from localkv.model.sampling import Sampler, SamplingParams
-from localkv.model.schedule import ends_from, request_ends, settle_marks
-from localkv.model.snapshots import (
+from localkv.model.partial_state import (
     attention_state,
     memory_of,
     partial_after,
@@ -37,6 +35,8 @@ from localkv.model.snapshots import (
     settle_at,
     window_of,
 )
+from localkv.model.sampling import Sampler, SamplingParams
+from localkv.model.schedule import ends_from, request_ends, settle_marks
 from localkv.model.state import (
     ContextFullError,
     PrefillCancelled,
@@ -44,9 +44,11 @@ from localkv.model.state import (
     append_state,
     cell_ext_of,
     check_cells,
+    large_buffer,
     read_state,
     write_state,
 )
+from localkv.model.threads import ThreadFit
 from localkv.model.vocab import token_piece, tokenize
 
 __all__ = [
@@ -76,7 +78,7 @@ class ModelSession:
         self._last_logits: np.ndarray | None = None
         # logits of tokens decoded alone at block ends and boundaries: the probes;
         # partial states by position; SWA: the sliding rows blocks will store
-        # (``kv.windows``), the last settle's position (``model.snapshots``)
+        # (``kv.windows``), the last settle's position (``model.partial_state``)
         self.probes: dict[int, np.ndarray] = {}
         self.partials: dict[int, np.ndarray] = {}
         self.windows = WindowLog()
@@ -97,10 +99,10 @@ class ModelSession:
 
     # ----------------------------------------------------------------- setup
     def _open(self) -> None:
-        native = open_native(self.config, self._stack)
+        native = open_model(self.config, self._stack)
         self.model, self.vocab, self.n_vocab = native.model, native.vocab, native.n_vocab
         self.n_threads, self._flash_attn = native.n_threads, native.flash_attn
-        self.threads = ThreadFit.of(native, self.config)  # fitted to the free cores
+        self.threads = _fit_threads(native, self.config)  # fitted to the free cores
         self.ctx, self.memory, self._batch = native.ctx, native.memory, native.batch
         self.n_ctx, self.n_batch = native.n_ctx, native.n_batch
         self.in_pieces = native.n_seq_max > 1  # a state may be loaded a piece at a time
@@ -217,7 +219,7 @@ class ModelSession:
         self.segment_ends = {b for b in boundaries if b > 0} | {n_tokens}
         block = self.config.block_size
         ends = request_ends(n_tokens, boundaries, block, min(self.n_batch, block), singles)
-        if self.memory_kind == "swa":  # every segment end is a settle (``model.snapshots``)
+        if self.memory_kind == "swa":  # every segment end is a settle (``model.partial_state``)
             return settle_marks(ends, self.segment_ends, block)
         return ends
 
@@ -390,7 +392,7 @@ class ModelSession:
             raise ValueError(f"cannot keep {n} of {len(self.tokens)} tokens")
         if n == len(self.tokens):
             return
-        if self.memory_kind != "kv":  # cannot be cut (model.snapshots): emptied instead
+        if self.memory_kind != "kv":  # cannot be cut (model.partial_state): emptied instead
             self.reset()
             return
         if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1):
@@ -408,3 +410,13 @@ class ModelSession:
         self.tokens, self.probes, self.partials, self.batch_ends = [], {}, {}, []
         self.windows.clear()
         self.settled_at = self._last_logits = None
+
+
+def _fit_threads(native: Native, config: SessionConfig) -> ThreadFit:
+    """A fit of the decodes' threads for a context ``native`` opened with ``config``:
+    adapted to the free cores unless the user gave ``--threads``, flash attention is
+    not off, or layers are on a GPU (there the count could change a result)."""
+    gpu = config.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+    adapt = config.n_threads is None and native.flash_attn == "off" and not gpu
+    ctx = native.ctx
+    return ThreadFit(lambda n: llama_cpp.llama_set_n_threads(ctx, n, n), native.n_threads, adapt)

@@ -1,6 +1,9 @@
 """Sequence 0's raw llama.cpp state, read into and written from numpy buffers (and what
 a prefill did, and why one stopped).
 
+A restore assembles a state in memory from ``large_buffer`` (huge pages where
+the system gives them), reused from one restore to the next.
+
 A model whose KV cache keeps llama.cpp's cell extension (M-RoPE: Qwen3.5,
 Qwen-VL; ``localkv.kv.section``) writes each cell's token into the state; a
 state assembled from blocks gets the sequence's tokens written into its cells
@@ -9,7 +12,9 @@ before it is loaded, and a captured one must name the tokens the session holds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +37,7 @@ __all__ = [
     "append_state",
     "cell_ext_of",
     "check_cells",
+    "large_buffer",
     "read_after",
     "read_state",
     "write_state",
@@ -175,3 +181,19 @@ class PrefillResult:
     start: int
     end: int
     probes: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+def large_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 array for a restore buffer, backed by transparent huge pages where possible.
+
+    Its pages are touched for the first time by a restore; with huge pages that
+    costs one page fault per huge page instead of one per 4 KiB page.
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if advice is None or not flags:
+        return np.empty(nbytes, dtype=np.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=flags)
+    with contextlib.suppress(OSError):
+        mapping.madvise(advice)
+    return np.frombuffer(mapping, dtype=np.uint8)

@@ -20,8 +20,8 @@ from localkv.bench.geometry.run import main
 from localkv.bench.geometry.shapes import GEOMETRIES, Geometry, by_name
 from localkv.kv.partial import PARTIAL_ONLY
 from localkv.model.native import llama_cpp
+from localkv.model.partial_state import read_state_ext, snapshot_interval, window_of
 from localkv.model.session import ModelSession, SessionConfig
-from localkv.model.snapshots import read_state_ext, snapshot_interval, window_of
 from localkv.runtime import Runtime
 
 KINDS = {"llama": "kv", "gemma3": "swa", "nemotron_h": "hybrid"}

@@ -326,7 +326,7 @@ def test_bookkeeping_runs_off_the_restore_path(
 def test_a_transposed_v_is_staged_one_layer_at_a_time(
     tiny_models: TinyModels, tmp_path: Path, doc: Document
 ) -> None:
-    from localkv.cache import pieces
+    from localkv.cache.restore import pieces
 
     with _runtime(tiny_models.base, tmp_path) as rt:
         rt.prefill([doc], system=SYSTEM)
@@ -341,5 +341,5 @@ def test_a_transposed_v_is_staged_one_layer_at_a_time(
         assert len(v_bytes) == 1 and len(kv.layers) >= 2  # all layers would be twice the rows
         rows, left = divmod(staged.shape[0], v_bytes.pop())
         # the restored rows of one layer (the chain's final token is probed, not loaded): the
-        # tiny model's whole chain is one piece (``cache.pieces``)
+        # tiny model's whole chain is one piece (``cache.restore.pieces``)
         assert left == 0 and rows == answer.tokens.reused - 1

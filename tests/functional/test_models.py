@@ -17,7 +17,7 @@ import pytest
 from support.tinyarch import build_tiny_arch_models
 from support.tinymodels import TinyModels
 
-from localkv.model.discovery import FoundModel, describe
+from localkv.model.find import FoundModel, describe
 from localkv.model.ggufmeta import GGUFArray, GGUFError, read_gguf_metadata
 
 

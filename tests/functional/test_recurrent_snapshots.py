@@ -16,8 +16,8 @@ from localkv.storage import SnapshotStore
 from support.tinyarch import TinyArchModels, build_tiny_arch_models
 from support.tinymodels import tiny_config
 
+from localkv.model.partial_state import MIN_ROW_BYTES, snapshot_interval
 from localkv.model.sampling import SamplingParams
-from localkv.model.snapshots import MIN_ROW_BYTES, snapshot_interval
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
 

@@ -1,4 +1,4 @@
-"""A plain KV restore a piece at a time (``localkv.cache.pieces``): the same bits, less memory.
+"""A plain KV restore a piece at a time (``cache.restore.pieces``): the same bits, less memory.
 
 The context gets a second sequence in the same cells for it; a prefill there must
 give the bits a one-sequence context gives, and a restore in pieces the state a
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support.tinymodels import TinyModels, tiny_config
 
-from localkv.cache import pieces
+from localkv.cache.restore import pieces
 from localkv.model import loading
 from localkv.model.native import llama_cpp
 from localkv.model.session import ModelSession

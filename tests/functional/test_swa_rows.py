@@ -100,7 +100,7 @@ def test_every_row_is_stored_once(model: Path, tmp_path: Path) -> None:
     with Runtime(tiny_config(model, n_ctx=4096), use_cache=False) as rt:
         tokens = rt.session.tokenize(TEXT * 8)[:600]
         rt.session.prefill(tokens)
-        from localkv.model.snapshots import window_of
+        from localkv.model.partial_state import window_of
 
         state = rt.session.capture_array()
         base = rt.session.capture()

@@ -236,7 +236,7 @@ def test_the_side_panel_describes_the_model_as_localkv_models_does(
 ) -> None:
     from support.tinymodels import tiny_config
 
-    from localkv.model.discovery import FoundModel, describe
+    from localkv.model.find import FoundModel, describe
     from localkv.runtime import Runtime
 
     listed = describe(FoundModel("tiny-base", "path", tiny_models.base))

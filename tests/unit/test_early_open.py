@@ -1,7 +1,7 @@
 """The model opened beside the command line's imports (``localkv.cli.early``).
 
 ``localkv ask`` and ``prefill`` open the model their arguments name in a thread
-as the process starts; the command's own ``open_native`` takes that context only
+as the process starts; the command's own ``open_model`` takes that context only
 when the configuration it builds from the parsed options is the same.
 """
 
@@ -26,8 +26,8 @@ from localkv.cache.identity import Identity, identity_of, probe_kv_layout
 from localkv.cli import BLAS_THREADS, early
 from localkv.cli.docs import ask, prefill
 from localkv.cli.options import session_config
-from localkv.model import loading, native
-from localkv.model.loading import drop_early, open_early, open_native
+from localkv.model import early_open, native
+from localkv.model.early_open import drop_early, open_early, open_model
 from localkv.model.session import LoraSpec, ModelSession
 from localkv.model.state import STATE_WORK
 
@@ -82,14 +82,14 @@ def test_no_guess_where_the_arguments_make_no_configuration(argv: list[str]) -> 
 def test_an_equal_configuration_takes_the_early_context(tiny_models: TinyModels) -> None:
     cfg = tiny_config(tiny_models.base)
     assert open_early(cfg)
-    opened = loading._early
+    opened = early_open._early
     assert opened is not None
     with contextlib.ExitStack() as stack:
-        native = open_native(dataclasses.replace(cfg, chat_template="chatml"), stack)
+        native = open_model(dataclasses.replace(cfg, chat_template="chatml"), stack)
         assert native is opened[1]
-        assert loading._early is None  # taken once
+        assert early_open._early is None  # taken once
         with contextlib.ExitStack() as again:
-            assert open_native(cfg, again) is not native  # the next one opens its own
+            assert open_model(cfg, again) is not native  # the next one opens its own
 
 
 @pytest.mark.parametrize(
@@ -102,13 +102,13 @@ def test_another_configuration_gets_its_own_context(
 ) -> None:
     cfg = tiny_config(tiny_models.base)
     assert open_early(cfg)
-    opened = loading._early
+    opened = early_open._early
     assert opened is not None
     other = dataclasses.replace(cfg, **change)  # type: ignore[arg-type]
     with contextlib.ExitStack() as stack:
-        native = open_native(other, stack)
+        native = open_model(other, stack)
         assert native is not opened[1]
-        assert loading._early is None  # the early one was freed, not kept
+        assert early_open._early is None  # the early one was freed, not kept
         assert native.n_ctx == max(other.n_ctx, 256)
 
 
@@ -116,15 +116,15 @@ def test_another_configuration_gets_its_own_context(
 def test_another_model_or_adapter_gets_its_own_context(tiny_models: TinyModels, other: str) -> None:
     cfg = tiny_config(tiny_models.base)
     assert open_early(cfg)
-    opened = loading._early
+    opened = early_open._early
     assert opened is not None
     if other == "lora":
         asked = dataclasses.replace(cfg, loras=(LoraSpec(tiny_models.lora, 1.0),))
     else:
         asked = tiny_config(tiny_models.other_weights)
     with contextlib.ExitStack() as stack:
-        assert open_native(asked, stack) is not opened[1]
-        assert loading._early is None
+        assert open_model(asked, stack) is not opened[1]
+        assert early_open._early is None
 
 
 def test_a_session_on_the_early_context_computes_what_a_fresh_one_does(
@@ -137,7 +137,7 @@ def test_a_session_on_the_early_context_computes_what_a_fresh_one_does(
         want = np.array(fresh.last_logits, copy=True)
     assert open_early(cfg)
     with ModelSession(cfg) as taken:
-        assert loading._early is None
+        assert early_open._early is None
         taken.prefill(tokens)
         got = taken.last_logits
     assert got is not None
@@ -148,7 +148,7 @@ def test_a_model_that_cannot_load_is_left_to_the_command(tmp_path: Path) -> None
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF but not really")
     assert not open_early(tiny_config(bad))
-    assert loading._early is None
+    assert early_open._early is None
 
 
 def test_llama_cpp_info_lines_reach_python_when_logged(
@@ -203,7 +203,7 @@ def _python(code: str) -> list[str]:
 
 
 def test_the_early_open_waits_for_no_high_level_llama_cpp_or_numpy() -> None:
-    code = "import sys, localkv.cli.early, localkv.model.loading\n"
+    code = "import sys, localkv.cli.early, localkv.model.early_open\n"
     code += "print(sorted(m for m in ('llama_cpp.llama', 'jinja2', 'numpy') if m in sys.modules))"
     assert _python(code) == ["[]"]
 
@@ -294,7 +294,7 @@ def test_the_early_open_decodes_the_layout_probe_and_the_identity_is_unchanged(
         fresh.decode_one(0 if token is None else token)
         fresh_state = fresh.capture_array()
     assert open_early(cfg)
-    opened = loading._early
+    opened = early_open._early
     assert opened is not None and opened[1].probed is not None
     probed_token, raw = opened[1].probed
     assert probed_token == (0 if token is None else token)
@@ -339,7 +339,7 @@ def test_the_early_open_leaves_other_memory_kinds_to_the_probe(
         expected = identity_of(fresh, FileHasher())
         assert not fresh.in_pieces  # one sequence: only plain KV memory restores in pieces
     assert open_early(cfg)
-    opened = loading._early
+    opened = early_open._early
     assert opened is not None and opened[1].probed is None  # their probe reads more than this
     with ModelSession(cfg) as s:
         assert identity_of(s, FileHasher()) == expected

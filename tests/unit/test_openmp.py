@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from localkv.model.machine import IDLE_SPINCOUNT, runnable_others, wait_settings
+from localkv.model.threads import IDLE_SPINCOUNT, runnable_others, wait_settings
 
 _PROBE = (
     "import json, os; from localkv.model.native import openmp_settings, CHOSEN_MARK\n"
@@ -91,7 +91,7 @@ def test_this_processes_own_threads_are_not_other_work() -> None:
     import threading
     import time
 
-    from localkv.model.machine import _own_running
+    from localkv.model.threads import _own_running
 
     stop = threading.Event()
     data = b"x" * (1 << 22)
@@ -119,7 +119,7 @@ def test_the_load_median_is_statistics_median() -> None:
     import random
     import statistics
 
-    from localkv.model.machine import _median
+    from localkv.model.threads import _median
 
     rng = random.Random(5)
     for n in range(1, 9):

@@ -9,11 +9,11 @@ import pytest
 from support.tinyarch import SWA_WINDOW, TinyArchModels, build_tiny_arch_models
 from support.tinymodels import tiny_config
 
-from localkv.cache.restore import _tip_rows
+from localkv.cache.restore.load import _tip_rows
 from localkv.kv import codec, partial
 from localkv.model.native import llama_cpp
+from localkv.model.partial_state import classify, read_state_ext
 from localkv.model.session import ModelSession
-from localkv.model.snapshots import classify, read_state_ext
 
 KINDS = {
     "gemma3": "swa",

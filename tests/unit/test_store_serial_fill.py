@@ -1,6 +1,6 @@
 """Reading opened blocks on the caller's thread (``parallel=False``): the same blocks, no readers.
 
-A restore on a busy machine reads this way (``localkv.cache.pieces.parallel_reads``):
+A restore on a busy machine reads this way (``localkv.cache.restore.pieces.parallel_reads``):
 the result and the checks must be the parallel read's.
 """
 

@@ -17,9 +17,9 @@ from support.tinyarch import build_tiny_arch_models
 from support.tinymodels import TinyModels, tiny_config
 
 import localkv
-from localkv.model import machine
-from localkv.model.machine import RECHECK_S, fitting_threads
+from localkv.model import threads as thread_choice
 from localkv.model.session import ModelSession, SessionConfig
+from localkv.model.threads import RECHECK_S, fitting_threads
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
 
@@ -45,8 +45,8 @@ def load(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """The load a thread fit sees (tasks runnable besides this process), given to it
     rather than read from the machine, which other work may be using."""
     others = [0.0]
-    monkeypatch.setattr(machine, "runnable_others", lambda *args, **kwargs: others[0])
-    monkeypatch.setattr(machine, "latest_others", lambda: None)
+    monkeypatch.setattr(thread_choice, "runnable_others", lambda *args, **kwargs: others[0])
+    monkeypatch.setattr(thread_choice, "latest_others", lambda: None)
 
     def set_load(n: float) -> None:
         others[0] = n

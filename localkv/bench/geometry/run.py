@@ -23,8 +23,8 @@ from localkv.bench.geometry.models import N_EMBD, build
 from localkv.bench.geometry.report import derived, markdown
 from localkv.bench.geometry.shapes import GEOMETRIES, Geometry, by_name
 from localkv.bench.run import describe_machine
-from localkv.model.resolve import resolve_model
-from localkv.model.snapshots import snapshot_interval
+from localkv.model.find import resolve_model
+from localkv.model.partial_state import snapshot_interval
 
 __all__ = ["main", "run_geometry"]
 

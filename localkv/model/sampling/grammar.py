@@ -26,6 +26,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from localkv.model.sampling.errors import GrammarError
+
 __all__ = [
     "MAX_GRAMMAR_CHARS",
     "MAX_NESTING",
@@ -41,10 +43,6 @@ MAX_NESTING = 1_000
 MAX_REPEAT = 1_000  # minLength, maxLength, minItems, maxItems: the converter nests each one
 _REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
 _NAMED_KEYS = ("properties", "$defs", "definitions", "patternProperties")
-
-
-class GrammarError(ValueError):
-    """A grammar or JSON schema that cannot constrain sampling; the message says why."""
 
 
 def check_gbnf(text: object) -> str:

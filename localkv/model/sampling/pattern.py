@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from localkv.model.sampling.grammar import GrammarError
+from localkv.model.sampling.errors import GrammarError
 
 __all__ = [
     "MAX_PATTERN_POSITIONS",

@@ -1,4 +1,4 @@
-"""The work running on the machine, read before llama.cpp loads, and the OpenMP wait it calls for.
+"""How many threads llama.cpp runs and how OpenMP waits, from the work running on the machine.
 
 OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads (its
 libgomp starts). Spinning threads (libgomp's default) decode fastest on idle
@@ -14,7 +14,9 @@ process's own running threads, sampled when localkv starts to import
 lags a load by a minute and counts the user's own earlier commands, and a single
 moment can catch a process that is just ending.
 
-The thread count (``ThreadFit``): on cores other processes use, each of
+A context's threads (``context_threads``): the ``--threads`` the user gave,
+else one per core, at most ``MAX_THREADS``. The count its decodes use
+(``ThreadFit``): on cores other processes use, each of
 llama.cpp's threads gets a share of a core, and every barrier of a decode
 (several per layer) waits for the slowest to be scheduled again. So a decode
 uses one thread per core the other work leaves free, at least one, and every
@@ -37,12 +39,13 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 __all__ = [
     "IDLE_SPINCOUNT",
+    "MAX_THREADS",
     "RECHECK_S",
     "ThreadFit",
+    "context_threads",
     "fitting_threads",
     "latest_others",
     "note_start",
@@ -51,6 +54,9 @@ __all__ = [
 ]
 
 IDLE_SPINCOUNT = "3000"
+# llama.cpp's GGML_MAX_N_THREADS (ggml.h): its CPU thread pool holds no more; past
+# it, measured, 5,000 threads hang and 100,000 crash the process (SIGSEGV)
+MAX_THREADS = 512
 _SAMPLES = 3
 _started: list[int] = []  # samples taken when localkv started to import
 _latest: list[tuple[float, float]] = []  # (time.monotonic(), runnable_others()) last seen
@@ -126,6 +132,11 @@ def wait_settings(others: float, cpus: int) -> tuple[str, dict[str, str]]:
 RECHECK_S = 0.5
 
 
+def context_threads(asked: int | None) -> int:
+    """The threads a context is made with: ``asked`` (``--threads``), else one per core."""
+    return asked or min(MAX_THREADS, max(1, os.cpu_count() or 1))
+
+
 def fitting_threads(cores: int, others: float) -> int:
     """Threads for ``cores`` with ``others`` tasks runnable besides this process: one
     per core they leave, at least one (half a core left, a median's, counts as one)."""
@@ -143,16 +154,6 @@ class ThreadFit:
         if adapt and seen is not None and time.monotonic() - seen[0] < RECHECK_S:
             self._set(fitting_threads(cores, seen[1]))
             self._checked = seen[0]
-
-    @classmethod
-    def of(cls, native: Any, config: Any) -> ThreadFit:
-        """A fit for a ``loading.Native`` opened with ``config`` (a ``SessionConfig``)."""
-        from localkv.model.native import llama_cpp  # (loaded by then: ``native`` imports this)
-
-        gpu = config.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
-        adapt = config.n_threads is None and native.flash_attn == "off" and not gpu
-        ctx = native.ctx
-        return cls(lambda n: llama_cpp.llama_set_n_threads(ctx, n, n), native.n_threads, adapt)
 
     def check(self) -> None:
         """Fit the count for the next decode, when the last look is old (``current``)."""

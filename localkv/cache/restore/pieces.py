@@ -16,22 +16,20 @@ sequence). The cells, and so the bits, are those a whole restore gives (tested).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 
+from localkv.cache.restore.verify import check_chain
 from localkv.kv import codec
 from localkv.kv.layout import LayerLayout, state_size
-from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
-from localkv.storage.chain import chain_next
+from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block, BlockCorrupt, BlockRow
+from localkv.storage.values import Block
 
 __all__ = [
     "PIECE_BYTES",
-    "check_chain",
     "fill_targets",
     "groups",
     "read_in_pieces",
@@ -125,17 +123,6 @@ def read_in_pieces(
         session.load_state(buf, [int(t) for t in tokens], first=first)
         blocks.extend(got)
     return blocks
-
-
-def check_chain(parent: str, rows: Sequence[BlockRow], blocks: Sequence[Block]) -> str:
-    """Each block's chain hash, recomputed from ``parent``, its tokens and batch ends, is
-    its own and its row's (``BlockCorrupt`` if not); the last block's hash."""
-    for row, block in zip(rows, blocks, strict=True):
-        expected = chain_next(parent, block.tokens, block.ends)
-        if block.hash != expected or block.hash != row.hash:
-            raise BlockCorrupt("tokens do not match the chain hash", row.hash)
-        parent = block.hash
-    return parent
 
 
 def fill_targets(

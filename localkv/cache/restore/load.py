@@ -1,11 +1,11 @@
-"""Verified restore: every check a cached state passes before a request uses it.
+"""Loading a stored chain into the session: read, checked, loaded up to its last token.
 
-In order: the block files' checksums and metadata against the index (while
-they are read, in ``localkv.storage``); each block's chain hash recomputed
-from its parent, tokens and batch ends (``load_chain``); the state loaded up
-to the chain's last token *minus one*, that token decoded alone, and its
-logits compared bit for bit with the block's stored probe (``probe_matches``).
-Only then is the sequence trimmed to the exact prefix the lookup planned.
+``load_chain`` opens the chain's block files, reads them the way the
+session's memory needs (a sliding window: ``window``; plain KV a piece at a
+time: ``pieces``; otherwise straight into one state buffer), has each read
+checked (``verify``: checksums as read, the chain's shape and hashes, a
+partial part's positions) and loads the state of every token but the last.
+The caller then decodes that token as the probe (``verify.probe_matches``).
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ import time
 
 import numpy as np
 
-from localkv.cache.pieces import (
-    check_chain,
+from localkv.cache.restore.pieces import (
     fill_targets,
     parallel_reads,
     read_in_pieces,
     token_rows,
     transpose_v,
 )
-from localkv.cache.windowread import chain_layout, read_window_chain
+from localkv.cache.restore.verify import chain_layout, check_chain, check_partial_part
+from localkv.cache.restore.window import read_window_chain
 from localkv.kv import codec, partial
 from localkv.kv.blocks import PARTIAL, block_partial, tensors_to_state
-from localkv.model.loading import large_buffer
 from localkv.model.session import ModelSession
+from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block, BlockRow
 
-__all__ = ["load_chain", "probe_matches"]
+__all__ = ["load_chain"]
 
 
 def load_chain(
@@ -46,7 +46,7 @@ def load_chain(
     """Read, check and load the chain minus its final token; return the stored tokens."""
     opened = store.open_blocks(chain)
     tip_rows = buffer = None
-    loaded = False  # read and loaded a piece at a time (``cache.pieces``)
+    loaded = False  # read and loaded a piece at a time (``pieces``)
     try:
         if session.memory_kind == "swa":
             blocks, window_state = read_window_chain(store, session, opened)
@@ -102,7 +102,7 @@ def _load_with_partial(
     n = len(held)
     tensors = blocks[-1].tensors if tip_rows is None else {PARTIAL: tip_rows}
     blob = block_partial(tensors, blocks[-1].meta)
-    partial.check_partial(blob, kind, n)
+    check_partial_part(blob, kind, n)
     if kind == "recurrent":
         head = np.frombuffer(struct.pack("<Ii", codec.STATE_MAGIC, 0), dtype=np.uint8)
         state = partial.join(head, blob)
@@ -189,9 +189,3 @@ def _tip_rows(session: ModelSession, shape: tuple[int, ...], nbytes: int) -> np.
     if buf is None or buf.shape[0] < nbytes:
         buf = _ROWS.buffer = large_buffer(nbytes)
     return buf[:nbytes].reshape(shape)
-
-
-def probe_matches(session: ModelSession, last: BlockRow, stored_tokens: np.ndarray) -> bool:
-    """Decode the chain's final stored token alone; True if its logits are the probe's bits."""
-    logits = session.decode_one(int(stored_tokens[last.end - 1]), probe=True)
-    return last.probe.matches(logits)

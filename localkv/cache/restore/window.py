@@ -18,37 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from localkv.cache.restore.verify import chain_layout
 from localkv.kv import codec, partial
-from localkv.kv.blocks import WINDOW, BlockLayout, block_layout, tensors_to_state, window_state
+from localkv.kv.blocks import WINDOW, BlockLayout, tensors_to_state, window_state
 from localkv.model.session import ModelSession
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block
 
-__all__ = ["chain_layout", "read_window_chain"]
+__all__ = ["read_window_chain"]
 
 _Targets = dict[str, list[np.ndarray]]
-
-
-def chain_layout(opened: list[OpenedBlock]) -> BlockLayout:
-    """The one KV layout of a chain's blocks, which must follow each other from 0."""
-    layouts = set()
-    at = 0
-    for block_file in opened:
-        if block_file.row.start != at:
-            raise codec.StateFormatError(f"block at {block_file.row.start}, expected {at}")
-        at = block_file.row.end
-        specs = block_file.specs
-        layouts.add(
-            block_layout(
-                block_file.metadata,
-                {name: s.shape for name, s in specs.items()},
-                {name: s.dtype.itemsize for name, s in specs.items()},
-            )
-        )
-    if len(layouts) != 1:
-        raise codec.StateFormatError("blocks of different KV layouts cannot be joined")
-    return layouts.pop()
 
 
 def _layout(opened: list[OpenedBlock]) -> BlockLayout:

