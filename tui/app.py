@@ -16,7 +16,7 @@ from textual.logging import TextualHandler
 
 from localkv import SamplingParams
 from localkv.chat.controller import ChatController
-from localkv.chat.history import ConversationStore
+from localkv.history.store import ConversationStore
 from localkv.runtime import Runtime
 
 from .chat_screen import ChatScreen

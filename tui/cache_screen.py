@@ -16,9 +16,10 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Static
 
-from localkv.chat.controller import ChatController, SnapshotInfo
+from localkv.chat.controller import ChatController
 from localkv.chat.formats import ago, human_bytes
-from localkv.reports import printable
+from localkv.runtime.info import SnapshotInfo
+from localkv.runtime.reports import printable
 
 __all__ = ["CacheScreen"]
 

@@ -7,7 +7,7 @@ and report back with the messages below; the widgets only show values.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,7 +24,8 @@ from localkv import ContextFullError, DocumentError, SamplingParams, TextError
 from localkv.chat.commands import HELP, Command, message_text, parse_command
 from localkv.chat.controller import Answered, Attached, ChatController, Opened
 from localkv.chat.formats import finish_line, sync_line, turn_line
-from localkv.reports import printable
+from localkv.runtime.callbacks import CancelFn, ProgressFn, TextFn
+from localkv.runtime.reports import printable
 
 from .assistant_message import AssistantMessage
 from .cache_screen import CacheScreen
@@ -41,12 +42,10 @@ __all__ = ["ChatScreen"]
 
 log = logging.getLogger(__name__)
 
-TextFn = Callable[[str], None]
-ProgressFn = Callable[[int, int], None]
 _MODEL_GROUPS = ("answer", "attach", "open")
 
 
-def _cancelled() -> Callable[[], bool]:
+def _cancelled() -> CancelFn:
     """The current worker's cancel flag, for the engine's ``cancel`` callables."""
     worker = get_current_worker()
     return lambda: worker.is_cancelled

@@ -7,9 +7,10 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Label, ProgressBar, Static
 
-from localkv.chat.controller import ContextInfo, ModelInfo
+from localkv.chat.controller import ContextInfo
 from localkv.chat.formats import human_bytes
-from localkv.reports import printable
+from localkv.runtime.info import LoadedModel
+from localkv.runtime.reports import printable
 
 __all__ = ["ContextPanel"]
 
@@ -17,7 +18,7 @@ _SYSTEM_CHARS = 160
 
 
 class ContextPanel(VerticalScroll):
-    def __init__(self, model: ModelInfo, context: ContextInfo, *, id: str | None = None) -> None:
+    def __init__(self, model: LoadedModel, context: ContextInfo, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.model_info = model
         self.context_info = context
@@ -55,7 +56,7 @@ class ContextPanel(VerticalScroll):
         self.query_one("#cache-info", Static).update(Content(context.cache))
 
 
-def _model_text(model: ModelInfo) -> str:
+def _model_text(model: LoadedModel) -> str:
     if model.n_gpu_layers == 0:
         gpu = "CPU only"
     else:

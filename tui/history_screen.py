@@ -17,8 +17,8 @@ from textual.widgets import DataTable, Footer, Label, Static
 
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import ago
-from localkv.chat.history import ConversationInfo
-from localkv.reports import printable
+from localkv.history.store import ConversationInfo
+from localkv.runtime.reports import printable
 
 __all__ = ["HistoryScreen"]
 

@@ -42,7 +42,7 @@ from localkv.bench.baselines import DiskCacheBench
 from localkv.bench.disk import EVICTION_AVAILABLE, IN_MEMORY_FILE_SYSTEMS, file_system
 from localkv.bench.lookup import bench_lookup
 from localkv.bench.results import RESTORE, STEPS, BenchConfig, BenchResult, SizeResult
-from localkv.bench.size import ProgressFn, bench_size
+from localkv.bench.size import Say, bench_size
 from localkv.bench.stats import ColdStat
 from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity, identity_of
@@ -68,9 +68,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def run_bench(
-    cfg: BenchConfig, say: ProgressFn = log.info, work_dir: Path | None = None
-) -> BenchResult:
+def run_bench(cfg: BenchConfig, say: Say = log.info, work_dir: Path | None = None) -> BenchResult:
     """Run every measurement; ``say`` gets one line per step (progress)."""
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     load_before = load_average()

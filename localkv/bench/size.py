@@ -35,9 +35,9 @@ from localkv.prompt.request import Document
 from localkv.runtime import Runtime
 from localkv.storage import Block, SnapshotStore
 
-__all__ = ["QUESTION", "ProgressFn", "bench_size"]
+__all__ = ["QUESTION", "Say", "bench_size"]
 
-ProgressFn = Callable[[str], None]
+Say = Callable[[str], None]  # tells the user a line of the run's progress (``log.info``)
 QUESTION = "What did Alice see run close by her?"
 
 
@@ -111,7 +111,7 @@ class _SizeBench:
         identity: Identity,
         work: Path,
         n: int,
-        say: ProgressFn,
+        say: Say,
     ) -> None:
         self.cfg, self.session, self.work, self.n, self.say = cfg, session, work, n, say
         self.tokens = prompt_tokens(session, n)
@@ -258,7 +258,7 @@ def _baselines(
     return _Baselines(llama_file, floor, disk_cache)
 
 
-def _ask(cfg: BenchConfig, work: Path, n: int, say: ProgressFn) -> AskResult:
+def _ask(cfg: BenchConfig, work: Path, n: int, say: Say) -> AskResult:
     """``Runtime.ask`` on a cold cache with the cache on and off, alternating."""
     params = SamplingParams(temperature=0, max_tokens=4)
     on: list[tuple[float, float, float]] = []
@@ -293,7 +293,7 @@ def _document(rt: Runtime, n: int) -> Document:
 
 
 def _encodings(
-    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: ProgressFn, kind: MemoryKind | None
+    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: Say, kind: MemoryKind | None
 ) -> list[benchcodecs.EncodingResult]:
     """The block encodings of the state ``raw`` (``llama_state_seq_get_data`` of N tokens):
     its attention part (the rows blocks hold; a partial part is stored as it is)."""
@@ -316,7 +316,7 @@ def bench_size(
     llm: base.DiskCacheBench,
     work: Path,
     n: int,
-    say: ProgressFn,
+    say: Say,
 ) -> SizeResult:
     """Every per-length measurement for ``n`` tokens, in the order the module names them."""
     sb = _SizeBench(cfg, session, identity, work, n, say)

@@ -15,19 +15,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
-from localkv.chat.history import ConversationInfo, ConversationStore, Skipped, title_of
 from localkv.chat.saving import HistoryKeeper, ModelMismatch, check_model, model_of
-from localkv.chat.session import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
+from localkv.history.store import ConversationInfo, ConversationStore, Skipped, title_of
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document, byte_limit, check_text, read_document
 from localkv.runtime import Runtime
+from localkv.runtime.callbacks import CancelFn, ProgressFn, TextFn
+from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport, TurnReport, is_trivial
+from localkv.runtime.info import SnapshotInfo
 
 __all__ = [
     "Answered",
@@ -35,42 +35,12 @@ __all__ = [
     "ChatController",
     "ContextInfo",
     "Entry",
-    "ModelInfo",
     "ModelMismatch",
     "NoHistory",
     "Opened",
-    "SnapshotInfo",
 ]
 
 log = logging.getLogger(__name__)
-
-CancelFn = Callable[[], bool]
-ProgressFn = Callable[[int, int], None]
-TextFn = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    name: str
-    description: str
-    file_bytes: int
-    n_gpu_layers: int
-    type_k: str
-    type_v: str
-    flash_attn: str
-
-    @classmethod
-    def of(cls, runtime: Runtime) -> ModelInfo:
-        info = runtime.model_info()
-        return cls(
-            name=str(info["name"]),
-            description=str(info["description"]),
-            file_bytes=cast(int, info["file_bytes"]),
-            n_gpu_layers=cast(int, info["n_gpu_layers"]),
-            type_k=str(info["type_k"]),
-            type_v=str(info["type_v"]),
-            flash_attn=str(info["flash_attn"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,18 +106,6 @@ class Opened:
     model: str | None = None  # the model file it was made with, when it was recorded
 
 
-@dataclass(frozen=True, slots=True)
-class SnapshotInfo:
-    id: str
-    label: str
-    tokens: int
-    bytes_on_disk: int
-    hits: int
-    last_used: float
-    pinned: bool
-    model: str = ""  # as ``localkv models`` names it
-
-
 class NoHistory(RuntimeError):
     """Conversations are not saved (the store could not be opened)."""
 
@@ -166,7 +124,7 @@ class ChatController:
         self.runtime = runtime
         self.history = history
         self.keeper = HistoryKeeper(history, model_of(runtime), history_error)
-        self.model = ModelInfo.of(runtime)
+        self.model = runtime.model_info()
         self.chat = ChatSession(
             runtime, ChatState(system=system), snapshot_label=conversation_label
         )
@@ -362,24 +320,11 @@ class ChatController:
         """The namespace's snapshots of the running model (the only ones a chat can
         restore), the conversations' among them, once saves are done."""
         self.runtime.wait_for_saves()
-        return [
-            SnapshotInfo(
-                id=str(row["id"]),
-                label=str(row["label"]),
-                tokens=cast(int, row["tokens"]),
-                bytes_on_disk=cast(int, row["bytes_on_disk"]),
-                hits=cast(int, row["hits"]),
-                last_used=cast(float, row["last_used"]),
-                pinned=bool(row["pinned"]),
-                model=str(row["model"]),
-            )
-            for row in self.runtime.snapshots()
-            if row["this_model"]
-        ]
+        return [snap for snap in self.runtime.snapshots() if snap.this_model]
 
     def other_models_snapshots(self) -> int:
         """How many of the namespace's snapshots are of other models (``cache ls`` lists them)."""
-        return sum(1 for row in self.runtime.snapshots() if not row["this_model"])
+        return sum(1 for snap in self.runtime.snapshots() if not snap.this_model)
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         self.runtime.set_pinned(snapshot_id, pinned)

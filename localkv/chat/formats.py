@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from localkv.cache.budgeting import human_size
-from localkv.chat.session import SyncReport, TurnReport
 from localkv.prompt.reasoning import ReasoningSplit, split_reasoning
+from localkv.runtime.chatsession import SyncReport, TurnReport
 
 __all__ = [
     "ReasoningSplit",

@@ -24,7 +24,7 @@ from typing import TextIO
 from localkv.chat.commands import PLAIN_HELP, PLAIN_INTRO, Command, message_text, parse_command
 from localkv.chat.controller import ChatController, ModelMismatch
 from localkv.chat.formats import ago, counted, human_bytes, sync_line, sync_summary, turn_line
-from localkv.chat.history import ConversationStore, MalformedConversation
+from localkv.history.store import ConversationStore, MalformedConversation
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
 from localkv.prompt.renderbudget import TemplateRenderError
@@ -36,8 +36,8 @@ from localkv.prompt.request import (
     check_text,
     read_document,
 )
-from localkv.reports import printable
 from localkv.runtime import Runtime
+from localkv.runtime.reports import printable
 
 __all__ = ["run_plain_chat"]
 

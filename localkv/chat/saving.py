@@ -19,9 +19,9 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from localkv.chat.history import ConversationInfo, ConversationModel, ConversationStore
-from localkv.chat.session import ChatState
+from localkv.history.store import ConversationInfo, ConversationModel, ConversationStore
 from localkv.runtime import Runtime
+from localkv.runtime.chatsession import ChatState
 
 __all__ = ["HistoryKeeper", "ModelMismatch", "check_model", "model_of"]
 

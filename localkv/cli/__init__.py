@@ -62,11 +62,11 @@ _LOADED = time.monotonic()  # the command line's first module: as early as it ca
 COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("localkv.cli.chat:chat", "Chat with the model in the terminal."),
     "prefill": (
-        "localkv.cli.docs:prefill",
+        "localkv.cli.documents:prefill",
         "Prefill documents once and save their KV state to the cache.",
     ),
     "ask": (
-        "localkv.cli.docs:ask",
+        "localkv.cli.documents:ask",
         "Ask a question about documents; the answer streams to stdout.",
     ),
     "cache": ("localkv.cli.cache:cache", "Inspect and manage the on-disk KV cache."),

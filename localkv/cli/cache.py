@@ -18,7 +18,7 @@ from localkv.cli.options import cache_dir_option, model_options, namespace_optio
 from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.prompt.request import path_text
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import SnapshotRow
 

@@ -25,7 +25,7 @@ from localkv.model.session import ModelLoadError
 from localkv.prompt.templatechoice import ChatTemplateError
 
 if TYPE_CHECKING:
-    from localkv.chat.history import ConversationStore
+    from localkv.history.store import ConversationStore
     from localkv.prompt.request import Document
     from localkv.runtime import Runtime
 
@@ -126,7 +126,7 @@ def _chat_runtime(opts: dict[str, Any]) -> tuple[Runtime | None, str | None]:
 
 def _chat_history(opts: dict[str, Any]) -> tuple[ConversationStore | None, str | None]:
     """Saved conversations, next to the cache; the chat goes on without them if needed."""
-    from localkv.chat.history import ConversationStore
+    from localkv.history.store import ConversationStore
 
     try:
         return ConversationStore.open(opts.get("cache_dir")), None

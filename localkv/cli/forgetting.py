@@ -56,7 +56,7 @@ def forget_conversations(
 
     Returns the ids deleted and whether the history's WAL could be emptied.
     """
-    from localkv.chat.history import HISTORY_FILE, ConversationStore
+    from localkv.history.store import HISTORY_FILE, ConversationStore
 
     if document is None or not (root / HISTORY_FILE).is_file():
         return [], True

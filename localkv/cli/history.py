@@ -16,16 +16,16 @@ from typing import Any
 
 import click
 
-from localkv.chat.history import (
+from localkv.cli.options import cache_dir_option
+from localkv.history.rows import parts_of
+from localkv.history.store import (
     ConversationInfo,
     ConversationNotFound,
     ConversationStore,
     MalformedConversation,
 )
-from localkv.chat.historyrows import parts_of
-from localkv.chat.session import ChatState
-from localkv.cli.options import cache_dir_option
-from localkv.reports import printable
+from localkv.runtime.chatsession import ChatState
+from localkv.runtime.reports import printable
 
 __all__ = ["history"]
 

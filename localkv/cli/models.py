@@ -8,7 +8,7 @@ import json
 import click
 
 from localkv.model.find import ModelInfo, count_label, describe, find_models
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 
 __all__ = ["models"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from localkv.cli.jsonerrors import JsonErrors
-from localkv.reports import printable
+from localkv.runtime.reports import printable
 from localkv.storage.index.health import IndexDamaged, check_index, is_damage
 from localkv.storage.paths import CacheDirError, default_root
 from localkv.storage.repair import RepairReport, repair

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localkv.chat.session import ChatState
 from localkv.prompt.template import ChatTemplate, Message
 from localkv.prompt.tools import prepare_tools, renders_tools
 from localkv.prompt.whole import render_whole
+from localkv.runtime.chatsession import ChatState
 from localkv.server.limits import Budget
 
 __all__ = [

@@ -12,13 +12,12 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from localkv.cache.catalogue import ClientPin, pinned
-from localkv.chat.session import ChatSession, ChatState, SyncReport
 from localkv.model.native import llama_cpp
 from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
@@ -26,6 +25,8 @@ from localkv.model.state import STATE_WORK
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
+from localkv.runtime.callbacks import TextFn
+from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport
 from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
@@ -40,6 +41,7 @@ from localkv.server.prefixes import (
     snapshot_namer,
 )
 from localkv.server.requests import (
+    Channel,
     ChatRequest,
     CompletionRequest,
     ModelFacts,
@@ -53,19 +55,6 @@ from localkv.storage.removal.budget import ENV_CLIENT_PINS
 __all__ = ["Engine", "Outcome"]
 
 log = logging.getLogger(__name__)
-
-TextFn = Callable[[str], None]
-
-
-class Channel(Protocol):
-    """Where a request's progress goes (``worker.Ticket``)."""
-
-    arrived: float  # when the request arrived (``time.perf_counter``)
-
-    def started(self) -> None: ...
-    def text(self, piece: str) -> None: ...
-    def reasoning(self, piece: str) -> None: ...
-    def cancelled(self) -> bool: ...
 
 
 class Engine:
@@ -384,8 +373,9 @@ class Engine:
         }
 
     def snapshots(self) -> list[dict[str, object]]:
+        """The namespace's snapshots as ``/v1/localkv/cache`` lists them, once saves are done."""
         self.runtime.wait_for_saves()
-        return self.runtime.snapshots()
+        return [snap.as_json() for snap in self.runtime.snapshots()]
 
 
 def model_facts(runtime: Runtime, model_id: str) -> ModelFacts:

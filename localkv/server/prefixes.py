@@ -5,7 +5,7 @@ Each request's prefix (its prompt and answer, a conversation so far) is saved in
 the background; once written, its chain is named ``server: <first words>``, the
 first words of the request's first message (or prompt). A conversation that goes
 on replaces its earlier snapshot (same label, its tokens the start of the new
-chain) as the chat's do, keeping its pin and hits (``chat.snapshots``).
+chain) as the chat's do, keeping its pin and hits (``runtime.chatsnapshot``).
 
 A request may ask for prefixes to be kept (``Breakpoint``: Anthropic's
 ``cache_control``): each is the prompt up to the last segment end at or before
@@ -33,10 +33,10 @@ import numpy as np
 
 from localkv.cache.catalogue import ClientPin, client_pin_fits, pinned, save_snapshot
 from localkv.cache.save import SaveResult
-from localkv.chat.snapshots import ConversationSnapshot
 from localkv.prompt.request import Document, DocumentError
 from localkv.prompt.template import Message
-from localkv.reports import printable
+from localkv.runtime.chatsnapshot import ConversationSnapshot
+from localkv.runtime.reports import printable
 from localkv.server.errors import bad_request
 from localkv.server.requests import Breakpoint
 

@@ -4,18 +4,20 @@ Each protocol (``protocols/``) parses its own JSON straight into these values;
 the engine runs them and returns an ``Outcome``, which each protocol encodes
 back into its own shapes. Nothing here knows a protocol: the same conversation
 through any protocol is the same ``ChatRequest``, so the same prompt tokens.
+While a request runs, its answer streams to a ``Channel``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from localkv.prompt.template import Message, ToolCall
 
 __all__ = [
     "Breakpoint",
+    "Channel",
     "ChatRequest",
     "CompletionRequest",
     "ModelFacts",
@@ -145,3 +147,14 @@ class ModelFacts:
     n_ctx: int
     template: str  # the chat template's text, or a llama.cpp built-in format's name
     metadata: Mapping[str, str] = field(default_factory=dict)  # GGUF keys llama.cpp reports
+
+
+class Channel(Protocol):
+    """Where a running request's progress and answer go (``worker.Ticket``)."""
+
+    arrived: float  # when the request arrived (``time.perf_counter``)
+
+    def started(self) -> None: ...
+    def text(self, piece: str) -> None: ...
+    def reasoning(self, piece: str) -> None: ...
+    def cancelled(self) -> bool: ...

@@ -17,7 +17,7 @@ import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from localkv.model.sampling import (
     GrammarError,
@@ -29,13 +29,14 @@ from localkv.prompt.reasoning import ReasoningSplit
 from localkv.prompt.template import ChatTemplate, ToolCall
 from localkv.prompt.toolcalls import CALL_OPENERS, call_grammar, call_style, parse_tool_calls
 from localkv.prompt.tools import renders_tools
+from localkv.runtime.callbacks import TextFn
 from localkv.server.errors import bad_request
 from localkv.server.requests import ToolChoice
 from localkv.server.schemas import check_schema
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
-    from localkv.server.requests import ChatRequest, Outcome
+    from localkv.server.requests import Channel, ChatRequest, Outcome
 
 __all__ = [
     "AnswerText",
@@ -47,7 +48,6 @@ __all__ = [
     "with_answer",
 ]
 
-TextFn = Callable[[str], None]
 # what a call's name may be: it is written into the call's grammar as a literal
 TOOL_NAME = re.compile(r"[\w.:-]{1,64}")
 
@@ -215,11 +215,6 @@ def _hold_from(pending: str) -> int:
     if at >= 0 and ("<tool_call>".startswith(pending[at:]) or "<tool_call>" in pending[at:]):
         return at
     return -1
-
-
-class Channel(Protocol):
-    def text(self, piece: str) -> None: ...
-    def reasoning(self, piece: str) -> None: ...
 
 
 def answer_text(

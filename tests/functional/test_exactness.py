@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from support.tinymodels import TinyModels, tiny_config
 
-from localkv.chat.session import ChatSession, ChatState
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.request import Document, Request
 from localkv.runtime import Runtime
+from localkv.runtime.chatsession import ChatSession, ChatState
 
 SEEDS = range(16)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -24,8 +24,8 @@ from support.tinymodels import tiny_config
 from localkv.kv.blocks import PARTIAL
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.request import Document
-from localkv.reports import Answer
 from localkv.runtime import Runtime
+from localkv.runtime.reports import Answer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 QUESTION = "What was Alice doing?"

@@ -16,9 +16,9 @@ from support.tinymodels import TinyModels
 
 from localkv.chat.commands import COMMANDS, HELP, PLAIN_HELP, Command, message_text, parse_command
 from localkv.chat.formats import sync_line, turn_line
-from localkv.chat.session import SyncReport, TurnReport
 from localkv.cli import cli
-from localkv.reports import CacheReport
+from localkv.runtime.chatsession import SyncReport, TurnReport
+from localkv.runtime.reports import CacheReport
 
 
 @pytest.fixture()
@@ -127,7 +127,7 @@ def test_a_missing_document_or_model_is_a_clean_error(
 
 def test_the_line_mode_chat_and_history_import_without_textual() -> None:
     code = (
-        "import sys, localkv.cli, localkv.chat.plain, localkv.chat.history; "
+        "import sys, localkv.cli, localkv.chat.plain, localkv.history.store; "
         "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

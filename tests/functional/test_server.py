@@ -176,6 +176,12 @@ def test_prefill_then_a_chat_reuses_it_and_the_cache_lists_it(
     with urllib.request.urlopen(server.base_url + "/v1/localkv/cache", timeout=60) as r:
         listed = json.loads(r.read())["data"]
     assert [(s["id"], bool(s["pinned"])) for s in listed] == [(report["snapshot"], True)]
+    assert list(listed[0]) == [
+        *("id", "label", "model", "this_model", "tokens", "bytes_on_disk"),
+        *("hits", "last_used", "pinned", "pinned_until"),
+    ]
+    assert (listed[0]["label"], listed[0]["this_model"]) == ("notes.txt", True)
+    assert listed[0]["tokens"] == report["tokens"] and listed[0]["pinned_until"] is None
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": document},
@@ -371,10 +377,10 @@ def test_bad_serve_options_are_refused_before_anything_starts(args: list[str], s
 def test_a_resent_history_is_the_tokens_the_chat_computed(tiny_models: TinyModels) -> None:
     from support.tinymodels import tiny_config
 
-    from localkv.chat.session import ChatSession
     from localkv.model.sampling import SamplingParams
     from localkv.prompt.template import Message
     from localkv.runtime import Runtime
+    from localkv.runtime.chatsession import ChatSession
     from localkv.server.conversation import AnswerMemory, build_history
 
     with Runtime(tiny_config(tiny_models.base), use_cache=False) as rt:

@@ -23,11 +23,11 @@ from support.server import ServerProcess, post
 from support.tinyarch import build
 from support.tinymodels import tiny_config
 
-from localkv.chat.session import ChatSession, ChatState
 from localkv.cli import cli
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
+from localkv.runtime.chatsession import ChatSession, ChatState
 
 NOTES = "Alice was beginning to get very tired of sitting by her sister on the bank. "
 WARNING = "could not save the snapshot"

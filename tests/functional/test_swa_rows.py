@@ -22,8 +22,8 @@ from support.tinymodels import tiny_config
 
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.request import Document
-from localkv.reports import Answer
 from localkv.runtime import Runtime
+from localkv.runtime.reports import Answer
 
 SYSTEM = "Answer from the document."
 QUESTION = "What was Alice doing?"

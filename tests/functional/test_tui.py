@@ -34,7 +34,7 @@ from textual.widgets import Label, ProgressBar, Static
 
 from localkv.chat.controller import ChatController
 from localkv.chat.formats import turn_line
-from localkv.chat.history import ConversationStore
+from localkv.history.store import ConversationStore
 from localkv.model.sampling import SamplingParams
 from localkv.prompt.request import read_document
 from localkv.runtime import Runtime

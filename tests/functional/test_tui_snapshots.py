@@ -18,9 +18,9 @@ from localkv.tui.prompt_input import PromptInput
 from support.tinymodels import TinyModels, tiny_config
 from textual.pilot import Pilot
 
-from localkv.chat.controller import SnapshotInfo
 from localkv.model.sampling import SamplingParams
 from localkv.runtime import Runtime
+from localkv.runtime.info import SnapshotInfo
 
 SnapCompare = Callable[..., bool]
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
@@ -62,8 +62,30 @@ def test_cache_screen(
 ) -> None:
     now = time.time()
     rows = [
-        SnapshotInfo("a1", "notes.txt", 2431, 3_311_616, 4, now - 7200, True),
-        SnapshotInfo("b2", "handbook.md, faq.md", 12_044, 16_400_000, 0, now - 3 * 86400, False),
+        SnapshotInfo(
+            id="a1",
+            label="notes.txt",
+            model="",
+            this_model=True,
+            tokens=2431,
+            bytes_on_disk=3_311_616,
+            hits=4,
+            last_used=now - 7200,
+            pinned=True,
+            pinned_until=None,
+        ),
+        SnapshotInfo(
+            id="b2",
+            label="handbook.md, faq.md",
+            model="",
+            this_model=True,
+            tokens=12_044,
+            bytes_on_disk=16_400_000,
+            hits=0,
+            last_used=now - 3 * 86400,
+            pinned=False,
+            pinned_until=None,
+        ),
     ]
     assert app.controller is not None
     monkeypatch.setattr(app.controller, "snapshots", lambda: rows)

@@ -205,7 +205,7 @@ def test_prefill_in_a_terminal_says_it_is_loading_the_model(
 
 
 def test_the_prefill_rate_counts_only_prefilled_tokens_and_its_time_left_agrees() -> None:
-    from localkv.cli.docs import progress_rate
+    from localkv.cli.documents import progress_rate
 
     assert progress_rate(1000, 3000, 1000, 0.0) == ""  # the first report: restored tokens
     assert progress_rate(1256, 3000, 1000, 0.2) == "1,280 tok/s, 0:00:01 left"
@@ -241,7 +241,7 @@ def test_the_side_panel_describes_the_model_as_localkv_models_does(
 
     listed = describe(FoundModel("tiny-base", "path", tiny_models.base))
     with Runtime(tiny_config(tiny_models.base), cache_dir=home) as rt:
-        assert rt.model_info()["description"] == listed.label() == "llama 6.59M F32"
+        assert rt.model_info().description == listed.label() == "llama 6.59M F32"
 
 
 def test_history_export_json_marks_an_attached_document(

@@ -378,7 +378,7 @@ def test_the_app_lists_the_model_and_shows_why_another_model_cannot_resume(
     from support.tinymodels import tiny_config
     from textual.widgets import DataTable
 
-    from localkv.chat.history import ConversationStore
+    from localkv.history.store import ConversationStore
     from localkv.runtime import Runtime
 
     home = tmp_path / "home"

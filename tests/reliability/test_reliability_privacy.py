@@ -21,8 +21,8 @@ from localkv.storage.store import SnapshotStore
 from support.reliability import record
 from support.tinymodels import TinyModels, tiny_config
 
-from localkv.chat.history import ConversationStore
 from localkv.cli import cli
+from localkv.history.store import ConversationStore
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document
 from localkv.runtime import Runtime
@@ -338,8 +338,8 @@ def test_a_document_that_repeats_its_opening_leaves_the_shared_block_before_it(
 
 
 def test_saved_conversations_holding_a_document_by_text_or_tokens(tmp_path: Path) -> None:
-    from localkv.chat.session import ChatState
     from localkv.prompt.template import Message
+    from localkv.runtime.chatsession import ChatState
 
     doc = np.arange(2000, 2040, dtype=np.int32)
     path = tmp_path / "conversations.db"

@@ -24,7 +24,7 @@ from support.tinymodels import TinyModels, tiny_config
 
 from localkv.cache.identity import Identity, identity_of, probe_kv_layout
 from localkv.cli import BLAS_THREADS, early
-from localkv.cli.docs import ask, prefill
+from localkv.cli.documents import ask, prefill
 from localkv.cli.options import session_config
 from localkv.model import early_open, native
 from localkv.model.early_open import drop_early, open_early, open_model

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from localkv.chat.history import (
+from localkv.chat.saving import HistoryKeeper
+from localkv.history.rows import encode_state
+from localkv.history.store import (
     HISTORY_FILE,
     MIGRATIONS,
     ConversationModel,
@@ -21,10 +23,8 @@ from localkv.chat.history import (
     migrate,
     title_of,
 )
-from localkv.chat.historyrows import encode_state
-from localkv.chat.saving import HistoryKeeper
-from localkv.chat.session import ChatState
 from localkv.prompt.template import Message
+from localkv.runtime.chatsession import ChatState
 
 EXPECTED = {
     "id": str,

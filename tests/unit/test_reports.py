@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localkv.reports import CacheReport
+from localkv.runtime.reports import CacheReport
 
 
 def test_a_hit_that_recomputed_common_tokens_says_so() -> None:

@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from localkv.bench.geometry.measure import measure
@@ -23,13 +23,13 @@ from localkv.bench.geometry.models import N_EMBD, build
 from localkv.bench.geometry.report import derived, markdown
 from localkv.bench.geometry.shapes import GEOMETRIES, Geometry, by_name
 from localkv.bench.run import describe_machine
+from localkv.bench.size import Say
 from localkv.model.find import resolve_model
 from localkv.model.partial_state import snapshot_interval
 
 __all__ = ["main", "run_geometry"]
 
 log = logging.getLogger(__name__)
-Say = Callable[[str], None]
 
 
 def load() -> list[float]:

@@ -28,13 +28,7 @@ from typing import Any
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.catalogue import (
-    ClientPin,
-    covering_snapshot,
-    has_room,
-    save_prefill,
-    snapshot_listing,
-)
+from localkv.cache.catalogue import ClientPin, covering_snapshot, has_room, save_prefill
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
@@ -50,13 +44,13 @@ from localkv.model.session import (
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.request import Document, Request, build_request
 from localkv.prompt.template import ChatTemplate
-from localkv.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
+from localkv.runtime.callbacks import TextFn
+from localkv.runtime.info import LoadedModel, SnapshotInfo, list_snapshots
+from localkv.runtime.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 
-__all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "TokenCounts"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger(__name__)
-
-TextFn = Callable[[str], None]
 
 
 class Runtime:
@@ -134,22 +128,21 @@ class Runtime:
         return self.work.wait()
 
     # ------------------------------------------------------------ information
-    def model_info(self) -> dict[str, object]:
+    def model_info(self) -> LoadedModel:
         """Name, quantization, file size, GPU layers and KV types, for display."""
         cfg = self.session.config
         path = Path(cfg.model_path)
-        return {
-            "name": self.session.meta("general.name") or path.stem,
-            "description": model_label(path) or self.session.describe(),
-            "path": str(path),
-            "file_bytes": path.stat().st_size,
-            # 0 on a CPU-only build, whatever was asked for
-            "n_gpu_layers": cfg.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0,
-            "type_k": cfg.type_k,
-            "type_v": cfg.type_v,
-            "flash_attn": self.flash_attn_effective(),
-            "n_ctx": self.session.n_ctx,
-        }
+        return LoadedModel(
+            name=self.session.meta("general.name") or path.stem,
+            description=model_label(path) or self.session.describe(),
+            path=str(path),
+            file_bytes=path.stat().st_size,
+            n_gpu_layers=cfg.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0,
+            type_k=cfg.type_k,
+            type_v=cfg.type_v,
+            flash_attn=self.flash_attn_effective(),
+            n_ctx=self.session.n_ctx,
+        )
 
     def flash_attn_effective(self) -> str:
         """``on``/``off`` as llama.cpp chose it (from the cache identity), else the setting."""
@@ -157,12 +150,11 @@ class Runtime:
             return "on" if self.cache.identity.flash_attn else "off"
         return self.session.flash_attn_setting()
 
-    def snapshots(self) -> list[dict[str, object]]:
-        """This namespace's snapshots, of every model (label, model, this_model, tokens,
-        bytes, hits, last used, pinned)."""
+    def snapshots(self) -> list[SnapshotInfo]:
+        """This namespace's snapshots, of every model."""
         if self.cache is None:
             return []
-        return snapshot_listing(self.cache.store, self.namespace, self.cache.identity.digest)
+        return list_snapshots(self.cache.store, self.namespace, self.cache.identity.digest)
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         if self.cache is None:

@@ -4,14 +4,14 @@ A conversation is stored exactly as ``ChatState`` holds it — messages, the
 token ids in the KV sequence (generated tokens as sampled), segment
 boundaries and attached documents — so reopening it rebuilds the same tokens
 and its prefix is restored from the cache instead of recomputed. The schema is
-built by migrations (``localkv.chat.historyschema``), applied when the store opens.
+built by migrations (``localkv.history.schema``), applied when the store opens.
 
 Nothing is lost silently. Opening checks that the file is a regular SQLite
 database this process can write (a probe write, rolled back), or raises. Every
 row carries a revision: ``write`` updates a conversation only at the revision
 its writer read, so a second chat on the same conversation forks a new one
 instead of overwriting the first one's turns. Rows that cannot be read back
-(``localkv.chat.historyrows``) are skipped and reported, never raised from a
+(``localkv.history.rows``) are skipped and reported, never raised from a
 listing.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import sqlite_utils
 
-from localkv.chat.historyrows import (
+from localkv.history.rows import (
     INFO_COLUMNS,
     STATE_COLUMNS,
     ConversationInfo,
@@ -46,8 +46,8 @@ from localkv.chat.historyrows import (
     message_texts,
     title_of,
 )
-from localkv.chat.historyschema import MIGRATIONS, connect, migrate, rebuild_table
-from localkv.chat.session import ChatState
+from localkv.history.schema import MIGRATIONS, connect, migrate, rebuild_table
+from localkv.runtime.chatsession import ChatState
 from localkv.storage.paths import create_private_file, default_root, ensure_private_dir
 from localkv.storage.removal.forget import DocumentRuns
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from localkv.chat.session import ChatState
 from localkv.prompt.template import Message
+from localkv.runtime.chatsession import ChatState
 
 __all__ = [
     "INFO_COLUMNS",

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localkv.chat.snapshots import ConversationSnapshot
 from localkv.model.sampling import SamplingParams
 from localkv.model.schedule import shared_end
 from localkv.model.session import (
@@ -31,11 +30,13 @@ from localkv.prompt.conversation import Streamed, stream_answer
 from localkv.prompt.renderbudget import TemplateRenderError
 from localkv.prompt.request import Document
 from localkv.prompt.template import Message
-from localkv.runtime import CacheReport, Runtime
+from localkv.runtime.callbacks import TextFn
+from localkv.runtime.chatsnapshot import ConversationSnapshot
+from localkv.runtime.reports import CacheReport
+from localkv.runtime.runtime import Runtime
 
 __all__ = ["ChatSession", "ChatState", "SyncReport", "TurnReport"]
 
-TextFn = Callable[[str], None]
 LabelFn = Callable[["ChatState"], str | None]
 
 
@@ -97,7 +98,7 @@ class ChatSession:
         snapshot_label: LabelFn | None = None,
     ) -> None:
         """``snapshot_label``: name each saved prefix as a snapshot with the label it
-        gives (None: not named; ``localkv.chat.snapshots``; the chat controller
+        gives (None: not named; ``localkv.runtime.chatsnapshot``; the chat controller
         labels a conversation with its title once it has a turn)."""
         self.runtime = runtime
         self.state = state or ChatState()

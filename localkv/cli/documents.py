@@ -75,7 +75,7 @@ def _loading(opts: dict[str, Any]) -> Iterator[None]:
     from rich.console import Console
     from rich.markup import escape
 
-    from localkv.reports import printable
+    from localkv.runtime.reports import printable
 
     name = escape(printable(str(opts.get("model") or "the default model")))
     with Console(stderr=True).status(f"loading {name} …"):

@@ -22,7 +22,7 @@ import numpy as np
 from localkv.cache.catalogue import save_snapshot
 from localkv.cache.prefix import PrefixCache
 from localkv.cache.save import SaveResult
-from localkv.runtime import Runtime
+from localkv.runtime.runtime import Runtime
 from localkv.storage.values import BlockRow
 
 __all__ = ["ConversationSnapshot"]
