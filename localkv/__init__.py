@@ -17,10 +17,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from localkv.model import threads as _threads
-
-_threads.note_start()  # the work running as localkv starts: for llama.cpp's OpenMP wait
-
 if TYPE_CHECKING:
     from localkv.model.sampling import (
         GrammarError,

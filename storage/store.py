@@ -304,7 +304,7 @@ class SnapshotStore:
         return events.stats(self._index, namespace)
 
     def prefill_rate(self, identity: str, n_ctx: int) -> tuple[float, int] | None:
-        """Measured prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx`` (``events``)."""
+        """Timed prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx`` (``events``)."""
         return events.rate(self._index, identity, n_ctx)
 
     def note_prefill(self, identity: str, n_ctx: int, seconds: float, tokens: int) -> None:

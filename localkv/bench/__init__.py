@@ -8,7 +8,7 @@ One module per role, from the run down to its tools:
 - ``lookup``: the longest-prefix lookup with many blocks indexed;
 - ``codecs``: the block encodings written, decoded and timed on one state;
 - ``encodings``: the encodings themselves and the buffer layout they decode into;
-- ``stats``: how one step is measured (wall time, cold runs, peak memory);
+- ``stats``: how one step is timed (wall time, cold runs, peak memory);
 - ``disk``: reads from storage without root (page-cache eviction, ``/proc/self/io``);
 - ``text``: the prompt (public-domain prose, cut to exactly N tokens);
 - ``results``: the configuration and the results, as values;

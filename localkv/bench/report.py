@@ -2,7 +2,7 @@
 
 Every figure comes from one ``BenchResult``; the terminal table, the markdown
 page and the JSON show the same numbers. The table and each figure's text are
-``table``'s (re-exported here); the page also says how each figure is measured
+``table``'s (re-exported here); the page also says how each figure is taken
 (``METHOD``). The chart needs matplotlib (``pip install 'localkv[bench]'``),
 imported only when ``write_chart`` draws; without it ``write_chart`` says so
 and writes nothing.

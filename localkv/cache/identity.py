@@ -24,13 +24,10 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from localkv.kv import codec, partial
 from localkv.model.memories import memory_refusal
 from localkv.model.native import ggml_type_name, llama_cpp, llama_cpp_version, system_info
-from localkv.model.partial_state import attention_state, read_state_ext, snapshot_interval
-from localkv.model.state import STATE_WORK, check_cells
+from localkv.model.partial_state import read_state_ext, snapshot_interval
 
 if TYPE_CHECKING:
     from localkv.model.session import ModelSession
@@ -174,9 +171,6 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
     if kind is None or refusal is not None:
         raise codec.StateFormatError(refusal or session.memory_refusal or "unknown memory")
     try:
-        kv = _probed(session, 0 if token is None else token, kind)
-        if kv is not None:
-            return kv, ""
         session.decode_one(0 if token is None else token)
         kv = None if kind == "recurrent" else session.capture()
         if kind == "kv":
@@ -195,20 +189,6 @@ def probe_kv_layout(session: ModelSession) -> tuple[codec.KVState | None, str]:
         return kv, f"{info.layout}:{info.nbytes}"
     finally:
         session.reset()
-
-
-def _probed(
-    session: ModelSession, token: int, kind: partial.MemoryKind | None
-) -> codec.KVState | None:
-    """What ``session.capture()`` gives after ``decode_one(token)`` on an empty sequence,
-    where the early open (``model.early_open``) decoded it and read the state already."""
-    probed, session.probed = session.probed, None  # once: the sequence has moved on
-    if probed is None or kind != "kv" or probed[0] != token:
-        return None
-    state = np.frombuffer(probed[1], dtype=np.uint8)
-    STATE_WORK.captures += 1
-    STATE_WORK.captured_bytes += state.size
-    return check_cells(attention_state(state, kind), [token], session.cell_ext)
 
 
 def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:

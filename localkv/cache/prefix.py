@@ -300,7 +300,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------- prefill rate
     def seconds_per_token(self, n_ctx: int) -> float | None:
-        """The measured prefill rate of this identity at ``n_ctx`` (None: none measured).
+        """The prefill rate timed for this identity at ``n_ctx`` (None: none timed yet).
 
         Every writer's blocks and every hit's saved-time estimate use it.
         """
@@ -312,7 +312,7 @@ class PrefixCache:
         return found[0] / found[1] if found else None
 
     def note_prefill(self, n_ctx: int, seconds: float, tokens: int) -> float:
-        """Add a measured prefill to the rate (written off the critical path); the new rate."""
+        """Add a timed prefill to the rate (written off the critical path); the new rate."""
         digest = self.identity.digest
         try:
             before = self.store.prefill_rate(digest, n_ctx) if self.saving else None

@@ -8,21 +8,23 @@ is loaded for ``--help``, ``ask`` or ``prefill``.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 import time
+from collections.abc import Callable
 
-from localkv.cli import early
+import click
 
-early.hold_collector(sys.argv)  # `localkv ask ...`: no garbage collections while it loads
-
-import logging  # noqa: E402  (after the collector is held off)
-import os  # noqa: E402
+__all__ = ["BLAS_THREADS", "COMMANDS", "SETTINGS", "cli", "main", "process_age", "start_up"]
 
 # numpy's OpenBLAS starts a thread for each further core as numpy loads; localkv
 # does no BLAS work (no matrix products in numpy), so the command line asks for
-# one: numpy loads ~30% sooner (measured), and on a busy desktop ~35 ms of a fresh
-# `ask`'s first token. A user's own setting wins; `import localkv` sets nothing.
+# one, and numpy loads sooner (`python -X importtime -c "import numpy"` with and
+# without it shows by how much). A user's own setting wins; `import localkv` sets nothing.
 BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+
+_LOADED = time.monotonic()  # the command line's first module: as early as it can record
 
 
 def _configure_logging(verbose: int) -> None:
@@ -31,31 +33,6 @@ def _configure_logging(verbose: int) -> None:
     if verbose < 2:  # localkv says what failed in its own words; -vv shows llama.cpp's
         logging.getLogger("localkv.llama").setLevel(logging.CRITICAL)
 
-
-def _start_early(argv: list[str]) -> None:
-    """``localkv ask|prefill ...`` (no global options: ``-v`` is not given): its model opens now.
-
-    Called as this module loads when the process is that command, so the open
-    runs beside click's and the command's imports (~25 ms more of them), and
-    again from ``main`` (``early.start`` opens once).
-    """
-    if "numpy" not in sys.modules and not os.environ.get(BLAS_THREADS):
-        os.environ[BLAS_THREADS] = "1"
-    if argv[1:2] and argv[1] in early.COMMANDS:
-        _configure_logging(0)  # before the thread logs what it opens
-        early.start(argv[1:])
-
-
-if early.is_command(sys.argv):
-    _start_early(sys.argv)
-
-from collections.abc import Callable  # noqa: E402
-
-import click  # noqa: E402
-
-__all__ = ["BLAS_THREADS", "COMMANDS", "SETTINGS", "cli", "main", "process_age"]
-
-_LOADED = time.monotonic()  # the command line's first module: as early as it can record
 
 # name -> (module:attribute, the first line of its help, shown by ``localkv --help``;
 # a test checks they agree)
@@ -168,15 +145,29 @@ def _settings() -> dict[str, Callable[[str], object]]:
 
 
 def main() -> None:
-    _start_early(sys.argv)
+    start_up()
     cli(prog_name="localkv")
+
+
+def start_up() -> None:
+    """What the command line does first, before a command's modules load.
+
+    It samples the machine's load (``threads.note_start``: the OpenMP wait that
+    llama.cpp takes when it loads is chosen from it) and asks numpy's OpenBLAS
+    for one thread (``BLAS_THREADS``).
+    """
+    from localkv.model import threads
+
+    threads.note_start()
+    if "numpy" not in sys.modules and not os.environ.get(BLAS_THREADS):
+        os.environ[BLAS_THREADS] = "1"
 
 
 def process_age() -> float:
     """Seconds since this process started (the interpreter's start, not the CLI's).
 
     Linux: the kernel's start time of the process (``/proc/self/stat``, in clock
-    ticks since boot: 10 ms) against ``CLOCK_BOOTTIME``; elsewhere, or where that
+    ticks since boot, ``SC_CLK_TCK`` a second) against ``CLOCK_BOOTTIME``; elsewhere, or where that
     is not plausible, the time since this module was loaded.
     """
     loaded = time.monotonic() - _LOADED

@@ -266,10 +266,8 @@ def open_runtime(opts: dict[str, Any]) -> Runtime:
     A model that cannot be found is a ``click.ClickException`` (from
     ``session_config``), raised before anything loads.
     """
-    from localkv.cli import early
     from localkv.runtime import Runtime  # imported when a command runs, not on --help
 
-    early.wait()  # the model ``localkv.cli.early`` opens, which the runtime takes
     return Runtime(
         session_config(opts),
         cache_dir=opts.get("cache_dir"),

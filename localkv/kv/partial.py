@@ -1,6 +1,6 @@
 """The partial part of a sequence state: an SWA window or a recurrent state.
 
-Measured on llama-cpp-python 0.3.36 (tiny gemma3, lfm2 and mamba2 models,
+As llama-cpp-python 0.3.36 does it (tiny gemma3, lfm2 and mamba2 models,
 ``tests/unit/test_partial_state.py``), ``llama_state_seq_get_data_ext`` writes,
 after the common ``u32 magic, i32 seq_id`` header:
 

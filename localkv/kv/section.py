@@ -10,7 +10,7 @@ Qwen-VL, whose ``n_pos_per_embd`` is 4, and per-layer n-gram embeddings),
 
 Nothing in the section names its cell layout, so ``kv_section`` walks it with
 each and keeps the one that fits: the cells must be text cells of one sequence
-and the layers must end where the buffer (or the next section) does. Measured
+and the layers must end where the buffer (or the next section) does. As seen
 on the tiny qwen35 model (``tests/unit/test_codec.py``), text decoded into an
 M-RoPE cache writes ``x = y = pos`` and ``tok`` = the cell's token: the codec
 checks that, keeps the tokens, and writes the extension back from a block's

@@ -1,10 +1,10 @@
 /* llama.cpp's log, filtered before it reaches Python (see native.py).
  *
- * llama.cpp calls its log callback about 2,000 times while it loads a model
+ * llama.cpp calls its log callback thousands of times while it loads a model
  * and creates a context, nearly all of them debug and info lines. A Python
  * callback takes the GIL for each, so a model loading in one thread waits at
- * every line for Python work in another (the command line opens the model
- * beside its imports: localkv.cli.early). install(forward, detail) returns
+ * every line for Python work in another (the server's worker and the chat
+ * app open the model beside other Python work). install(forward, detail) returns
  * the address of a C callback that passes warnings and errors, and the lines
  * continuing them, to forward (a C function pointer: the Python callback),
  * and debug and info lines only while detail is set (set_detail).

@@ -2,9 +2,9 @@
 
 The layout is GGUF v2/v3 (little-endian): magic ``GGUF``, version, tensor count, key
 count, the key/value pairs, then one (name, dims, ggml type, offset) record per tensor.
-``gguf.GGUFReader`` reads the same, but builds an array per vocabulary string: 15 s for
-a 262k-token vocabulary on 2 cores. Here arrays longer than a few items are skipped
-(their element type and length are kept), so a model's header reads in milliseconds.
+``gguf.GGUFReader`` reads the same, but builds an array per vocabulary string, which
+is slow for a large vocabulary. Here arrays longer than a few items are skipped
+(their element type and length are kept), so a header reads without that work.
 Every length is checked against the file, so a damaged or hostile file is a
 ``GGUFError``, never an unbounded read (tests compare the result with ``GGUFReader``).
 """

@@ -4,7 +4,6 @@
 (quantized KV types on the model's head size), loads the model, creates the
 context and the batch, attaches LoRA adapters, and registers every handle's
 free on the stack, so the session that owns the stack frees each once.
-A context opened ahead of need is ``localkv.model.early_open``'s.
 """
 
 from __future__ import annotations
@@ -56,9 +55,6 @@ class Native:
     n_threads: int
     flash_attn: str  # the setting passed to llama.cpp (``flash_attn_setting``)
     n_seq_max: int = 1  # 2: a restore may load a state in pieces (``state.append_state``)
-    # ``open_early`` (plain KV memory): the layout probe's token, decoded alone at
-    # position 0, and the raw state of sequence 0 after it; the sequence emptied again
-    probed: tuple[int, Any] | None = None
 
 
 # ``auto`` on a CPU: flash attention off while its scratch stays this small.
@@ -72,13 +68,11 @@ def flash_attn_setting(cfg: SessionConfig, model: Any) -> str:
     ``on`` and ``off`` are passed as asked. ``auto`` on a CPU, with an unquantized V
     cache, is ``off`` while the scratch that attention without it needs (``n_ctx`` x
     ``n_batch`` x heads floats) stays within ``AUTO_OFF_SCRATCH``: llama.cpp's CPU
-    flash attention is slower for every batch (measured on 2 cores at 2,000 tokens:
-    a 27-token batch 199 against 91 ms on the default model, 189 against 62 ms at
-    Llama 3.1 8B's cache geometry; at 8,000 tokens 1,741 against 242 ms, and a
-    single token 180 against 81 ms). Elsewhere -- offloaded to a GPU, a quantized
-    V, a larger scratch -- ``auto`` lets llama.cpp decide (where supported: on).
-    With flash attention on, CPU logits depend on the thread count (measured
-    0.05-0.4 apart between 1 and 2 threads), so the identity records the thread
+    flash attention is slower for every batch size and context length
+    (``benchmarks/faces.py --flash-attn on`` against ``off``). Elsewhere --
+    offloaded to a GPU, a quantized V, a larger scratch -- ``auto`` lets llama.cpp
+    decide (where supported: on). With flash attention on, CPU logits depend on the
+    thread count (``benchmarks/numerics.py``), so the identity records the thread
     count whenever it is on (see ``localkv.cache.identity``).
     """
     if cfg.flash_attn != "auto":
@@ -183,8 +177,8 @@ def _check_kv_types(cfg: SessionConfig, model: Any) -> None:
             )
 
 
-# llama.cpp rounds the context up to a multiple of this many tokens (measured
-# on 0.3.36: 16 and 256 give 256, 257 gives 512, 9000 gives 9216).
+# llama.cpp rounds the context up to a multiple of this many tokens (0.3.36:
+# 16 and 256 give 256, 257 gives 512, 9000 gives 9216).
 CONTEXT_STEP = 256
 
 # Bytes per element of a KV cache type: quantized types pack 32 values.

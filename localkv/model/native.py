@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import hashlib
 import importlib
 import importlib.util
 import logging
 import os
-import re
 import sys
 import threading
 import types
@@ -54,37 +54,45 @@ def _settings_text() -> str:
 
 WAIT_CHOICE = _choose_wait_policy()
 
-# llama-cpp-python 0.3.36's whole package __init__: the ctypes bindings, then the Llama class
-_PACKAGE_INIT = re.compile(
-    r'from \.llama_cpp import \*\nfrom \.llama import \*\n\n__version__ = "(?P<version>[^"\n]+)"\n'
+# The one llama-cpp-python package ``_bindings_first`` was written against: its version
+# (pyproject.toml pins it) and the SHA-256 of its ``llama_cpp/__init__.py``, which is
+# ``from .llama_cpp import *``, ``from .llama import *``, ``__version__ = "0.3.36"``.
+# tests/unit/test_llama_cpp_pin.py fails when the pin or the installed package moves.
+BINDINGS_FIRST_FOR = (
+    "0.3.36",
+    "b05f3332080ca0313fea46964d9ee8f5183197360cf26247ad8fea9fa6b0e62b",
 )
 
 
-def _bindings_first() -> None:
+def _bindings_first() -> bool:
     """Import llama-cpp-python's ctypes bindings now and its high-level half when first used.
 
-    The package's ``__init__`` is ``from .llama_cpp import *`` then ``from .llama import
-    *``; the second (the ``Llama`` class and its chat formats: jinja2, numpy and
-    ~45 ms of imports in a fresh process) is nothing localkv calls, and it would
-    hold back the model load that ``localkv.cli.early`` starts beside the imports.
-    Where ``__init__`` is exactly those lines, the package is made here from the
-    first, and the second runs when a name only it gives is asked for (a module
-    ``__getattr__``, PEP 562): ``llama_cpp.Llama`` and ``from llama_cpp import *``
-    still work. Another ``__init__`` (another version), or a package already
-    imported, is left to the import system.
+    The package's ``__init__`` runs ``from .llama_cpp import *`` then ``from .llama
+    import *``; the second (the ``Llama`` class, its chat formats, caches and
+    tokenizers, with their imports) is nothing localkv calls, and importing it
+    would come before every model load (``python -X importtime -c "import
+    llama_cpp"`` against ``localkv.model.native`` shows what it costs). Python has
+    no supported way to import a submodule without its package's ``__init__``,
+    so here, and only for the ``__init__`` in ``BINDINGS_FIRST_FOR`` (its bytes'
+    hash), the package object is made from the first line alone, and the second
+    runs when a name only it gives is asked for (a module ``__getattr__``, PEP 562):
+    ``llama_cpp.Llama`` and ``from llama_cpp import *`` still work. Any other
+    ``__init__`` (another version), or a package already imported, is left to
+    the import system. Whether the package was made here.
     """
     if "llama_cpp" in sys.modules:
-        return
+        return False
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.loader is None or not spec.submodule_search_locations:
-        return
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
+        return False
     try:
-        source = spec.loader.get_source("llama_cpp")  # type: ignore[attr-defined]
-    except (ImportError, OSError):
-        return
-    found = _PACKAGE_INIT.fullmatch(source or "")
-    if found is None:
-        return
+        with open(spec.origin, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return False
+    version, known = BINDINGS_FIRST_FOR
+    if digest != known:
+        return False
     package = importlib.util.module_from_spec(spec)
     sys.modules["llama_cpp"] = package
     try:
@@ -93,7 +101,7 @@ def _bindings_first() -> None:
         sys.modules.pop("llama_cpp", None)
         raise
     package.__dict__.update(_star(bindings))
-    package.__version__ = found["version"]  # type: ignore[attr-defined]
+    package.__version__ = version  # type: ignore[attr-defined]
 
     def rest(name: str) -> Any:
         if not name.startswith("__"):  # a dunder (__all__, __wrapped__...) is no name it gives
@@ -104,6 +112,7 @@ def _bindings_first() -> None:
         raise AttributeError(f"module 'llama_cpp' has no attribute {name!r}")
 
     package.__getattr__ = rest  # type: ignore[method-assign]
+    return True
 
 
 def _star(module: types.ModuleType) -> dict[str, Any]:
@@ -114,7 +123,7 @@ def _star(module: types.ModuleType) -> dict[str, Any]:
     return {name: getattr(module, name) for name in names}
 
 
-_bindings_first()
+BINDINGS_FIRST = _bindings_first()
 
 import llama_cpp  # noqa: E402  (after the wait policy: libgomp reads it when it loads)
 
@@ -124,6 +133,8 @@ except ImportError:  # not built (setup.py: it is optional): every line goes to 
     _quietlog = None  # type: ignore[assignment]
 
 __all__ = [
+    "BINDINGS_FIRST",
+    "BINDINGS_FIRST_FOR",
     "GGML_TYPES",
     "WAIT_CHOICE",
     "WAIT_SETTINGS",
@@ -198,7 +209,7 @@ def ensure_backend() -> None:
     Through ``_quietlog`` where it was built: llama.cpp's debug and info lines
     reach Python only while ``localkv.llama`` logs at DEBUG (``sync_log_detail``),
     so a model loading in a thread does not wait for the GIL at each of its
-    ~2,000 lines. Without it, every line goes to ``_route_log``.
+    many lines. Without it, every line goes to ``_route_log``.
     """
     global _started, _log_callback
     with _state_lock:

@@ -11,13 +11,13 @@ captures it before a block's last token where a block can end (see
 ``snapshot_here``): at every segment end, and on the block grid every
 ``snapshot_interval`` tokens, chosen so the states cost no more disk than the
 attention rows between them (a state of a real model is tens of MB: storing
-one per 256-token block would be 5-25 times the rows). A divergence recomputes
-at most one interval. They need no settling (measured: bit-identical continuations).
+one per 256-token block would be many times the rows). A divergence recomputes
+at most one interval. They need no settling (tests: bit-identical continuations).
 
 **Settling (SWA).** A live context with ``swa_full`` keeps every SWA cell, but
-a state write (and so a restore) holds only the window: measured on the tiny
-gemma3 model, a batch decoded after a restore differs from the live run by up
-to 3e-3 in a logit. So where a restore may end the SWA session *settles*:
+a state write (and so a restore) holds only the window: on the tiny gemma3
+model, a batch decoded after a restore differs from the live run in its
+logits (tests). So where a restore may end the SWA session *settles*:
 it writes its state, clears the memory and loads that state back, exactly
 what a restore does. It settles before a token decoded alone at a block-grid
 end, before one decoded alone right after a batch of several tokens (a

@@ -24,8 +24,7 @@ import numpy as np
 from localkv.kv import codec
 from localkv.kv.windows import WindowLog
 from localkv.model.config import LoraSpec, SessionConfig
-from localkv.model.early_open import open_model
-from localkv.model.loading import ModelLoadError, Native
+from localkv.model.loading import ModelLoadError, Native, open_native
 from localkv.model.native import ensure_backend, llama_cpp
 from localkv.model.partial_state import (
     attention_state,
@@ -99,7 +98,7 @@ class ModelSession:
 
     # ----------------------------------------------------------------- setup
     def _open(self) -> None:
-        native = open_model(self.config, self._stack)
+        native = open_native(self.config, self._stack)
         self.model, self.vocab, self.n_vocab = native.model, native.vocab, native.n_vocab
         self.n_threads, self._flash_attn = native.n_threads, native.flash_attn
         self.threads = _fit_threads(native, self.config)  # fitted to the free cores
@@ -109,7 +108,6 @@ class ModelSession:
         self.memory_kind, self.memory_refusal = memory_of(self.model)
         self.swa_window = int(llama_cpp.llama_model_n_swa(self.model))
         self.cell_ext = cell_ext_of(self.model, self.memory_kind)  # cells name their tokens
-        self.probed = native.probed  # the early open's probe (``cache.identity``)
 
     def flash_attn_setting(self) -> str:  # what llama.cpp got (``loading.flash_attn_setting``)
         return self._flash_attn

@@ -3,16 +3,18 @@
 OpenMP's wait at llama.cpp's barriers is read once, when llama.cpp loads (its
 libgomp starts). Spinning threads (libgomp's default) decode fastest on idle
 cores; on cores other processes use, every barrier of every decode waits for a
-spinning thread's time slice (docs/performance/firsttoken.md). So with other work running on
-at least half the cores the wait is passive; otherwise a short spin
-(``GOMP_SPINCOUNT`` 3000: as fast as libgomp's default of 300000 idle, measured,
-and in a long-lived process it gives the core up soon when other work arrives).
+spinning thread's time slice. So with other work running on at least half the
+cores the wait is passive; otherwise a short spin (``GOMP_SPINCOUNT``
+``IDLE_SPINCOUNT``: as fast as libgomp's default on idle cores, and in a
+long-lived process it gives the core up soon when other work arrives).
+``benchmarks/firsttoken.py`` compares the settings idle and busy.
 
 The work running is ``/proc/loadavg``'s count of runnable tasks, less this
-process's own running threads, sampled when localkv starts to import
+process's own running threads, sampled when the command line starts
 (``note_start``) and again just before llama.cpp loads: the 1-minute average
 lags a load by a minute and counts the user's own earlier commands, and a single
-moment can catch a process that is just ending.
+moment can catch a process that is just ending. ``LOCALKV_OTHER_TASKS`` (a
+number) stands for the samples: tests and benchmarks give the load they mean.
 
 A context's threads (``context_threads``): the ``--threads`` the user gave,
 else one per core, at most ``MAX_THREADS``. The count its decodes use
@@ -20,13 +22,11 @@ else one per core, at most ``MAX_THREADS``. The count its decodes use
 llama.cpp's threads gets a share of a core, and every barrier of a decode
 (several per layer) waits for the slowest to be scheduled again. So a decode
 uses one thread per core the other work leaves free, at least one, and every
-core when they are idle. Measured on 2 cores (``benchmarks/ask_ab.py --face
-api``, 30 restores each, medians): with one CPU-bound process besides, the first
-token of a new question about a restored 2k prompt came after 387 ms against
-449 ms with two threads; with two, after 531 against 669 ms, and the slowest
-after 781 against 1,190 ms. The count follows the machine: before a decode,
-once the last look is older than ``RECHECK_S``, the runnable tasks are sampled
-again (~1 ms). It changes only where it cannot change a result: with flash
+core when they are idle; ``benchmarks/ask_ab.py --face api`` compares the first
+token with one thread per core against the fitted count beside CPU-bound
+processes. The count follows the machine: before a decode, once the last look
+is older than ``RECHECK_S``, the runnable tasks are sampled again (a few reads
+of ``/proc``). It changes only where it cannot change a result: with flash
 attention off on a CPU, where llama.cpp computes the same bits at every thread
 count (tested), so the count is no part of the cache identity. A ``--threads``
 the user gave, flash attention ``on`` or left to llama.cpp, or a GPU keep the
@@ -36,11 +36,13 @@ count the context was made with.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
 
 __all__ = [
+    "ENV_OTHER_TASKS",
     "IDLE_SPINCOUNT",
     "MAX_THREADS",
     "RECHECK_S",
@@ -53,12 +55,15 @@ __all__ = [
     "wait_settings",
 ]
 
+log = logging.getLogger(__name__)
+
 IDLE_SPINCOUNT = "3000"
+ENV_OTHER_TASKS = "LOCALKV_OTHER_TASKS"  # the runnable tasks to assume, instead of sampling
 # llama.cpp's GGML_MAX_N_THREADS (ggml.h): its CPU thread pool holds no more; past
-# it, measured, 5,000 threads hang and 100,000 crash the process (SIGSEGV)
+# it, a pool hangs or crashes the process (tests/reliability: `--threads` 5000, 100000)
 MAX_THREADS = 512
 _SAMPLES = 3
-_started: list[int] = []  # samples taken when localkv started to import
+_started: list[int] = []  # samples taken when the command line started
 _latest: list[tuple[float, float]] = []  # (time.monotonic(), runnable_others()) last seen
 
 
@@ -88,9 +93,30 @@ def _sample(n: int, gap_s: float) -> list[int]:
 
 
 def note_start() -> None:
-    """Sample the machine as localkv starts to import (nothing if it cannot be read)."""
+    """Sample the machine as a command starts, before its imports (nothing if it cannot be read).
+
+    ``import localkv`` does not call it: a program using the API is sampled when
+    llama.cpp loads, which is when the OpenMP wait is chosen.
+    """
+    if _given_others() is not None:
+        return
     with contextlib.suppress(OSError, ValueError, IndexError):
         _started.extend(_sample(_SAMPLES, 0.001))
+
+
+def _given_others() -> float | None:
+    """``$LOCALKV_OTHER_TASKS`` as a count of tasks, or None where it is unset or not one."""
+    value = os.environ.get(ENV_OTHER_TASKS, "").strip()
+    if not value:
+        return None
+    try:
+        others = float(value)
+    except ValueError:
+        others = -1.0
+    if not 0 <= others < float("inf"):
+        log.warning("%s=%r is not a count of tasks: the machine is sampled", ENV_OTHER_TASKS, value)
+        return None
+    return others
 
 
 def runnable_others(
@@ -98,8 +124,12 @@ def runnable_others(
 ) -> float | None:
     """Tasks runnable besides this process's: the median of new samples (and the start's).
 
-    None where ``/proc`` cannot be read.
+    ``$LOCALKV_OTHER_TASKS`` where it is set; None where ``/proc`` cannot be read.
     """
+    given = _given_others()
+    if given is not None:
+        _latest[:] = [(time.monotonic(), given)]
+        return given
     try:
         counts = [*(_started if with_start else ()), *_sample(samples, gap_s)]
     except (OSError, ValueError, IndexError):

@@ -58,7 +58,7 @@ def compile_template(source: str) -> jinja2.Template:
     """``source`` compiled in the bounded sandbox, once per process.
 
     Choosing a template compiles it to check it, then the renderer uses it: one
-    compile, not two (7-19 ms each for Gemma's, Llama's, Qwen's, measured). A
+    compile, not two (a real chat template is slow to compile). A
     Template keeps no state between renders, so one object serves every renderer.
     """
     try:

@@ -62,7 +62,7 @@ class CacheReport:
         return f"reused {self.reused:,} of {self.common:,} common tokens (exact)"
 
     def line(self, prompt_tokens: int) -> str:
-        """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in 41 ms``."""
+        """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in N ms``."""
         exact = self.exactness()
         if not self.hit and self.first_run:  # the template's first tokens are no news
             return f"{self.miss_reason}; prefilled {prompt_tokens:,} tokens"

@@ -71,7 +71,7 @@ class Runtime:
         self.cache: PrefixCache | None = None
         self.cache_error: str | None = None if use_cache else "cache disabled"
         self.work = BackgroundWork()  # saves and bookkeeping, after the answer
-        self._rate = 1 / 240  # updated from measured prefills
+        self._rate = 1 / 240  # a first guess, updated from the prefills this runtime times
         if use_cache:
             self._open_cache(cache_dir, compact_cache)
 
@@ -368,7 +368,7 @@ class Runtime:
         )
 
     def note_prefill(self, seconds: float, tokens: int) -> None:
-        """A measured prefill: it joins the one rate (per identity and n_ctx) every writer uses."""
+        """A timed prefill: it joins the one rate (per identity and n_ctx) every writer uses."""
         if tokens >= 32 and seconds > 0:
             cache, n = self.cache, self.session.n_ctx
             self._rate = cache.note_prefill(n, seconds, tokens) if cache else seconds / tokens

@@ -140,7 +140,7 @@ def open_block(
 def _no_readahead(fd: int) -> None:
     """Read from storage only what is asked for: a restore may read part of a file
     (tails from a row, a detached tensor left unread), and the kernel's readahead,
-    once the header read started it, would read the rest (measured: all of it).
+    once the header read started it, would read the rest of a file.
     Set before the first read; a whole-file read is still one request."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is not None:

@@ -5,9 +5,9 @@ lock. It knows rows and queries, never files. Writes run inside ``write()``,
 a ``BEGIN IMMEDIATE`` transaction, so two processes never interleave a
 read-check-write sequence; ``busy_timeout`` makes the other one wait.
 
-Reads go to the ``sqlite3`` connection itself; ``sqlite_utils`` (about 40 ms
-of imports) is imported by the first write or migration, so a cache hit's
-first token does not wait for it.
+Reads go to the ``sqlite3`` connection itself; ``sqlite_utils`` (and the many
+modules it imports) is imported by the first write or migration, so a cache
+hit's first token does not wait for it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cache events and measured prefill rates: what ``cache stats`` and the saved-time estimates read.
+"""Cache events and timed prefill rates: what ``cache stats`` and the saved-time estimates read.
 
 A ``hit`` is one verified restore: it records the tokens reused, the
 prefill seconds it saved (the estimate the restore reported) and the
@@ -8,7 +8,7 @@ hits ``cache ls`` shows plus the hits no listed snapshot names are the
 ``hits`` of ``cache stats``. A ``miss`` records its reason; a miss without one is a
 first run (nothing was stored for the request): ``not_cached_yet``, no miss.
 
-``prefill_rates`` sums the measured prefill seconds and tokens per identity
+``prefill_rates`` sums the timed prefill seconds and tokens per identity
 and context length: one rate for every writer's blocks and every hit.
 """
 
@@ -86,7 +86,7 @@ def stats(index: BlockIndex, namespace: str | None = None) -> StoreStats:
 
 
 def rate(index: BlockIndex, identity: str, n_ctx: int) -> tuple[float, int] | None:
-    """The measured prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx``, or None."""
+    """The timed prefill ``(seconds, tokens)`` under ``identity`` at ``n_ctx``, or None."""
     rows = index.query(
         "SELECT seconds, tokens FROM prefill_rates WHERE identity = ? AND n_ctx = ?",
         (identity, int(n_ctx)),
@@ -97,7 +97,7 @@ def rate(index: BlockIndex, identity: str, n_ctx: int) -> tuple[float, int] | No
 
 
 def note_rate(index: BlockIndex, identity: str, n_ctx: int, seconds: float, tokens: int) -> None:
-    """Add one measured prefill (``seconds`` for ``tokens``) to the rate of its identity."""
+    """Add one timed prefill (``seconds`` for ``tokens``) to the rate of its identity."""
     with index.write() as db:
         db.execute(
             "INSERT INTO prefill_rates (identity, n_ctx, seconds, tokens, updated) "

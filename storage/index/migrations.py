@@ -188,12 +188,12 @@ def m003_event_namespace(db: sqlite_utils.Database) -> None:
 
 @migration
 def m004_hits_name_a_snapshot(db: sqlite_utils.Database) -> None:
-    """A hit records the snapshot it is counted under; prefill rates are measured once.
+    """A hit records the snapshot it is counted under; prefill rates are kept once.
 
     A snapshot's ``hits`` now counts the restores that named it (the longest
     snapshot the reused prefix covers), not every restore that passed its tip,
     so the counts before this migration are reset; their hit events name no
-    snapshot. ``prefill_rates`` holds the measured prefill seconds and tokens
+    snapshot. ``prefill_rates`` holds the timed prefill seconds and tokens
     per identity and context length, the one rate every writer and every hit's
     saved-time estimate uses.
     """

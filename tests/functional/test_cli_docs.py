@@ -20,11 +20,13 @@ SYSTEM = "Answer from the document."
 
 @pytest.fixture()
 def env(tmp_path: Path, tiny_models: TinyModels) -> dict[str, str]:
-    """Environment pointing the model at the tiny model and the cache at tmp_path."""
+    """Environment pointing the model at the tiny model and the cache at tmp_path, on a
+    machine that is idle as far as localkv can tell (whatever else runs on it)."""
     return {
         **os.environ,
         "LOCALKV_MODEL": str(tiny_models.base),
         "LOCALKV_HOME": str(tmp_path / "cache"),
+        "LOCALKV_OTHER_TASKS": "0",
     }
 
 
@@ -115,16 +117,13 @@ def test_prefill_then_ask_in_a_new_process(env: dict[str, str], docs: tuple[Path
     assert isinstance(timing, dict)
     names = {"restore_s", "prefill_s", "ttft_s", "total_s", "since_start_s", "openmp", "threads"}
     assert set(timing) == names
-    assert timing["threads"] in range(1, len(os.sched_getaffinity(0)) + 1)  # fitted to the load
+    assert timing["threads"] == 1  # as --threads says
     openmp = timing["openmp"]  # the wait llama.cpp ran with: chosen from the load unless given
     given = {name: env.get(name) or None for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if any(given.values()) and not env.get("LOCALKV_OPENMP_CHOSEN"):  # not localkv's own choice
         assert openmp == {**given, "chosen": "user"}
-    else:
-        assert openmp in (
-            {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "3000", "chosen": "idle"},
-            {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": None, "chosen": "busy"},
-        )
+    else:  # no other work (LOCALKV_OTHER_TASKS): a short spin
+        assert openmp == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "3000", "chosen": "idle"}
     # the first text as the user sees it: after the process started, so after the engine's own
     assert timing["since_start_s"] > timing["ttft_s"] > 0
     hits = [row for row in _index_rows(env, "events") if row[0] == "hit"]

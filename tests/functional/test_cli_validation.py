@@ -86,8 +86,7 @@ def test_a_file_that_is_not_a_model_gets_one_line_in_llama_cpp_s_words(tmp_path:
 def test_a_command_refused_while_its_model_opens_exits_with_its_usage_error(
     tmp_path: Path,
 ) -> None:
-    # `ask` starts opening the model as the process starts (localkv.cli.early); a
-    # command refused at once waits for that load, frees it and exits as before
+    # a command refused at once exits with its usage error, before any model loads
     command = [sys.executable, "-m", "localkv", "ask", "--threads", "1", "only-a-question"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2

@@ -148,3 +148,19 @@ def test_the_settings_checked_before_a_command_are_the_ones_listed() -> None:
     from localkv.cli import SETTINGS, _settings
 
     assert sorted(SETTINGS) == sorted(_settings())
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject names the packages one by one (storage/ and tui/ under localkv): none left out."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(config["tool"]["setuptools"]["packages"])
+    names = {"localkv": "localkv", "storage": "localkv.storage", "tui": "localkv.tui"}
+    found = set()
+    for root in PACKAGES:
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO).parts
+            found.add(".".join((names[parts[0]], *parts[1:])))
+    assert found - listed == set()
+    assert listed - found == set()

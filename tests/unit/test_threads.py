@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,30 +24,16 @@ CORES = len(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(CORES < 2, reason="one core: one thread either way")
 
 
-@contextlib.contextmanager
-def hogs() -> Iterator[None]:
-    """As many CPU-bound processes as cores, running throughout."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(CORES)]
-    try:
-        time.sleep(0.3)
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
 @pytest.fixture()
 def load(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """The load a thread fit sees (tasks runnable besides this process), given to it
-    rather than read from the machine, which other work may be using."""
-    others = [0.0]
-    monkeypatch.setattr(thread_choice, "runnable_others", lambda *args, **kwargs: others[0])
-    monkeypatch.setattr(thread_choice, "latest_others", lambda: None)
+    (``$LOCALKV_OTHER_TASKS``) rather than read from the machine, which other work may
+    be using: none until a test sets one."""
 
     def set_load(n: float) -> None:
-        others[0] = n
+        monkeypatch.setenv(thread_choice.ENV_OTHER_TASKS, str(n))
 
+    set_load(0)
     return set_load
 
 
@@ -116,10 +99,11 @@ def test_a_busy_machine_decodes_with_fewer_threads_and_an_idle_one_with_all(
 
 @pytest.mark.parametrize("kw", [{"n_threads": 2}, {"flash_attn": "on"}])
 def test_the_count_stays_where_the_user_chose_it_or_it_changes_results(
-    tiny_models: TinyModels, kw: dict[str, object]
+    tiny_models: TinyModels, kw: dict[str, object], load: Callable[[float], None]
 ) -> None:
     config = SessionConfig(model_path=tiny_models.base, n_ctx=512, **kw)  # type: ignore[arg-type]
-    with hogs(), ModelSession(config) as s:
+    load(CORES)
+    with ModelSession(config) as s:
         assert not s.threads.adapt
         time.sleep(RECHECK_S)
         s.prefill(s.tokenize("one two three four"))

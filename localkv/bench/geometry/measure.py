@@ -72,8 +72,8 @@ def document_for(rt: Runtime, n: int) -> Document:
 
 
 def _config(model: Path, n: int) -> SessionConfig:
-    # one thread: on a machine whose cores are shared, two spinning threads measured 6-8x
-    # slower than one (llama.cpp waits for every thread at each step)
+    # one thread: on a machine whose cores are shared, spinning threads are much slower
+    # than one (llama.cpp waits for every thread at each step; docs/GEOMETRY.md says by how much)
     return SessionConfig(model_path=model, n_ctx=(n + 512) // 256 * 256 + 256, n_threads=1)
 
 

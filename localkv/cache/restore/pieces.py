@@ -76,10 +76,9 @@ def parallel_reads(session: ModelSession) -> bool:
     """Whether a restore for ``session`` reads its block files on the store's reader threads.
 
     Only while its decodes have more than one thread (``ThreadFit``: cores are free). When
-    other work holds the cores, each hand-off to a reader thread waits for a time slice: a
-    restore of 2,000 tokens beside two CPU-bound processes took 127 ms reading on its own
-    thread against 150 ms on the readers, 92 against 127 ms with the load in a session of
-    its own (medians, default model; idle, 74 and 76 ms both on the readers)."""
+    other work holds the cores, each hand-off to a reader thread waits for a time slice, so
+    a restore reads sooner on its own thread; on free cores the readers read in parallel
+    (``benchmarks/faces.py`` times the warm first token idle and with ``--load``)."""
     session.threads.check()
     return session.threads.current > 1
 

@@ -1,7 +1,7 @@
 """Grammars for sampling: GBNF text checked before llama.cpp parses it, and JSON schemas as GBNF.
 
-llama.cpp parses GBNF recursively: groups nested some 15,000 deep overflow an
-8 MiB stack (measured: a segmentation fault, not an error), so ``check_gbnf``
+llama.cpp parses GBNF recursively: groups nested deep enough overflow the
+thread's stack (a segmentation fault, not an error), so ``check_gbnf``
 refuses grammars that nest deeper than ``MAX_NESTING`` or are longer than
 ``MAX_GRAMMAR_CHARS`` before llama.cpp sees them. What llama.cpp itself
 refuses (a syntax error, an undefined rule, no ``root``, left recursion) is
