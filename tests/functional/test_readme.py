@@ -277,10 +277,10 @@ def test_every_relative_link_names_a_file_and_heading_that_exist(page: Path) -> 
 def test_a_link_to_a_missing_file_or_heading_is_broken() -> None:
     text = (
         "# Top\n## A `b` c?\n[ok](README.md) [ok](#a-b-c) [web](https://x.example/none.md)\n"
-        "[gone](docs/none.md) [gone](#nowhere) [gone](README.md#nowhere)\n"
+        "[gone](guide/none.md) [gone](#nowhere) [gone](README.md#nowhere)\n"
         "```sh\n[not a link](none.md)\n```\n`[not a link](none.md)`\n"
     )
-    assert _broken(text, README) == ["docs/none.md", "#nowhere", "README.md#nowhere"]
+    assert _broken(text, README) == ["guide/none.md", "#nowhere", "README.md#nowhere"]
 
 
 def test_the_readme_is_a_front_door_with_a_table_of_contents() -> None:
