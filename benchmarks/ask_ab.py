@@ -40,7 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _api(
-    py: str, opened: dict[str, Any], docs: dict[str, Path], base: int, env: dict[str, str], at: Path
+    py: str,
+    opened: dict[str, Any],
+    docs: dict[str, Path],
+    base: int,
+    env: dict[str, str],
+    *,
+    at: Path,
 ) -> list[float]:
     """``opened``: ``Runtime.open``'s model, n_ctx, flash attention (``fa``) and threads (None:
     localkv's default, ``model.threads.ThreadFit``)."""
@@ -95,7 +101,7 @@ def main() -> None:
                 home = {**env, "LOCALKV_HOME": str(work / name)}
                 if args.face == "api":
                     mine = {**opened, "threads": threads.get(name)}
-                    runs[name] += _api(py, mine, docs, 7 * (i * len(pythons) + 1), home, work)
+                    runs[name] += _api(py, mine, docs, 7 * (i * len(pythons) + 1), home, at=work)
                     continue
                 cmd = [py, "-m", "localkv", "ask", *common, "--temperature", "0"]
                 cmd += ["--threads", str(threads[name])] if name in threads else []

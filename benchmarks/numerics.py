@@ -25,7 +25,7 @@ from localkv.model.session import ModelSession, SessionConfig
 
 
 def thread_and_context(model: str, flash: str, tokens: list[int]) -> None:
-    base = SessionConfig(resolve_model(model), n_ctx=2048, n_threads=1, flash_attn=flash)
+    base = SessionConfig(model_path=resolve_model(model), n_ctx=2048, n_threads=1, flash_attn=flash)
     n = len(tokens)
     with ModelSession(base) as a:
         a.prefill(tokens[: n - 1], boundaries=[n - 1])
@@ -33,7 +33,7 @@ def thread_and_context(model: str, flash: str, tokens: list[int]) -> None:
         reference = a.decode_one(tokens[n - 1])
     for change in ({"n_threads": 2}, {"n_ctx": 4096}, {"n_batch": 128}):
         cfg = SessionConfig(
-            resolve_model(model),
+            model_path=resolve_model(model),
             n_ctx=int(change.get("n_ctx", 2048)),
             n_threads=int(change.get("n_threads", 1)),
             n_batch=int(change.get("n_batch", 512)),
@@ -46,7 +46,7 @@ def thread_and_context(model: str, flash: str, tokens: list[int]) -> None:
 
 
 def batching(model: str, flash: str, tokens: list[int]) -> None:
-    cfg = SessionConfig(resolve_model(model), n_ctx=2048, flash_attn=flash)
+    cfg = SessionConfig(model_path=resolve_model(model), n_ctx=2048, flash_attn=flash)
     with ModelSession(cfg) as s:
         s.prefill(tokens)
         full = s.capture()
@@ -65,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
-    with ModelSession(SessionConfig(resolve_model(args.model), n_ctx=2048)) as s:
+    with ModelSession(SessionConfig(model_path=resolve_model(args.model), n_ctx=2048)) as s:
         tokens = s.tokenize(bench_text(20))[:700]
     for flash in ("off", "on"):
         thread_and_context(args.model, flash, tokens[:600])

@@ -104,7 +104,7 @@ class Server:
 
 
 def run(
-    kind: str, model: Path, ctx: int, threads: int, prompts: dict[int, str], work: Path
+    kind: str, model: Path, ctx: int, threads: int, prompts: dict[int, str], *, work: Path
 ) -> dict[str, list[float]]:
     home = work / f"{kind}-home"
     home.mkdir()
@@ -150,7 +150,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lkv-serverbench-"))
     try:
         results = {
-            kind: run(kind, model, ctx, args.threads, prompts, work) for kind in ("localkv", "peer")
+            kind: run(kind, model, ctx, args.threads, prompts, work=work)
+            for kind in ("localkv", "peer")
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -23,12 +23,13 @@ import shutil
 import sqlite3
 import stat
 from pathlib import Path
+from typing import NamedTuple
 
 from .disk import MIN_FREE_FLOOR
 from .index.blockindex import BlockIndex
 from .paths import CacheDirError, CacheLayout, ensure_private_dir, prepare_root
 
-__all__ = ["NOT_WRITABLE", "open_index", "writable"]
+__all__ = ["NOT_WRITABLE", "OpenedIndex", "open_index", "writable"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,23 +41,31 @@ def writable(root: Path) -> bool:
     return os.access(root, os.W_OK | os.X_OK)
 
 
-def open_index(root: Path, *, create: bool = True) -> tuple[CacheLayout, BlockIndex, str | None]:
-    """The layout of ``root``, its index, and why it is read-only (None: it is not;
-    see the module)."""
+class OpenedIndex(NamedTuple):
+    """A store's root laid out and its index opened."""
+
+    layout: CacheLayout
+    block_index: BlockIndex
+    read_only: str | None  # why it is read-only (None: it is not; see the module)
+
+
+def open_index(root: Path, *, create: bool = True) -> OpenedIndex:
+    """The layout of ``root``, its index, and why it is read-only."""
     layout = CacheLayout(root)
     if not create and not os.path.lexists(root):
-        return layout, BlockIndex(None), None
+        return OpenedIndex(layout, BlockIndex(None), None)
     if os.path.isdir(root) and not os.path.islink(root) and not writable(root):
-        return layout, _read_only_index(layout), NOT_WRITABLE
+        return OpenedIndex(layout, _read_only_index(layout), NOT_WRITABLE)
     layout = prepare_root(root)
     try:
-        return layout, BlockIndex(layout.index), None
+        return OpenedIndex(layout, BlockIndex(layout.index), None)
     except (OSError, sqlite3.OperationalError) as exc:
         free = shutil.disk_usage(root).free
         if free >= MIN_FREE_FLOOR or not layout.index.is_file():
             raise
         logger.info("the index cannot be opened for writing (%s): opened read-only", exc)
-        return layout, _read_only_index(layout), f"its disk is full ({free:,} bytes free)"
+        full = f"its disk is full ({free:,} bytes free)"
+        return OpenedIndex(layout, _read_only_index(layout), full)
 
 
 def _read_only_index(layout: CacheLayout) -> BlockIndex:

@@ -74,7 +74,7 @@ _RECOVERY = ("probe_top", "prefill_seconds", "data_xxh3")
 _FORMATS = (FORMAT_VERSION, planes.Q6_FORMAT)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RepairReport:
     """What ``repair`` found and did."""
 

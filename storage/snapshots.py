@@ -28,7 +28,7 @@ from .index.rows import CLIENT
 from .paths import CacheLayout
 from .removal import budget
 from .removal.deletion import bytes_of, only_theirs, remove_files
-from .values import SnapshotRow
+from .values import NewSnapshot, SnapshotRow
 
 __all__ = ["SnapshotCatalogue"]
 
@@ -46,54 +46,54 @@ class SnapshotCatalogue:
 
     def put(
         self,
-        tip: str,
-        label: str,
-        source_path: str | None,
-        source_sha256: str | None,
-        n_tokens: int,
-        identity: str,
-        namespace: str,
+        new: NewSnapshot,
+        *,
         pinned: bool = False,
         pinned_until: float | None = None,
         client_share: int | None = None,
     ) -> str:
-        """Name the chain ending at ``tip``; the same tip, label and namespace keep one id.
+        """Name the chain ending at ``new.tip``; the same tip, label and namespace keep one id.
 
         ``pinned`` with ``pinned_until``: pinned until then (an existing snapshot's
         pin is extended to it, a pin for good stays one); without: pinned for good.
-        ``client_share``: the pin is a server's client's, made only if the clients'
-        pins then keep at most that many bytes (``budget.client_pin_fits``); else a new
-        snapshot is saved unpinned, marked as a client's refused pin (evicted first),
-        and an existing one is left as it is. A pin of the user's is never a client's.
+        ``client_share``: a server's client's pin, made only if the clients' pins then keep
+        at most that many bytes (``budget.client_pin_fits``); else a new snapshot is saved
+        unpinned, marked a client's refused pin (evicted first), an existing one left as it
+        is. A pin of the user's is never a client's.
         """
-        h = hashlib.sha256("\0".join((tip, label, namespace)).encode("utf-8")).hexdigest()
+        h = hashlib.sha256(
+            "\0".join((new.tip, new.label, new.namespace)).encode("utf-8")
+        ).hexdigest()
         snap_id = h[:_SNAPSHOT_ID_HEX]
-        now = time.time()
-        owner = None if client_share is None else CLIENT
+        now, owner = time.time(), (None if client_share is None else CLIENT)
         with self._index.write() as db:
-            fits = client_share is None or budget.client_pin_fits(db, tip, client_share)
+            fits = client_share is None or budget.client_pin_fits(db, new.tip, client_share)
             if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snap_id,)).fetchone():
                 if pinned and fits:
                     _pin(db, snap_id, pinned_until, owner)
                     self.write_manifest(snap_id)
                 return snap_id
-            row = self._index.get_block(tip)
+            row = self._index.get_block(new.tip)
             if row is None:
-                raise ValueError(f"snapshot tip {tip} is not stored")
-            if (row.identity, row.namespace, row.end) != (identity, namespace, n_tokens):
+                raise ValueError(f"snapshot tip {new.tip} is not stored")
+            if (row.identity, row.namespace, row.end) != (
+                new.identity,
+                new.namespace,
+                new.n_tokens,
+            ):
                 raise ValueError(
-                    f"snapshot says {n_tokens} tokens of {identity}/{namespace!r}, tip block "
-                    f"ends at {row.end} under {row.identity}/{row.namespace!r}"
+                    f"snapshot says {new.n_tokens} tokens of {new.identity}/{new.namespace!r}, "
+                    f"tip block ends at {row.end} under {row.identity}/{row.namespace!r}"
                 )
             snap = SnapshotRow(
                 id=snap_id,
-                tip=tip,
-                label=label,
-                source_path=source_path,
-                source_sha256=source_sha256,
-                n_tokens=n_tokens,
-                identity=identity,
-                namespace=namespace,
+                tip=new.tip,
+                label=new.label,
+                source_path=new.source_path,
+                source_sha256=new.source_sha256,
+                n_tokens=new.n_tokens,
+                identity=new.identity,
+                namespace=new.namespace,
                 created=now,
                 last_used=now,
                 hits=0,

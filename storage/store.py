@@ -44,6 +44,7 @@ from .values import (
     BlockRow,
     ForgetReport,
     GcReport,
+    NewSnapshot,
     Probe,
     SnapshotRow,
     StoreStats,
@@ -294,10 +295,19 @@ class SnapshotStore:
         tokens: int,
         seconds: float,
         namespace: str | None = None,
+        *,
         snapshot: str | None = None,
     ) -> None:
         """Record a ``hit`` (tokens reused, seconds saved, the snapshot it names) or a ``miss``."""
-        events.record(self._index, kind, reason, tokens, seconds, namespace, snapshot)
+        event = events.Event(
+            kind=kind,
+            reason=reason,
+            tokens=tokens,
+            seconds=seconds,
+            namespace=namespace,
+            snapshot=snapshot,
+        )
+        events.record(self._index, event)
 
     def stats(self, namespace: str | None = None) -> StoreStats:
         """Hits, misses by reason, sizes, prefill seconds saved: of one namespace, or all."""
@@ -314,24 +324,18 @@ class SnapshotStore:
     # The catalogue lives in ``snapshots.py``, the privacy path in ``removal/forget.py``.
     def put_snapshot(
         self,
-        tip: str,
-        label: str,
-        source_path: str | None,
-        source_sha256: str | None,
-        n_tokens: int,
-        identity: str,
-        namespace: str,
+        new: NewSnapshot,
+        *,
         pinned: bool = False,
         pinned_until: float | None = None,
         client_share: int | None = None,
     ) -> str:
-        """Name the chain ending at ``tip`` (the same tip, label and namespace keep one id);
-        a pin with ``pinned_until`` lapses then (seconds since the epoch); with
+        """Name the chain ending at ``new.tip`` (the same tip, label and namespace keep one
+        id); a pin with ``pinned_until`` lapses then (seconds since the epoch); with
         ``client_share``, it is a server's client's, made only within that many bytes
         of clients' pins (``SnapshotCatalogue.put``)."""
-        source, where = (source_path, source_sha256), (identity, namespace)
         return self._catalogue.put(
-            tip, label, *source, n_tokens, *where, pinned, pinned_until, client_share
+            new, pinned=pinned, pinned_until=pinned_until, client_share=client_share
         )
 
     def snapshots(self, namespace: str | None = None) -> list[SnapshotRow]:
@@ -397,7 +401,7 @@ class SnapshotStore:
         between writing a block file and inserting its row.
         """
         if not self.layout.root.is_dir():  # opened with create=False
-            return GcReport(0, 0, 0, 0)
+            return GcReport(temp_files=0, orphan_files=0, missing_files=0, bytes_freed=0)
         report = reconcile.gc(self.layout, self._index, grace_seconds)
         self._catalogue.prune()
         return report

@@ -139,7 +139,7 @@ class Probe:
         return cls(digest, ids, logits)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class Block:
     """One block of a chain: its tokens, tensors (token-major, first axis = token) and probe.
 
@@ -202,7 +202,7 @@ class Block:
         return self.start + self.n_tokens
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class BlockRow:
     """A block's index row: everything but its tensors."""
 
@@ -234,7 +234,20 @@ class BlockRow:
         return self.start + self.n_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewSnapshot:
+    """A name for the chain ending at ``tip``: what a snapshot is made from."""
+
+    tip: str
+    label: str
+    source_path: str | None = None
+    source_sha256: str | None = None
+    n_tokens: int  # where the chain ends; the tip block must end there
+    identity: str
+    namespace: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotRow:
     """A named pointer to a chain tip."""
 
@@ -256,7 +269,7 @@ class SnapshotRow:
     pin_owner: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GcReport:
     """What ``gc`` removed."""
 
@@ -266,7 +279,7 @@ class GcReport:
     bytes_freed: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ForgetReport:
     """What ``forget`` removed."""
 

@@ -44,7 +44,7 @@ class LocalKVApp(App[None]):
             self.controller.close()
 
 
-def build_app(
+def build_app(  # noqa: PLR0913 - to take a value type
     runtime: Runtime | None,
     *,
     params: SamplingParams | None = None,

@@ -66,7 +66,7 @@ class ChatScreen(Screen[None]):
         reply: AssistantMessage
         answered: Answered
 
-    @dataclass
+    @dataclass(kw_only=True)
     class AnswerFailed(Message):
         reply: AssistantMessage
         question: Static
@@ -191,7 +191,7 @@ class ChatScreen(Screen[None]):
         def emit(piece: str) -> None:
             app.call_from_thread(reply.append_piece, piece)
 
-        self._answer(self.controller, text, self.params, emit, reply, question)
+        self._answer(self.controller, text, self.params, emit, reply, question=question)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="answer")
     def _answer(
@@ -201,6 +201,7 @@ class ChatScreen(Screen[None]):
         params: SamplingParams,
         emit: TextFn,
         reply: AssistantMessage,
+        *,
         question: Static,
     ) -> None:
         cancel = _cancelled()
@@ -212,10 +213,18 @@ class ChatScreen(Screen[None]):
         try:
             answered = controller.send(text, params, on_text, cancel)
         except ContextFullError as exc:
-            self.post_message(self.AnswerFailed(reply, question, text, str(exc), True))
+            self.post_message(
+                self.AnswerFailed(
+                    reply=reply, question=question, prompt=text, error=str(exc), context_full=True
+                )
+            )
         except Exception as exc:
             log.warning("answering failed", exc_info=True)
-            self.post_message(self.AnswerFailed(reply, question, text, str(exc), False))
+            self.post_message(
+                self.AnswerFailed(
+                    reply=reply, question=question, prompt=text, error=str(exc), context_full=False
+                )
+            )
         else:
             self.post_message(self.AnswerFinished(reply, answered))
 

@@ -45,7 +45,7 @@ __all__ = [
 
 
 # ----------------------------------------------------------- llama.cpp files
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LlamaFileResult:
     save: Stat  # llama_state_seq_save_file of N tokens
     load: Stat  # llama_state_seq_load_file of N tokens
@@ -136,10 +136,10 @@ class LlamaFiles:
             load=Stat.of(loads),
             ttft=Stat.of([t for t, _ in ttfts]),
             ttft_cold=ColdStat.of(
-                [(t, read, ev) for (t, _), read, ev in colds], self.head.stat().st_size
+                [c.map(lambda ttft: ttft[0]) for c in colds], self.head.stat().st_size
             ),
             file_bytes=self.full.stat().st_size,
-            first_tokens=tuple(f for _, f in ttfts) + tuple(f for (_, f), _, _ in colds),
+            first_tokens=tuple(f for _, f in ttfts) + tuple(c.value[1] for c in colds),
         )
 
 
@@ -200,7 +200,7 @@ def floor(session: ModelSession, raw_path: Path, repeats: int) -> FloorResult:
 
 
 # ------------------------------------------------------------ LlamaDiskCache
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DiskCacheResult:
     eval_s: float  # llama_cpp.Llama.eval of the N tokens (once)
     set: Stat  # cache[tokens] = llm.save_state()
@@ -257,7 +257,9 @@ class DiskCacheBench:
                 gets.append(time.perf_counter() - t0)
         finally:
             cache.cache.close()
-        return DiskCacheResult(eval_s, Stat.of(sets), Stat.of(gets), max(sizes))
+        return DiskCacheResult(
+            eval_s=eval_s, set=Stat.of(sets), get_load=Stat.of(gets), disk_bytes=max(sizes)
+        )
 
 
 def dir_bytes(directory: Path) -> int:

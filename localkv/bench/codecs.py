@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EncodingResult:
     """One encoding of one state: size, encode time and decode time over ``repeats``."""
 
@@ -138,7 +138,9 @@ def encode(
                 h.update(p)
                 f.write(p)
         sizes = tuple(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-        stored[i] = StoredBlock(path, start, stop, sum(sizes), h.digest(), sizes)
+        stored[i] = StoredBlock(
+            path=path, start=start, stop=stop, size=sum(sizes), digest=h.digest(), pieces=sizes
+        )
 
     workers.map(one, len(spans))
     return Encoded(encoding, layout, tuple(b for b in stored if b is not None))
@@ -160,7 +162,7 @@ def decode(encoded: Encoded, out: np.ndarray, workers: Workers) -> None:
 
 
 # ----------------------------------------------------------------- measure
-def measure(
+def measure(  # noqa: PLR0913 - to take a value type
     encoding: Encoding,
     state: codec.KVState,
     directory: Path,
@@ -187,7 +189,9 @@ def measure(
         out = np.bitwise_not(want)  # every byte wrong until a decode writes it
         decode(encoded, out, pool)
         if not np.array_equal(out, want):
-            return EncodingResult(encoding.name, ratio, encode_s, None, False)
+            return EncodingResult(
+                name=encoding.name, ratio=ratio, encode_s=encode_s, decode=None, verified=False
+            )
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -199,12 +203,21 @@ def measure(
             np.bitwise_not(want, out=out)  # every byte wrong again (not timed)
             colds.append(cold_call(paths, lambda: timed(lambda: decode(encoded, out, pool))))
             if not np.array_equal(out, want):  # each decode from storage is checked too
-                return EncodingResult(encoding.name, ratio, encode_s, None, False)
+                return EncodingResult(
+                    name=encoding.name, ratio=ratio, encode_s=encode_s, decode=None, verified=False
+                )
     cold = ColdStat.of(colds, encoded.stored_bytes)
-    return EncodingResult(encoding.name, ratio, encode_s, Stat.of(times), True, cold)
+    return EncodingResult(
+        name=encoding.name,
+        ratio=ratio,
+        encode_s=encode_s,
+        decode=Stat.of(times),
+        verified=True,
+        decode_cold=cold,
+    )
 
 
-def compare(
+def compare(  # noqa: PLR0913 - to take a value type
     raw_state: bytes | bytearray | memoryview,
     directory: Path,
     *,

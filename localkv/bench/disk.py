@@ -24,8 +24,9 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from localkv.kv.blocks import PARTIAL, WINDOW
 from localkv.storage import Block
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 EVICTION_AVAILABLE = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
 _PROC_IO = Path("/proc/self/io")
@@ -92,9 +94,21 @@ def storage_reads() -> int | None:
     return None
 
 
-def cold_call(paths: Iterable[Path | str], fn: Callable[[], T]) -> tuple[T, int | None, bool]:
+@dataclass(frozen=True, slots=True)
+class ColdRun(Generic[T]):
+    """One call made with its files evicted from the page cache first."""
+
+    value: T  # what the call returned
+    read_bytes: int | None  # bytes it read from storage (None where unknown)
+    evicted: bool  # the eviction was given for every file
+
+    def map(self, fn: Callable[[T], U]) -> ColdRun[U]:
+        return ColdRun(fn(self.value), self.read_bytes, self.evicted)
+
+
+def cold_call(paths: Iterable[Path | str], fn: Callable[[], T]) -> ColdRun[T]:
     """Evict ``paths``, then call ``fn``: its result, the bytes it read from storage
-    (None where unknown) and whether the eviction was given for every file.
+    and whether the eviction was given for every file.
 
     Eviction and flushing happen before ``fn``, outside whatever ``fn`` times.
     """
@@ -103,7 +117,7 @@ def cold_call(paths: Iterable[Path | str], fn: Callable[[], T]) -> tuple[T, int 
     out = fn()
     after = storage_reads()
     read = None if before is None or after is None else after - before
-    return out, read, evicted
+    return ColdRun(out, read, evicted)
 
 
 def file_system(path: Path | str) -> str | None:

@@ -173,7 +173,7 @@ class Workers:
 
 
 # ---------------------------------------------------------------- encodings
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoredBlock:
     path: Path
     start: int

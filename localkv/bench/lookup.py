@@ -27,7 +27,7 @@ __all__ = ["LookupResult", "bench_lookup"]
 VOCAB = 49_152  # token ids drawn below this
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LookupResult:
     """``PrefixCache.plan`` with ``blocks`` blocks indexed (chains of ``chain_blocks``)."""
 
@@ -40,7 +40,34 @@ class LookupResult:
     miss: Stat
 
 
-def bench_lookup(
+def _chain_block(
+    cache: PrefixCache,
+    parent: str | None,
+    position: int,
+    tokens: np.ndarray,
+    tensors: dict[str, np.ndarray],
+    *,
+    probe: Probe,
+) -> Block:
+    """The block at ``position`` of a chain, after ``parent``: one batch end at its last token."""
+    n = len(tokens)
+    ends = np.array([n - 1, n])
+    return Block(
+        hash=chain_next(parent or cache.root, tokens, ends),
+        parent=parent,
+        identity=cache.identity.digest,
+        namespace="lookup",
+        start=position * n,
+        tokens=tokens,
+        ends=ends,
+        tensors=tensors,
+        probe=probe,
+        meta={},
+        prefill_seconds=0.0,
+    )
+
+
+def bench_lookup(  # noqa: PLR0913 - to take a value type
     identity: Identity,
     work: Path,
     *,
@@ -72,13 +99,9 @@ def bench_lookup(
             if position == 0:
                 parent = None
             toks = rng.integers(0, VOCAB, size=block_size, dtype=np.int32)
-            ends = np.array([block_size - 1, block_size])
-            block_hash = chain_next(parent or cache.root, toks, ends)
-            store.put_block(
-                Block(block_hash, parent, identity.digest, "lookup", position * block_size,
-                      toks, ends, tensors, probe, {}, 0.0)
-            )  # fmt: skip
-            parent = block_hash
+            block = _chain_block(cache, parent, position, toks, tensors, probe=probe)
+            store.put_block(block)
+            parent = block.hash
             if i < per_chain:
                 first_chain.extend(int(t) for t in toks)
             if (i + 1) % 2000 == 0:
@@ -92,4 +115,12 @@ def bench_lookup(
         reuse = cache.plan(hit_request, schedule).reuse
         hit = Stat.of([timed(lambda: cache.plan(hit_request, schedule)) for _ in range(repeats)])
         miss = Stat.of([timed(lambda: cache.plan(miss_request, schedule)) for _ in range(repeats)])
-    return LookupResult(blocks, per_chain, insert_s, length, reuse, hit, miss)
+    return LookupResult(
+        blocks=blocks,
+        chain_blocks=per_chain,
+        insert_s=insert_s,
+        request_tokens=length,
+        hit_reuse=reuse,
+        hit=hit,
+        miss=miss,
+    )

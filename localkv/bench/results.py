@@ -29,7 +29,7 @@ STEPS = ("lookup", "read", "load", "probe")
 RESTORE = "restore"  # lookup + read + load: the state in place, not yet verified by the probe
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     model_path: Path
     sizes: tuple[int, ...] = (512, 2048, 8192)
@@ -72,7 +72,7 @@ class BenchConfig:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AskResult:
     """``Runtime.ask`` on a cold cache: first token with the cache on and off."""
 
@@ -84,7 +84,7 @@ class AskResult:
     background_write: Stat  # waiting for the saver thread after ask() returned
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SizeResult:
     tokens: int
     cold_ttft: Stat
@@ -131,7 +131,7 @@ class SizeResult:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BenchResult:
     config: BenchConfig
     machine: dict[str, object]

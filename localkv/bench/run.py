@@ -84,7 +84,7 @@ def run_bench(cfg: BenchConfig, say: Say = log.info, work_dir: Path | None = Non
             with DiskCacheBench(cfg.model_path, cfg.n_ctx, session.n_threads) as llm:
                 for n in cfg.sizes:
                     say(f"{n:,} tokens")
-                    results.append(bench_size(cfg, session, identity, llm, work, n, say))
+                    results.append(bench_size(cfg, session, identity, llm, work, n=n, say=say))
         lookup = None
         if cfg.lookup_blocks:
             lookup = bench_lookup(
@@ -103,7 +103,14 @@ def run_bench(cfg: BenchConfig, say: Say = log.info, work_dir: Path | None = Non
         f"on {os.cpu_count()} cores: other work on the machine slows and scatters timings.",
     ]
     return BenchResult(
-        cfg, machine, model, results, lookup, started, time.perf_counter() - t0, notes
+        config=cfg,
+        machine=machine,
+        model=model,
+        sizes=results,
+        lookup=lookup,
+        started=started,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
     )
 
 

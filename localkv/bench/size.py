@@ -48,7 +48,8 @@ def _first_token(session: ModelSession) -> int:
     return int(np.argmax(logits))
 
 
-class _Saved(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Saved:
     """The N tokens saved as blocks: the two save steps and the chain on disk."""
 
     prepare_s: float
@@ -58,7 +59,18 @@ class _Saved(NamedTuple):
     partial_bytes: int  # of stored_bytes: the SWA windows / recurrent states (``kv.partial``)
 
 
-class _Warm(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Restored:
+    """One restore of the saved chain, timed through its first token."""
+
+    seconds: float
+    steps: dict[str, float]  # the restore's breakdown (``STEPS``)
+    verified: bool
+    first: int  # the first token decoded after it; -1 when the restore fell short
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Warm:
     """Warm restores of one saved chain from the page cache."""
 
     ttft: Stat
@@ -76,7 +88,7 @@ class _Evicted(NamedTuple):
     firsts: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Restores:
     """Every verified restore of one length: plain blocks, evicted, compact; peak memory."""
 
@@ -111,6 +123,7 @@ class _SizeBench:
         identity: Identity,
         work: Path,
         n: int,
+        *,
         say: Say,
     ) -> None:
         self.cfg, self.session, self.work, self.n, self.say = cfg, session, work, n, say
@@ -152,21 +165,32 @@ class _SizeBench:
         partial = sum(
             end_state_bytes(b.meta, {k: a.nbytes for k, a in b.tensors.items()}) for b in blocks
         )
-        return _Saved(t1 - t0, t2 - t1, len(chain), sum(r.stored_bytes for r in chain), partial)
+        return _Saved(
+            prepare_s=t1 - t0,
+            write_s=t2 - t1,
+            blocks=len(chain),
+            stored_bytes=sum(r.stored_bytes for r in chain),
+            partial_bytes=partial,
+        )
 
-    def _restore_timed(self) -> tuple[float, dict[str, float], bool, int]:
+    def _restore_timed(self) -> _Restored:
         t0 = time.perf_counter()
         result = self.cache.restore(self.session, self.tokens, self.ends)
         first = _first_token(self.session) if result.reused == self.n else -1
         seconds = time.perf_counter() - t0
-        return seconds, dict(result.breakdown), bool(result.verified), first
+        return _Restored(
+            seconds=seconds,
+            steps=dict(result.breakdown),
+            verified=bool(result.verified),
+            first=first,
+        )
 
     def _run_deferred(self) -> None:
         for fn in self.deferred:
             fn()
         self.deferred.clear()
 
-    def _restore_once(self) -> tuple[float, dict[str, float], bool, int]:
+    def _restore_once(self) -> _Restored:
         self.session.reset()
         out = self._restore_timed()
         self._run_deferred()
@@ -187,13 +211,19 @@ class _SizeBench:
         for _ in range(self.cfg.repeats):
             loads.append(files.timed_load())
             runs.append(self._restore_once())
-        steps = {s: Stat.of([r[1].get(s, 0.0) for r in runs]) for s in STEPS}
+        steps = {s: Stat.of([r.steps.get(s, 0.0) for r in runs]) for s in STEPS}
         # the state restored, before the probe decode: what llama.cpp's load_file does
-        restores = [sum(r[1].get(s, 0.0) for s in STEPS[:3]) for r in runs]
+        restores = [sum(r.steps.get(s, 0.0) for s in STEPS[:3]) for r in runs]
         steps[RESTORE] = Stat.of(restores)
         paired = Stat.of([r / lf for r, lf in zip(restores, loads, strict=True)])
-        verified = all(r[2] for r in runs)
-        return _Warm(Stat.of([r[0] for r in runs]), steps, paired, verified, [r[3] for r in runs])
+        verified = all(r.verified for r in runs)
+        return _Warm(
+            ttft=Stat.of([r.seconds for r in runs]),
+            steps=steps,
+            over_load_file=paired,
+            verified=verified,
+            firsts=[r.first for r in runs],
+        )
 
     def compact(self, files: base.LlamaFiles) -> tuple[_Warm, int]:
         """``warm`` from a second store holding the same blocks in the compact format.
@@ -228,8 +258,8 @@ class _SizeBench:
             self._run_deferred()
         unread = unread_bytes(self.blocks)
         on_disk = sum(p.stat().st_size for p in files)
-        cold = ColdStat.of([(r[0], read, ev) for r, read, ev in runs], on_disk, on_disk - unread)
-        return _Evicted(cold, all(r[2] for r, _, _ in runs), [r[3] for r, _, _ in runs])
+        cold = ColdStat.of([r.map(lambda x: x.seconds) for r in runs], on_disk, on_disk - unread)
+        return _Evicted(cold, all(r.value.verified for r in runs), [r.value.first for r in runs])
 
     def restore_memory(self) -> PeakMemory:
         self.session.reset()
@@ -243,7 +273,13 @@ def _restores(sb: _SizeBench, files: base.LlamaFiles) -> _Restores:
     warm = sb.warm(files)
     evicted = sb.warm_evicted()
     compact, compact_bytes = sb.compact(files)
-    return _Restores(warm, evicted, compact, compact_bytes, sb.restore_memory())
+    return _Restores(
+        warm=warm,
+        evicted=evicted,
+        compact=compact,
+        compact_bytes=compact_bytes,
+        memory=sb.restore_memory(),
+    )
 
 
 def _baselines(
@@ -293,7 +329,7 @@ def _document(rt: Runtime, n: int) -> Document:
 
 
 def _encodings(
-    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: Say, kind: MemoryKind | None
+    cfg: BenchConfig, raw: bytes, work: Path, n: int, say: Say, *, kind: MemoryKind | None
 ) -> list[benchcodecs.EncodingResult]:
     """The block encodings of the state ``raw`` (``llama_state_seq_get_data`` of N tokens):
     its attention part (the rows blocks hold; a partial part is stored as it is)."""
@@ -309,17 +345,18 @@ def _encodings(
     )
 
 
-def bench_size(
+def bench_size(  # noqa: PLR0913 - to take a value type
     cfg: BenchConfig,
     session: ModelSession,
     identity: Identity,
     llm: base.DiskCacheBench,
     work: Path,
+    *,
     n: int,
     say: Say,
 ) -> SizeResult:
     """Every per-length measurement for ``n`` tokens, in the order the module names them."""
-    sb = _SizeBench(cfg, session, identity, work, n, say)
+    sb = _SizeBench(cfg, session, identity, work, n, say=say)
     try:
         cold, cold_first = sb.cold()
         get_data = base.get_data(session, cfg.repeats)
@@ -334,7 +371,7 @@ def bench_size(
         restores = _restores(sb, files)
         baselines = _baselines(sb, files, llm, raw_path)
         ask = _ask(cfg, work, n, say)
-        encodings = _encodings(cfg, raw, work, n, say, session.memory_kind)
+        encodings = _encodings(cfg, raw, work, n, say, kind=session.memory_kind)
     finally:
         sb.close()
     firsts = restores.firsts | set(baselines.llama_file.first_tokens)
@@ -344,25 +381,25 @@ def bench_size(
         get_data,
         len(raw),
         saved,
-        restores,
-        baselines,
-        ask,
-        encodings,
+        restores=restores,
+        baselines=baselines,
+        ask=ask,
+        encodings=encodings,
         first_token_agrees=firsts == {cold_first},
     )
 
 
-def _size_result(
+def _size_result(  # noqa: PLR0913 - to take a value type
     n: int,
     cold: Stat,
     get_data: Stat,
     raw_bytes: int,
     saved: _Saved,
+    *,
     restores: _Restores,
     baselines: _Baselines,
     ask: AskResult,
     encodings: list[benchcodecs.EncodingResult],
-    *,
     first_token_agrees: bool,
 ) -> SizeResult:
     """The steps' figures as one ``SizeResult``."""

@@ -16,11 +16,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from localkv.bench.disk import ColdRun
 
 __all__ = ["ColdStat", "PeakMemory", "Stat", "peak_memory", "timed"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stat:
     """Median, min and max of repeated measurements (seconds unless named otherwise)."""
 
@@ -33,13 +37,15 @@ class Stat:
     def of(cls, values: Sequence[float]) -> Stat:
         if not values:
             raise ValueError("no measurements")
-        return cls(statistics.median(values), min(values), max(values), len(values))
+        return cls(
+            median=statistics.median(values), min=min(values), max=max(values), n=len(values)
+        )
 
     def as_json(self) -> dict[str, float | int]:
         return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ColdStat:
     """Runs timed with their files evicted from the page cache before each (``disk``).
 
@@ -59,18 +65,18 @@ class ColdStat:
     @classmethod
     def of(
         cls,
-        runs: Sequence[tuple[float, int | None, bool]],
+        runs: Sequence[ColdRun[float]],
         file_bytes: int,
         needed_bytes: int | None = None,
     ) -> ColdStat:
-        """From ``(seconds, bytes read from storage, evicted)`` of each run."""
-        reads = [r for _, r, _ in runs]
+        """From each run's seconds, bytes read from storage and eviction."""
+        reads = [r.read_bytes for r in runs]
         known = [r for r in reads if r is not None]
         return cls(
-            time=Stat.of([t for t, _, _ in runs]),
+            time=Stat.of([r.value for r in runs]),
             read_bytes=Stat.of(known) if known and len(known) == len(reads) else None,
             file_bytes=file_bytes,
-            evicted=bool(runs) and all(e for _, _, e in runs),
+            evicted=bool(runs) and all(r.evicted for r in runs),
             needed_bytes=needed_bytes,
         )
 

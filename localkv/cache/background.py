@@ -49,7 +49,7 @@ class BackgroundWork:
 
         def run() -> SaveResult:
             fn()
-            return SaveResult(0, 0, 0, None)
+            return SaveResult(blocks=0, new_blocks=0, new_bytes=0, tip=None)
 
         self.submit(run)
 

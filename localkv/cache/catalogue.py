@@ -21,6 +21,7 @@ from localkv.cache.naming import covering, model_names
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult
 from localkv.model.session import ModelSession
 from localkv.prompt.request import Document, path_text
+from localkv.storage import NewSnapshot
 from localkv.storage.disk import check_free_space
 from localkv.storage.removal.budget import client_share
 from localkv.storage.store import SnapshotStore
@@ -108,13 +109,15 @@ def save_snapshot(
     share = _client_share(cache) if isinstance(pin, ClientPin) else None
     try:
         snapshot = cache.store.put_snapshot(
-            tip=tip,
-            label=label or ", ".join(document_label(d) for d in documents) or "(system prompt)",
-            source_path=_source_path(documents),
-            source_sha256=_source_sha(documents),
-            n_tokens=n_tokens,
-            identity=cache.identity.digest,
-            namespace=cache.namespace,
+            NewSnapshot(
+                tip=tip,
+                label=label or ", ".join(document_label(d) for d in documents) or "(system prompt)",
+                source_path=_source_path(documents),
+                source_sha256=_source_sha(documents),
+                n_tokens=n_tokens,
+                identity=cache.identity.digest,
+                namespace=cache.namespace,
+            ),
             pinned=bool(pin),
             pinned_until=pin.until if isinstance(pin, ClientPin) else None,
             client_share=share,
@@ -155,27 +158,44 @@ def document_label(document: Document) -> str:
     return path_text(document.path.name) if document.path is not None else document.name
 
 
+@dataclass(frozen=True, slots=True)
+class SnapshotName:
+    """How the snapshot of a saved prefill is named and pinned."""
+
+    label: str | None  # None: from its documents (``document_label``)
+    pin: bool | ClientPin = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedPrefill:
+    """A prefill's save: its blocks, its snapshot, the chain on disk."""
+
+    saved: SaveResult
+    snapshot: str | None  # the snapshot's id; None when none was saved
+    bytes_on_disk: int  # the saved chain's
+    kept: int  # where the saved chain ends: the prefix the next run restores
+
+
 def save_prefill(
     cache: PrefixCache | None,
     session: ModelSession,
     tips: list[int],
     documents: Sequence[Document],
-    naming: tuple[str | None, bool | ClientPin, bool],
+    name: SnapshotName | None,
+    *,
     seconds_per_token: float,
-) -> tuple[SaveResult, str | None, int, int]:
-    """Save a prefill's blocks now, then its snapshot unless it was cancelled.
-
-    ``naming`` is (label, pin, cancelled). Returns what was saved, the snapshot
-    id, the chain's bytes on disk and the tokens kept: where the saved chain
-    ends, the prefix the next run restores.
-    """
+) -> SavedPrefill:
+    """Save a prefill's blocks now, then its snapshot as ``name`` says (None: no
+    snapshot, the prefill was cancelled)."""
     if cache is None:
-        return SaveResult(0, 0, 0, None), None, 0, 0
-    label, pin, cancelled = naming
+        nothing = SaveResult(blocks=0, new_blocks=0, new_bytes=0, tip=None)
+        return SavedPrefill(saved=nothing, snapshot=None, bytes_on_disk=0, kept=0)
     saved, blocks = _write(cache, lambda: cache.prepare(session, tips, seconds_per_token))
     snapshot = None
-    if saved.tip is not None and not cancelled:
-        snapshot = save_snapshot(cache, saved.tip, documents, tips[-1], label=label, pin=pin)
+    if saved.tip is not None and name is not None:
+        snapshot = save_snapshot(
+            cache, saved.tip, documents, tips[-1], label=name.label, pin=name.pin
+        )
     saved = fit_budget(cache, saved)  # evicts; says if that took this very chain
     snapshot = None if saved.not_kept else snapshot
     tip = saved.tip if saved.error is None else _stored_tip(cache, blocks)
@@ -183,7 +203,8 @@ def save_prefill(
     kept = chain[-1].end if chain and not saved.not_kept else 0
     if chain:  # the chain's blocks, as `cache show` counts them (not a segment end's beside it)
         saved = dataclasses.replace(saved, blocks=len(chain))
-    return saved, snapshot, sum(r.stored_bytes for r in chain), kept
+    on_disk = sum(r.stored_bytes for r in chain)
+    return SavedPrefill(saved=saved, snapshot=snapshot, bytes_on_disk=on_disk, kept=kept)
 
 
 _ATTEMPTS = 3

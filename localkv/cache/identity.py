@@ -68,7 +68,7 @@ _MEMORY = ("swa_window", "swa_full", "partial_layout")
 _CELLS = ("cell_ext",)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Identity:
     """The effective computation a KV state came from."""
 

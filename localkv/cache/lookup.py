@@ -52,12 +52,13 @@ def common_prefix(a: np.ndarray, b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def plan_chain(
+def plan_chain(  # noqa: PLR0913 - to take a value type
     store: SnapshotStore,
     root: str,
     scope: tuple[str, str],
     block_size: int,
     tokens: Sequence[int],
+    *,
     ends: Sequence[int],
     whole_blocks: bool = False,
 ) -> Plan:

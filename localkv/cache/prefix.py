@@ -50,7 +50,7 @@ __all__ = ["PrefixCache", "RestoreResult", "SaveResult", "open_prefix_cache"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreResult:
     """What a restore did. ``reused`` tokens are in the session when it is positive."""
 
@@ -99,6 +99,7 @@ class PrefixCache:
         namespace: str,
         block_size: int,
         defer: Callable[[Callable[[], None]], object] | None = None,
+        *,
         budget_bytes: int | None = None,
     ) -> None:
         """``defer(fn)`` runs index bookkeeping (hit counts, stats) off the restore path.
@@ -149,7 +150,11 @@ class PrefixCache:
     @property
     def scope(self) -> BlockScope:
         return BlockScope(
-            self.store, self.root, self.identity.digest, self.namespace, self.block_size
+            store=self.store,
+            root=self.root,
+            identity=self.identity.digest,
+            namespace=self.namespace,
+            block_size=self.block_size,
         )
 
     # ---------------------------------------------------------------- lookup
@@ -157,7 +162,9 @@ class PrefixCache:
         """The stored chain that holds the longest exact prefix of ``tokens`` (see ``lookup``)."""
         scope = (self.identity.digest, self.namespace)
         whole = self.identity.memory_kind != "kv"
-        return plan_chain(self.store, self.root, scope, self.block_size, tokens, ends, whole)
+        return plan_chain(
+            self.store, self.root, scope, self.block_size, tokens, ends=ends, whole_blocks=whole
+        )
 
     def miss_reason(self, tokens: Sequence[int]) -> str:
         """Why nothing was found: the identity field that differs, or no stored prefix."""
@@ -192,7 +199,9 @@ class PrefixCache:
             session.reset()
             self.damaged = str(IndexDamaged(self.store.layout.index, str(exc)))
             log.info("cache miss: %s", self.damaged)
-            return RestoreResult(0, None, self.damaged, time.perf_counter() - t0)
+            return RestoreResult(
+                reused=0, verified=None, miss_reason=self.damaged, seconds=time.perf_counter() - t0
+            )
         return self._miss(tokens, reasons[-1], t0)
 
     def _quarantine(self, block_hash: str, reason: str) -> None:
@@ -280,13 +289,21 @@ class PrefixCache:
         def bookkeeping() -> None:
             self.store.touch(hashes)
             named = covering(self.store, self.namespace, hashes, reuse, prefix)
-            self.store.record_event("hit", None, reuse, saved, self.namespace, named)
+            self.store.record_event("hit", None, reuse, saved, self.namespace, snapshot=named)
 
         self.defer(bookkeeping)
         steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
         seconds = marks[-1] - t0
         return RestoreResult(
-            reuse, True, None, seconds, hashes[-1], saved, steps, tuple(hashes), plan.common
+            reused=reuse,
+            verified=True,
+            miss_reason=None,
+            seconds=seconds,
+            tip=hashes[-1],
+            saved_seconds=saved,
+            breakdown=steps,
+            chain=tuple(hashes),
+            common=plan.common,
         )
 
     def _miss(
@@ -296,7 +313,13 @@ class PrefixCache:
         counted = None if is_not_cached(reason) else reason  # a first run has no reason
         self.defer(lambda: self.store.record_event("miss", counted, n, 0.0, self.namespace))
         log.info("cache miss: %s", reason)
-        return RestoreResult(0, None, reason, time.perf_counter() - t0, common=common)
+        return RestoreResult(
+            reused=0,
+            verified=None,
+            miss_reason=reason,
+            seconds=time.perf_counter() - t0,
+            common=common,
+        )
 
     # ------------------------------------------------------------- prefill rate
     def seconds_per_token(self, n_ctx: int) -> float | None:

@@ -29,7 +29,7 @@ __all__ = ["BlockScope", "SaveResult", "prepare_blocks", "write_blocks"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveResult:
     blocks: int  # blocks in the saved chain
     new_blocks: int  # of which written now
@@ -45,7 +45,7 @@ class SaveResult:
     end: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BlockScope:
     """Where blocks go: the store, the chain root, identity digest, namespace, block size."""
 
@@ -105,14 +105,16 @@ def prepare_blocks(
             session.windows.take(end)
             if full:
                 full_hash_at[end] = block_hash
-            out.append(_block(scope, block_hash, parent, start, block_tokens, offsets))
+            out.append(_block(scope, block_hash, parent, start, block_tokens, ends=offsets))
             continue
-        made = _content(session, state(start), (start, end), seconds_per_token)
-        if made is None:
+        content = _content(session, state(start), (start, end), seconds_per_token)
+        if content is None:
             continue
         if full:
             full_hash_at[end] = block_hash
-        out.append(_block(scope, block_hash, parent, start, block_tokens, offsets, *made))
+        out.append(
+            _block(scope, block_hash, parent, start, block_tokens, ends=offsets, content=content)
+        )
     return out
 
 
@@ -133,7 +135,7 @@ def _capture(session: ModelSession, first: int) -> KVState:
 
 def _content(
     session: ModelSession, kv: KVState | None, span: tuple[int, int], seconds_per_token: float
-) -> tuple[_Content, bool] | None:
+) -> _Content | None:
     """A new block's content and whether a restore may end at it (None: not saved).
 
     Where a restore can end: SWA, with the window's rows; recurrent, with its
@@ -153,7 +155,13 @@ def _content(
     tensors, meta = _tensors(kv, start, end, partial)
     if window is not None:
         add_window(tensors, meta, window.state(), window.window_first)
-    return (tensors, Probe.from_logits(probe), meta, seconds_per_token * (end - start)), end_state
+    return _Content(
+        tensors=tensors,
+        probe=Probe.from_logits(probe),
+        meta=meta,
+        prefill_seconds=seconds_per_token * (end - start),
+        end_state=end_state,
+    )
 
 
 def _tensors(
@@ -171,27 +179,32 @@ def _tensors(
     return tensors, meta
 
 
-_Content = tuple[dict[str, np.ndarray], Probe, dict[str, str], float]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Content:
+    """What a new block holds beside its tokens."""
+
+    tensors: dict[str, np.ndarray]
+    probe: Probe
+    meta: dict[str, str]
+    prefill_seconds: float
+    end_state: bool  # a restore may end at it
 
 
-def _block(
+def _block(  # noqa: PLR0913 - to take a value type
     scope: BlockScope,
     block_hash: str,
     parent: str,
     start: int,
     tokens: np.ndarray,
+    *,
     ends: np.ndarray,
     content: _Content | None = None,
-    end_state: bool = True,
 ) -> Block:
-    """A block to write; without ``content`` (tensors, probe, metadata, prefill seconds),
-    a stand-in for one already stored (nothing to write)."""
-    tensors, probe, meta, seconds = content or (
-        {},
-        Probe.from_logits(np.zeros(1, dtype=np.float32)),
-        {},
-        0.0,
-    )
+    """A block to write; without ``content``, a stand-in for one already stored (nothing
+    to write)."""
+    if content is None:
+        none = Probe.from_logits(np.zeros(1, dtype=np.float32))
+        content = _Content(tensors={}, probe=none, meta={}, prefill_seconds=0.0, end_state=True)
     return Block(
         hash=block_hash,
         parent=None if parent == scope.root else parent,
@@ -200,11 +213,11 @@ def _block(
         start=start,
         tokens=tokens,
         ends=ends,
-        tensors=tensors,
-        probe=probe,
-        meta=meta,
-        prefill_seconds=seconds,
-        end_state=end_state,
+        tensors=content.tensors,
+        probe=content.probe,
+        meta=content.meta,
+        prefill_seconds=content.prefill_seconds,
+        end_state=content.end_state,
     )
 
 
@@ -222,7 +235,19 @@ def write_blocks(store: SnapshotStore, blocks: Sequence[Block]) -> SaveResult:
             # disk full, an I/O error, or a parent evicted by another process:
             # the index is unchanged and the caller carries on uncached
             log.warning("could not save the prefix cache (%s); continuing without it", exc)
-            return SaveResult(len(blocks), new_blocks, new_bytes, None, str(exc))
+            return SaveResult(
+                blocks=len(blocks),
+                new_blocks=new_blocks,
+                new_bytes=new_bytes,
+                tip=None,
+                error=str(exc),
+            )
     if not blocks:
-        return SaveResult(0, new_blocks, new_bytes, None)
-    return SaveResult(len(blocks), new_blocks, new_bytes, blocks[-1].hash, end=blocks[-1].end)
+        return SaveResult(blocks=0, new_blocks=new_blocks, new_bytes=new_bytes, tip=None)
+    return SaveResult(
+        blocks=len(blocks),
+        new_blocks=new_blocks,
+        new_bytes=new_bytes,
+        tip=blocks[-1].hash,
+        end=blocks[-1].end,
+    )

@@ -43,7 +43,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ContextInfo:
     """What the context panel shows about the conversation."""
 
@@ -69,7 +69,7 @@ class Answered:
     context: ContextInfo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Attached:
     name: str
     tokens: int
@@ -97,7 +97,7 @@ def mid_conversation_note(before: int) -> str:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Opened:
     title: str
     transcript: tuple[Entry, ...]
@@ -247,7 +247,13 @@ class ChatController:
                 )
                 cache_on = self.runtime.cache is not None
                 trivial = cache_on and is_trivial(done.cache, self.chat.block_size)
-                sync = SyncReport(done.cache, done.prefilled, done.seconds, done.cancelled, trivial)
+                sync = SyncReport(
+                    cache=done.cache,
+                    prefilled=done.prefilled,
+                    prefill_s=done.seconds,
+                    cancelled=done.cancelled,
+                    trivial=trivial,
+                )
                 if not done.cancelled:
                     self.chat.attach(document)  # the sequence already holds it
                 reuse = None
@@ -258,7 +264,9 @@ class ChatController:
                 self._documents.append(document)
                 self.keeper.answered(self.chat.state)
             tokens = len(state.tokens) - before
-            return Attached(document.name, tokens, sync, self.context(), reuse)
+            return Attached(
+                name=document.name, tokens=tokens, sync=sync, context=self.context(), reuse=reuse
+            )
 
     def _documents_only(self) -> bool:
         state = self.chat.state
@@ -273,7 +281,12 @@ class ChatController:
             self.chat.reset(system)
             self.keeper.started(None)
             self._documents = []
-            return Opened(title_of(self.chat.state), self.transcript(), None, self.context())
+            return Opened(
+                title=title_of(self.chat.state),
+                transcript=self.transcript(),
+                sync=None,
+                context=self.context(),
+            )
 
     def open(
         self,
@@ -313,7 +326,13 @@ class ChatController:
             self.chat, self._documents = chat, []
             self.keeper.started(info)
             model = info.model.describe() if info.model is not None else None
-            return Opened(info.title, self.transcript(), sync, self.context(), model)
+            return Opened(
+                title=info.title,
+                transcript=self.transcript(),
+                sync=sync,
+                context=self.context(),
+                model=model,
+            )
 
     # ----------------------------------------------------------------- cache
     def snapshots(self) -> list[SnapshotInfo]:

@@ -42,7 +42,7 @@ from localkv.runtime.reports import printable
 __all__ = ["run_plain_chat"]
 
 
-def run_plain_chat(
+def run_plain_chat(  # noqa: PLR0913 - to take a value type
     runtime: Runtime,
     params: SamplingParams,
     *,
@@ -68,7 +68,7 @@ def run_plain_chat(
         system,
         stdin or _lenient(sys.stdin),
         stdout or sys.stdout,
-        stderr or sys.stderr,
+        stderr=stderr or sys.stderr,
     )
     try:
         with chat.signals():
@@ -118,6 +118,7 @@ class _PlainChat:
         system: str | None,
         stdin: TextIO,
         stdout: TextIO,
+        *,
         stderr: TextIO,
     ) -> None:
         self.controller = controller

@@ -107,7 +107,7 @@ def _command_line(ctx: click.Context) -> str:
     help="Regenerate this markdown page (e.g. docs/performance/benchmarks.md) with the results.",
 )
 @click.pass_context
-def bench(
+def bench(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
     ctx: click.Context,
     model: str | None,
     sizes: str,
@@ -132,7 +132,7 @@ def bench(
     directory. Every prompt length is prefilled several times over, so a run
     with the defaults takes minutes: run it on an otherwise idle machine.
     """
-    cfg = _config(model, sizes, repeats, cold_repeats, lookup_blocks, threads)
+    cfg = _config(model, sizes, repeats, cold_repeats, lookup_blocks, threads=threads)
     command = _command_line(ctx)
     say = _progress()
     say(f"{command}: model {cfg.model_path.name}, sizes {', '.join(map(str, cfg.sizes))}")
@@ -151,6 +151,7 @@ def _config(
     repeats: int,
     cold_repeats: int,
     lookup_blocks: int,
+    *,
     threads: int | None,
 ) -> BenchConfig:
     """The run's settings from the options; a model that cannot be found is a usage error."""

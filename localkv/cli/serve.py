@@ -224,7 +224,7 @@ def _is_loopback(host: str) -> bool:
 )
 @model_options
 @cache_options
-def serve(
+def serve(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
     host: str,
     port: int,
     api_key: str | None,
@@ -286,7 +286,7 @@ def serve(
     _exit(failed, started=uv.started)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Limits:
     """What the queue admits, how long a request waits and an answer runs (0: no limit)."""
 

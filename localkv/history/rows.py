@@ -13,7 +13,7 @@ import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,6 +26,7 @@ __all__ = [
     "ConversationInfo",
     "ConversationModel",
     "MalformedConversation",
+    "Part",
     "Skipped",
     "decode_info",
     "decode_state",
@@ -73,7 +74,7 @@ class ConversationModel:
         return f"{self.file} (sha256 {self.sha256[:12]}…)" if self.sha256 else self.file
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConversationInfo:
     """One saved conversation, as a list shows it."""
 
@@ -200,11 +201,26 @@ def info_or_placeholder(row: Sequence[Any]) -> ConversationInfo:
     try:
         return decode_info(row)
     except MalformedConversation as exc:
-        return ConversationInfo(str(row[0]), f"(damaged: {exc.reason})", 0, 0, 0.0, 0.0)
+        return ConversationInfo(
+            id=str(row[0]),
+            title=f"(damaged: {exc.reason})",
+            messages=0,
+            tokens=0,
+            created=0.0,
+            updated=0.0,
+        )
 
 
-def parts_of(state: ChatState) -> Iterator[tuple[str, str, str]]:
-    """``(kind, name, text)`` of each message: kind is system, user, assistant or document.
+class Part(NamedTuple):
+    """One message as the transcript shows it."""
+
+    kind: str  # system, user, assistant or document
+    name: str
+    text: str
+
+
+def parts_of(state: ChatState) -> Iterator[Part]:
+    """Each message as the transcript shows it.
 
     A user message the assistant did not answer is an attached document (named
     by the next entry of ``state.documents``).
@@ -214,9 +230,9 @@ def parts_of(state: ChatState) -> Iterator[tuple[str, str, str]]:
     for i, message in enumerate(messages):
         answered = i + 1 < len(messages) and messages[i + 1].role == "assistant"
         if message.role == "user" and not answered:
-            yield "document", next(docs, ("document", 0))[0], message.content
+            yield Part("document", next(docs, ("document", 0))[0], message.content)
         else:
-            yield message.role, message.role, message.content
+            yield Part(message.role, message.role, message.content)
 
 
 def _want(id: str, ok: bool, reason: str) -> None:

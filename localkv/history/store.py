@@ -78,7 +78,7 @@ class ConversationNotFound(KeyError):
         return f"no saved conversation {name or repr(name)}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Written:
     """Where a write went: ``forked_from`` is set when it became a new conversation."""
 
@@ -254,14 +254,14 @@ class ConversationStore:
                     [*row.values(), id, revision],
                 )
                 if cursor.rowcount:
-                    return Written(id, revision + 1)
+                    return Written(id=id, revision=revision + 1)
                 held = db.execute("SELECT 1 FROM conversations WHERE id = ?", [id]).fetchone()
                 reason = "another chat saved it meanwhile" if held else "it was deleted meanwhile"
             new_id = secrets.token_hex(8)
             db.table("conversations").insert(
                 {"id": new_id, "created": now, "revision": 1, "forked_from": id, **row}
             )
-            return Written(new_id, 1, id, reason)
+            return Written(id=new_id, revision=1, forked_from=id, reason=reason)
 
     def delete(self, id: str) -> bool:
         """Forget a conversation; False if there was none with this id."""

@@ -133,10 +133,14 @@ def window_state(tensors: dict[str, np.ndarray], meta: dict[str, str], first: in
     layers = []
     for j, (k_type, v_type, v_elem) in enumerate(layout):
         k, v = _as_rows(tensors[f"{WINDOW}k.{j}"]), _as_rows(tensors[f"{WINDOW}v.{j}"])
-        layers.append(codec.KVLayer(int(k_type), int(v_type), k, v, int(v_elem)))
+        layers.append(
+            codec.KVLayer(
+                k_type=int(k_type), v_type=int(v_type), k=k, v=v, v_elem_bytes=int(v_elem)
+            )
+        )
     n = layers[0].k.shape[0] if layers else 0
     positions = np.arange(first, first + n, dtype=np.int32)
-    return codec.KVState(positions, meta["v_trans"] == "1", tuple(layers))
+    return codec.KVState(positions=positions, v_trans=meta["v_trans"] == "1", layers=tuple(layers))
 
 
 def add_partial(
@@ -189,13 +193,17 @@ def tensors_to_state(
             n = k.shape[0]
         if k.shape[0] != n or v.shape[0] != n:
             raise codec.StateFormatError(f"layer {i} holds a different token count")
-        layers.append(codec.KVLayer(int(k_type), int(v_type), k, v, int(v_elem)))
+        layers.append(
+            codec.KVLayer(
+                k_type=int(k_type), v_type=int(v_type), k=k, v=v, v_elem_bytes=int(v_elem)
+            )
+        )
     if n is None and PARTIAL in tensors:
         n = int(tensors[PARTIAL].shape[0])
     if n is None:
         raise codec.StateFormatError("block holds no layers")
     positions = np.arange(start, start + n, dtype=np.int32)
-    return codec.KVState(positions, v_trans, tuple(layers))
+    return codec.KVState(positions=positions, v_trans=v_trans, layers=tuple(layers))
 
 
 def end_state_bytes(meta: dict[str, str], nbytes: dict[str, int]) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localkv.kv.layout import LayerLayout, assembly, scratch_view, state_size
+from localkv.kv.layout import Assembly, LayerLayout, assembly, scratch_view, state_size
 from localkv.kv.section import ELEMENT_BYTES as _ELEMENT_BYTES
 from localkv.kv.section import (
     EXT_CELL,
@@ -45,6 +45,7 @@ from localkv.kv.section import known_type as _known_type
 
 __all__ = [
     "STATE_MAGIC",
+    "Assembly",
     "KVLayer",
     "KVState",
     "LayerLayout",
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVLayer:
     """One layer's K and V, token-major: ``k[i]`` / ``v[i]`` are token i's rows."""
 
@@ -76,7 +77,7 @@ class KVLayer:
         return int(self.v.shape[1])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVState:
     """A parsed sequence state: positions plus per-layer token-major K/V rows."""
 
@@ -99,7 +100,7 @@ class KVState:
     def nbytes(self) -> int:
         return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
 
-    def layout(self) -> tuple[tuple[int, int, int, int], ...]:
+    def layout(self) -> tuple[LayerLayout, ...]:
         """Per layer (k_type, k_row_bytes, v_type, v_row_bytes): the representation."""
         return tuple((x.k_type, x.k_row_bytes, x.v_type, x.v_row_bytes) for x in self.layers)
 
@@ -108,11 +109,22 @@ class KVState:
         if not 0 <= start <= stop <= self.n_tokens:
             raise ValueError(f"slice {start}:{stop} outside 0:{self.n_tokens}")
         layers = tuple(
-            KVLayer(x.k_type, x.v_type, x.k[start:stop], x.v[start:stop], x.v_elem_bytes)
+            KVLayer(
+                k_type=x.k_type,
+                v_type=x.v_type,
+                k=x.k[start:stop],
+                v=x.v[start:stop],
+                v_elem_bytes=x.v_elem_bytes,
+            )
             for x in self.layers
         )
         tokens = None if self.cell_tokens is None else self.cell_tokens[start:stop]
-        return KVState(self.positions[start:stop], self.v_trans, layers, tokens)
+        return KVState(
+            positions=self.positions[start:stop],
+            v_trans=self.v_trans,
+            layers=layers,
+            cell_tokens=tokens,
+        )
 
 
 def parse(
@@ -146,7 +158,7 @@ def parse(
     layers = _parse_layers(r, n, n_layer, bool(v_trans), copy)
     if r.off != len(r.buf):
         raise StateFormatError(f"{len(r.buf) - r.off} unexpected trailing bytes")
-    return KVState(positions, bool(v_trans), layers, tokens)
+    return KVState(positions=positions, v_trans=bool(v_trans), layers=layers, cell_tokens=tokens)
 
 
 def _parse_layers(
@@ -171,7 +183,7 @@ def _parse_layers(
         if copy:
             k = k.copy()
             v = v if v_trans else v.copy()
-        layers.append(KVLayer(k_type, v_type, k, v, elem))
+        layers.append(KVLayer(k_type=k_type, v_type=v_type, k=k, v=v, v_elem_bytes=elem))
     return tuple(layers)
 
 
@@ -210,17 +222,17 @@ def concat(parts: Sequence[KVState]) -> KVState:
         return first
     layers = tuple(
         KVLayer(
-            x.k_type,
-            x.v_type,
-            np.concatenate([p.layers[i].k for p in parts]),
-            np.concatenate([p.layers[i].v for p in parts]),
-            x.v_elem_bytes,
+            k_type=x.k_type,
+            v_type=x.v_type,
+            k=np.concatenate([p.layers[i].k for p in parts]),
+            v=np.concatenate([p.layers[i].v for p in parts]),
+            v_elem_bytes=x.v_elem_bytes,
         )
         for i, x in enumerate(first.layers)
     )
     positions = np.concatenate([p.positions for p in parts])
     tokens = _cell_tokens(parts, len(positions)) if first.cell_ext else None
-    return KVState(positions, first.v_trans, layers, tokens)
+    return KVState(positions=positions, v_trans=first.v_trans, layers=layers, cell_tokens=tokens)
 
 
 def _cell_tokens(parts: Sequence[KVState], n: int) -> np.ndarray | None:
@@ -270,7 +282,7 @@ def _spans(parts: list[KVState], n: int) -> list[_Span]:
 
 
 def _put_rows(
-    w: _StateWriter, spans: list[_Span], n: int, layer: int, kind: str, width: int
+    w: _StateWriter, spans: list[_Span], n: int, layer: int, kind: str, *, width: int
 ) -> None:
     dst = w.take(n * width).reshape(n, width)
     for p, at, rows in spans:
@@ -323,13 +335,13 @@ def assemble(
     w.put("<II", 1 if first.v_trans else 0, len(first.layers))
     for i, x in enumerate(first.layers):
         w.put("<iQ", x.k_type, x.k_row_bytes)
-        _put_rows(w, spans, n, i, "k", x.k_row_bytes)
+        _put_rows(w, spans, n, i, "k", width=x.k_row_bytes)
     for i, x in enumerate(first.layers):
         if first.v_trans:
             _put_v_transposed(w, spans, n, i)
         else:
             w.put("<iQ", x.v_type, x.v_row_bytes)
-            _put_rows(w, spans, n, i, "v", x.v_row_bytes)
+            _put_rows(w, spans, n, i, "v", width=x.v_row_bytes)
     if w.off != w.out.shape[0]:
         raise RuntimeError(f"assembled {w.off} of {w.out.shape[0]} bytes")
     return w.out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,7 +48,15 @@ def scratch_view(size: int, scratch: np.ndarray | None) -> np.ndarray:
     return np.empty(size, dtype=np.uint8)
 
 
-def assembly(
+class Assembly(NamedTuple):
+    """A ``set_data`` buffer laid out, and per layer the K and V rows left to fill in it."""
+
+    buffer: np.ndarray
+    k_rows: list[np.ndarray]
+    v_rows: list[np.ndarray]
+
+
+def assembly(  # noqa: PLR0913 - to take a value type
     layout: Sequence[LayerLayout],
     n: int,
     seq_id: int = 0,
@@ -57,7 +66,7 @@ def assembly(
     first: int = 0,
     header: bool = True,
     v_trans: bool = False,
-) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+) -> Assembly:
     """A ``set_data`` buffer for ``n`` tokens at positions ``first..first+n-1``, rows to fill.
 
     Every field but the K and V rows (and, with ``cell_ext``, the cells' tokens:
@@ -98,4 +107,4 @@ def assembly(
             off += 12 + n * row_bytes
     if off != size:
         raise RuntimeError(f"laid out {off} of {size} bytes")
-    return out, rows[0], rows[1]
+    return Assembly(out, rows[0], rows[1])

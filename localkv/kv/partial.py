@@ -50,7 +50,7 @@ HEADER = 8  # u32 magic, i32 seq_id
 MemoryKind = Literal["kv", "swa", "hybrid", "recurrent"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PartialInfo:
     """What a partial part holds: its positions and size."""
 
@@ -146,7 +146,9 @@ def check_partial(
             )
         layout = ";".join(f"{a}/{b}/{c}/{d}" for a, b, c, d in state.layout())
         ext = ":ext" if state.cell_ext else ""
-        return PartialInfo(first, last, len(view), f"v{int(state.v_trans)}{ext}:{layout}")
+        return PartialInfo(
+            first=first, last=last, nbytes=len(view), layout=f"v{int(state.v_trans)}{ext}:{layout}"
+        )
     if kind not in ("hybrid", "recurrent"):
         raise codec.StateFormatError(f"a {kind} memory has no partial part")
     if len(view) < HEADER + 32:  # cell header, s_trans, n_layer, a first row's type and size
@@ -157,4 +159,4 @@ def check_partial(
     if pos != n_tokens - 1:
         raise codec.StateFormatError(f"recurrent part at position {pos}, expected {n_tokens - 1}")
     head = bytes(view[HEADER + 12 : HEADER + 32]).hex()
-    return PartialInfo(pos, pos, len(view), f"rs:{head}")
+    return PartialInfo(first=pos, last=pos, nbytes=len(view), layout=f"rs:{head}")

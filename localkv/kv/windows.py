@@ -26,7 +26,7 @@ from localkv.kv import codec
 __all__ = ["PendingRows", "WindowLog"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class PendingRows:
     """One block's sliding rows, as far as collected."""
 
@@ -64,13 +64,13 @@ class PendingRows:
     def state(self) -> codec.KVState:
         """The rows as a parsed state of positions ``first..end-1``."""
         layers = tuple(
-            codec.KVLayer(kt, vt, k, v, elem)
+            codec.KVLayer(k_type=kt, v_type=vt, k=k, v=v, v_elem_bytes=elem)
             for (kt, _, vt, _), k, v, elem in zip(
                 self.layout, self.k, self.v, self.elems, strict=True
             )
         )
         positions = np.arange(self.first, self.end, dtype=np.int32)
-        return codec.KVState(positions, self.v_trans, layers)
+        return codec.KVState(positions=positions, v_trans=self.v_trans, layers=layers)
 
 
 class WindowLog:

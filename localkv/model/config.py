@@ -39,7 +39,7 @@ def _is_float(text: str) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionConfig:
     """How to load a model. ``n_ctx``, ``n_batch`` and threads do not change KV values."""
 

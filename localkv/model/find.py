@@ -146,7 +146,7 @@ class FoundModel:
     path: Path
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelInfo:
     """A found model with what its GGUF header says."""
 
@@ -313,14 +313,22 @@ def describe(model: FoundModel) -> ModelInfo:
         meta = read_gguf_metadata(model.path)
     except (OSError, GGUFError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return ModelInfo(model, _size(model.path), None, None, None, "unknown", reason)
+        return ModelInfo(
+            found=model,
+            size=_size(model.path),
+            architecture=None,
+            parameters=None,
+            quantization=None,
+            memory="unknown",
+            error=reason,
+        )
     return ModelInfo(
-        model,
-        size,
-        meta.architecture,
-        meta.parameters or None,
-        quantization(meta),
-        memory_kind(meta),
+        found=model,
+        size=size,
+        architecture=meta.architecture,
+        parameters=meta.parameters or None,
+        quantization=quantization(meta),
+        memory=memory_kind(meta),
         refusal=cache_refusal(meta),
     )
 

@@ -40,7 +40,7 @@ class ModelLoadError(RuntimeError):
     """The model, a LoRA adapter or the context could not be created."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Native:
     """The native handles of one session and the sizes llama.cpp settled on."""
 

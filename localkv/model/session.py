@@ -369,13 +369,13 @@ class ModelSession:
 
     def restore_buffer(
         self, layout: Sequence[codec.LayerLayout], n: int, tail: int = 0, v_trans: bool = False
-    ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    ) -> codec.Assembly:
         """``codec.assembly`` of ``n`` tokens in reused scratch, then ``tail`` bytes (partial)."""
         size = codec.state_size(layout, v_trans, n, self.cell_ext)
         scratch = self._scratch_for(size, n, tail)
         ext, trans = self.cell_ext, v_trans
         _, k_rows, v_rows = codec.assembly(layout, n, scratch=scratch, cell_ext=ext, v_trans=trans)
-        return scratch[: size + tail], k_rows, v_rows
+        return codec.Assembly(scratch[: size + tail], k_rows, v_rows)
 
     def _scratch_for(self, size: int, n: int, tail: int = 0) -> np.ndarray:
         if self._scratch is None or self._scratch.shape[0] < size + tail:

@@ -55,7 +55,7 @@ class TokenStream:
         return piece
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Streamed:
     """An answer as generated: its text, the sampled ids, when tokens came, why it ended."""
 
@@ -99,7 +99,19 @@ def stream_answer(
         on_text(tail)
     end = time.perf_counter()
     if not stream.ids:
-        return Streamed(stream.text, stream.ids, end - t0, 0.0, reason)
+        return Streamed(
+            text=stream.text,
+            ids=stream.ids,
+            ttft_s=end - t0,
+            tokens_per_s=0.0,
+            finish_reason=reason,
+        )
     elapsed = end - t_first
     rate = (len(stream.ids) - 1) / elapsed if len(stream.ids) > 1 and elapsed > 0 else 0.0
-    return Streamed(stream.text, stream.ids, t_first - t0, rate, reason)
+    return Streamed(
+        text=stream.text,
+        ids=stream.ids,
+        ttft_s=t_first - t0,
+        tokens_per_s=rate,
+        finish_reason=reason,
+    )

@@ -16,7 +16,7 @@ __all__ = ["ReasoningSplit", "split_reasoning"]
 Part = tuple[str, str]  # ("reasoning" | "content", text)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReasoningSplit:
     markers: tuple[str, str] = ("<think>", "</think>")
     thinking: bool = False  # inside the reasoning now

@@ -54,7 +54,7 @@ ITEM = 8
 _LOG10_2 = 0.30103
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RenderLimits:
     """What one render of a chat template may cost."""
 

@@ -88,7 +88,7 @@ def path_text(path: str | os.PathLike[str]) -> str:
     return os.fsencode(path).decode("utf-8", "replace")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Document:
     text: str
     name: str
@@ -104,7 +104,7 @@ class Document:
             raise DocumentError(str(exc)) from None
         if not text.strip():
             raise DocumentError(f"{name}: the document is empty")
-        return cls(text, name, hashlib.sha256(text.encode("utf-8")).hexdigest())
+        return cls(text=text, name=name, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
 def read_document(source: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Document:
@@ -121,7 +121,9 @@ def read_document(source: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> 
     text, encoding = _decode(data, name)
     if not text.strip():
         raise DocumentError(f"{name}: the document is empty")
-    return Document(text, name, hashlib.sha256(data).hexdigest(), path, encoding)
+    return Document(
+        text=text, name=name, sha256=hashlib.sha256(data).hexdigest(), path=path, encoding=encoding
+    )
 
 
 def _too_large(name: str, max_bytes: int) -> str:

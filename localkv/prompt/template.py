@@ -22,7 +22,7 @@ import ctypes
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 from localkv.model.native import llama_cpp
@@ -70,8 +70,11 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """A role and its text, given in that order; the rest by keyword."""
+
     role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    _: KW_ONLY
     reasoning: str | None = None  # an assistant's thinking, apart from its answer
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # a tool result: the call it answers

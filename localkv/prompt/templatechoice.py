@@ -118,7 +118,7 @@ class ChatTemplateError(ValueError):
     """A chat template that llama.cpp cannot apply, or that does not exist."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TemplateChoice:
     """What ``llama_chat_apply_template`` is given, and why."""
 
@@ -243,7 +243,7 @@ def parse_template_option(value: str) -> TemplateChoice:
     """``--chat-template NAME|FILE`` as a choice, or ``ChatTemplateError`` in one line."""
     names = builtin_templates()
     if value in names:
-        return TemplateChoice(value.encode(), value, "--chat-template")
+        return TemplateChoice(template=value.encode(), name=value, source="--chat-template")
     path = Path(value).expanduser()
     if path.is_file():
         return _template_file(path)
@@ -279,7 +279,7 @@ def _template_file(path: Path) -> TemplateChoice:
     if problem is not None:
         raise ChatTemplateError(f"cannot use {name}: {problem}")
     log.info("chat template %s is rendered as Jinja", path)
-    return TemplateChoice(data, "jinja", f"file {path}", jinja=text)
+    return TemplateChoice(template=data, name="jinja", source=f"file {path}", jinja=text)
 
 
 def has_token(session: ModelSession, text: str) -> bool:
@@ -316,7 +316,7 @@ def choose_template(session: ModelSession, override: str | None = None) -> Templ
         if own is not None:
             return own
     if raw and render_probe(raw) is not None:
-        return TemplateChoice(raw, "model", "model")
+        return TemplateChoice(template=raw, name="model", source="model")
     architecture = session.meta("general.architecture") or "unknown"
     name = template_for_architecture(session, architecture)
     if name is None:
@@ -329,13 +329,13 @@ def choose_template(session: ModelSession, override: str | None = None) -> Templ
         str(session.config.model_path),
         f"model {problem}; using {name!r} {why} (override with --chat-template)",
     )
-    return TemplateChoice(name.encode(), name, "architecture")
+    return TemplateChoice(template=name.encode(), name=name, source="architecture")
 
 
 def _own_jinja(session: ModelSession, raw: bytes) -> TemplateChoice | None:
     """The model's own template as Jinja; None where it falls back (with a warning),
     ``ChatTemplateError`` where it is refused."""
-    own = TemplateChoice(raw, "model", "model")
+    own = TemplateChoice(template=raw, name="model", source="model")
     label = template_name(own, session.config.model_path)
     if len(raw) > MAX_TEMPLATE_BYTES:
         size = f"is {len(raw):,} bytes, more than a chat template may be"
@@ -347,7 +347,7 @@ def _own_jinja(session: ModelSession, raw: bytes) -> TemplateChoice | None:
     except UnsafeTemplateError as exc:
         raise ChatTemplateError(refused(exc, own)) from None
     if problem is None:
-        return TemplateChoice(raw, "model", "model", jinja=text)
+        return TemplateChoice(template=raw, name="model", source="model", jinja=text)
     _warn_once(str(session.config.model_path), f"model's chat template: {problem}")
     return None
 

@@ -58,7 +58,7 @@ def prepare_tools(
         elif m.tool_calls:
             calls = "\n".join(_call_block(c) for c in m.tool_calls)
             text = f"{m.content}\n{calls}" if m.content else calls
-            out.append(Message("assistant", text, m.reasoning))
+            out.append(Message("assistant", text, reasoning=m.reasoning))
         else:
             out.append(m)
     if tools:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from localkv.prompt.renderbudget import UnsafeTemplateError
 from localkv.prompt.rendering import Piece, pieces
@@ -53,7 +53,7 @@ class Room(Protocol):
 MAX_SEGMENTED = 64
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rendered:
     """A whole conversation's tokens, its segment ends and its assistants' spans."""
 
@@ -97,12 +97,20 @@ def render_whole(
     return out
 
 
+class _Cut(NamedTuple):
+    """One segment of the whole rendering: characters ``start:end``, after message ``after``."""
+
+    start: int
+    end: int
+    after: int  # the index of the message whose rendering ends there
+
+
 def _segments(
     template: ChatTemplate,
     messages: Sequence[Message],
     marked: str,
     tools: Sequence[dict[str, Any]] | None,
-) -> list[tuple[int, int, int]]:
+) -> list[_Cut]:
     """Where the whole rendering is cut into segments: where each message's own
     rendering ends (as ``ChatTemplate.message_tokens`` builds a conversation, so a
     prefilled prefix and a chat share their schedule), except before an assistant's
@@ -132,7 +140,7 @@ def _segments(
                 after.append(i)
     cuts.append(len(marked))
     after.append(len(messages) - 1)
-    return [(a, b, i) for (a, b), i in zip(itertools.pairwise(cuts), after[1:], strict=True)]
+    return [_Cut(a, b, i) for (a, b), i in zip(itertools.pairwise(cuts), after[1:], strict=True)]
 
 
 class _Tokens:

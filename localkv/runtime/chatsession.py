@@ -40,7 +40,7 @@ __all__ = ["ChatSession", "ChatState", "SyncReport", "TurnReport"]
 LabelFn = Callable[["ChatState"], str | None]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatState:
     """Everything needed to resume a conversation exactly."""
 
@@ -53,7 +53,7 @@ class ChatState:
     generated: list[tuple[int, int]] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SyncReport:
     """Bringing the KV sequence in line with the conversation: restore, then prefill."""
 
@@ -73,7 +73,7 @@ def is_trivial(cache: CacheReport | None, block_size: int) -> bool:
     return cache is not None and cache.reused < block_size and cache.common < block_size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnReport:
     """One answer and what it cost (``localkv.chat.formats.turn_line`` shows it)."""
 
@@ -275,14 +275,14 @@ class ChatSession:
             self._drop_last(n_messages, n_tokens)
             raise
         return TurnReport(
-            answer.text,
-            len(answer.ids),
-            sync,
-            answer.ttft_s,
-            answer.tokens_per_s,
-            stopped,
-            answer.finish_reason,
-            self.n_ctx,
+            text=answer.text,
+            generated=len(answer.ids),
+            sync=sync,
+            ttft_s=answer.ttft_s,
+            tokens_per_s=answer.tokens_per_s,
+            stopped=stopped,
+            finish_reason=answer.finish_reason,
+            n_ctx=self.n_ctx,
         )
 
     def add_unanswered(self, text: str) -> None:

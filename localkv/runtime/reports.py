@@ -32,7 +32,7 @@ def _escape(found: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheReport:
     hit: bool
     verified: bool | None
@@ -79,7 +79,7 @@ class CacheReport:
         return line
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TokenCounts:
     prompt: int
     reused: int
@@ -87,7 +87,7 @@ class TokenCounts:
     generated: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Timing:
     restore_s: float
     prefill_s: float
@@ -95,7 +95,7 @@ class Timing:
     total_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Answer:
     text: str
     tokens: TokenCounts
@@ -134,7 +134,7 @@ class Answer:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillReport:
     snapshot: str | None
     tokens: int

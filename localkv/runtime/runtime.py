@@ -28,7 +28,13 @@ from typing import Any
 
 from localkv.cache.background import BackgroundWork
 from localkv.cache.budgeting import fit_budget
-from localkv.cache.catalogue import ClientPin, covering_snapshot, has_room, save_prefill
+from localkv.cache.catalogue import (
+    ClientPin,
+    SnapshotName,
+    covering_snapshot,
+    has_room,
+    save_prefill,
+)
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
@@ -193,13 +199,29 @@ class Runtime:
         self.session.reset()
         if self.cache is None:
             reason = self.cache_error or "cache disabled"
-            return None, CacheReport(False, None, None, reason, 0, 0.0, 0.0)
+            return None, CacheReport(
+                hit=False,
+                verified=None,
+                snapshot=None,
+                miss_reason=reason,
+                reused=0,
+                restore_s=0.0,
+                saved_s=0.0,
+            )
         try:
             result = self.cache.restore(self.session, tokens, ends)
         except (OSError, sqlite3.Error) as exc:  # an unreadable index or disk: prefill instead
             log.warning("cache lookup failed (%s); continuing without it", exc)
             self.session.reset()
-            return None, CacheReport(False, None, None, f"cache error: {exc}", 0, 0.0, 0.0)
+            return None, CacheReport(
+                hit=False,
+                verified=None,
+                snapshot=None,
+                miss_reason=f"cache error: {exc}",
+                reused=0,
+                restore_s=0.0,
+                saved_s=0.0,
+            )
         report = CacheReport(
             hit=result.reused > 0,
             verified=result.verified,
@@ -255,20 +277,22 @@ class Runtime:
         self.note_prefill(time.perf_counter() - t1, prefilled)
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
-        saved, snapshot, bytes_on_disk, kept = save_prefill(
-            self.cache, self.session, tips, documents, (label, pin, cancelled), self._rate
+        name = None if cancelled else SnapshotName(label, pin)
+        stored = save_prefill(
+            self.cache, self.session, tips, documents, name, seconds_per_token=self._rate
         )
+        saved = stored.saved
         return PrefillReport(
-            snapshot=snapshot,
+            snapshot=stored.snapshot,
             tokens=len(request.tokens),
             reused=reused,
             prefilled=prefilled,
             blocks=saved.blocks,
             new_blocks=saved.new_blocks + sum(r.new_blocks for r in early),
-            bytes_on_disk=bytes_on_disk,
+            bytes_on_disk=stored.bytes_on_disk,
             seconds=time.perf_counter() - t0,
             cancelled=cancelled,
-            kept=kept,
+            kept=stored.kept,
             cache=self.with_snapshot(restored, report, request.tokens),
             not_kept=saved.not_kept,
             over_budget=saved.over_budget,
@@ -318,7 +342,7 @@ class Runtime:
         return failed and (self.cache is None or not has_room(self.cache))
 
     # -------------------------------------------------------------------- ask
-    def ask(
+    def ask(  # noqa: PLR0913 - to take a value type
         self,
         documents: Sequence[Document],
         question: str,
@@ -360,10 +384,15 @@ class Runtime:
         return Answer(
             text=answer.text,
             tokens=TokenCounts(
-                len(request.tokens), reused, len(request.tokens) - reused, len(answer.ids)
+                prompt=len(request.tokens),
+                reused=reused,
+                prefilled=len(request.tokens) - reused,
+                generated=len(answer.ids),
             ),
             cache=self.with_snapshot(restored, report, request.tokens),
-            timing=Timing(report.restore_s, prefill_s, answer.ttft_s, total),
+            timing=Timing(
+                restore_s=report.restore_s, prefill_s=prefill_s, ttft_s=answer.ttft_s, total_s=total
+            ),
             finish_reason=answer.finish_reason,
         )
 

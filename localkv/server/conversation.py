@@ -152,6 +152,7 @@ def build_prompt(
     memory: AnswerMemory,
     budget: Budget,
     tools: Sequence[dict[str, Any]] = (),
+    *,
     known: MessageMemory | None = None,
 ) -> Prompt:
     """The chat state of a request: its history, its last (user or tool) message, the opener.
@@ -181,7 +182,7 @@ def build_prompt(
     *history, last = messages
     chain = MessageChain()
     reach: dict[int, int] = {}
-    state = build_history(template, history, memory, budget, (known, chain), reach)
+    state = build_history(template, history, memory, budget, (known, chain), reach=reach)
     budget.before_text(len(state.tokens), last.content)
     chain.add(last)
     known = known or MessageMemory(0)
@@ -200,6 +201,7 @@ def build_history(
     memory: AnswerMemory,
     budget: Budget | None = None,
     known: tuple[MessageMemory | None, MessageChain] | None = None,
+    *,
     reach: dict[int, int] | None = None,
 ) -> ChatState:
     """The chat state of ``messages`` (everything before the new user message).

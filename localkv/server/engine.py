@@ -85,7 +85,7 @@ class Engine:
         budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
         try:
             built = build_prompt(
-                template, request.messages, self.memory, budget, request.tools, self.known
+                template, request.messages, self.memory, budget, request.tools, known=self.known
             )
         finally:
             _log_work(template.work(), work, len(request.messages))
@@ -96,7 +96,9 @@ class Engine:
         stops = StopText(request.sampling.stop)
         params = tool_params(self._params(request.sampling, len(prompt)), request, template)
         if sync.cancelled:  # the client went away during the prefill
-            return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
+            return self._outcome(
+                t0, prompt, sync, diverged, stops, ids=[], ttft_s=0.0, params=params, cancelled=True
+            )
         split = answer_text(request, self.runtime.session, prompt, channel)
         answer = stream_answer(
             self.runtime.session,
@@ -117,10 +119,10 @@ class Engine:
             sync,
             diverged,
             stops,
-            answer.ids,
-            answer.ttft_s,
-            params,
-            channel.cancelled(),
+            ids=answer.ids,
+            ttft_s=answer.ttft_s,
+            params=params,
+            cancelled=channel.cancelled(),
         )
         asked = (len(request.breakpoints), len(kept.ends))
         outcome = replace(outcome, pinned_new=new_tokens(kept.last, outcome), breakpoints=asked)
@@ -162,7 +164,7 @@ class Engine:
         namer = snapshot_namer(chat.snapshot, label, state.boundaries[-1])
         if pins is not None:
             prompt = (list(state.tokens), chat.schedule())
-            namer = pin_namer(self.runtime, namer, label, pins[0], prompt, pins[1])
+            namer = pin_namer(self.runtime, namer, label, pins[0], prompt, kept=pins[1])
         self.runtime.save_prefix(state.boundaries, namer)
 
     def count(self, request: ChatRequest, channel: Channel) -> int:
@@ -196,7 +198,9 @@ class Engine:
         stops = StopText(request.sampling.stop)
         params = self._params(request.sampling, len(prompt))
         if sync.cancelled:
-            return self._outcome(t0, prompt, sync, diverged, stops, [], 0.0, params, True)
+            return self._outcome(
+                t0, prompt, sync, diverged, stops, ids=[], ttft_s=0.0, params=params, cancelled=True
+            )
         answer = stream_answer(
             session,
             params,
@@ -215,10 +219,10 @@ class Engine:
             sync,
             diverged,
             stops,
-            answer.ids,
-            answer.ttft_s,
-            params,
-            channel.cancelled(),
+            ids=answer.ids,
+            ttft_s=answer.ttft_s,
+            params=params,
+            cancelled=channel.cancelled(),
         )
 
     # ------------------------------------------------------------- the cache
@@ -297,13 +301,14 @@ class Engine:
             except GrammarError as exc:
                 raise bad_request(f"response_format: {exc}", "response_format") from None
 
-    def _outcome(
+    def _outcome(  # noqa: PLR0913 - to take a value type
         self,
         t0: float,
         prompt: list[int],
         sync: SyncReport,
         diverged: int | None,
         stops: StopText,
+        *,
         ids: list[int],
         ttft_s: float,
         params: SamplingParams,
@@ -353,12 +358,13 @@ class Engine:
     def prefill(self, body: dict[str, Any]) -> dict[str, object]:
         """``POST /v1/localkv/prefill``: what ``localkv prefill --json`` prints, and whether
         the pin asked for was made (a client's: within the clients' share of the budget)."""
-        system, documents, label, pin = prefill_body(body)
+        asked = prefill_body(body)
+        documents, system = asked.documents, asked.system
         budget = Budget(self.runtime.session.n_ctx + 1, param="documents")  # no answer follows
         budget.before_chars(0, len(system or "") + sum(len(d.text) for d in documents))
-        asked = ClientPin() if pin else False
+        pin = ClientPin() if asked.pin else False
         try:
-            report = self.runtime.prefill(documents, system=system, label=label, pin=asked)
+            report = self.runtime.prefill(documents, system=system, label=asked.label, pin=pin)
         except ValueError as exc:  # ContextFullError is one
             raise ApiError(
                 413, str(exc), param="documents", code="context_length_exceeded"

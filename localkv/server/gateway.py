@@ -43,7 +43,7 @@ DISCONNECT_POLL_S = 0.25
 Work = ChatRequest | CompletionRequest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
     api_key: str | None = None
     queue: int = 4  # requests admitted at once, the running one included

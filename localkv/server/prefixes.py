@@ -184,6 +184,7 @@ def pin_namer(
     label: str,
     pins: Sequence[Pin],
     prompt: tuple[Sequence[int], Sequence[int]],
+    *,
     kept: KeptPins,
 ) -> Callable[[SaveResult], None]:
     """``namer``, then the stored block ending at each pin (of ``prompt``'s tokens and
@@ -249,9 +250,18 @@ def _block_ending(cache: PrefixCache, tokens: Sequence[int], ends: Sequence[int]
     return None
 
 
-def prefill_body(body: dict[str, Any]) -> tuple[str | None, list[Document], str | None, bool]:
-    """``POST /v1/localkv/prefill``'s system prompt, documents, label and pin (a 400
-    naming the field for a bad one)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillBody:
+    """What ``POST /v1/localkv/prefill`` asks for."""
+
+    system: str | None
+    documents: list[Document]
+    label: str | None
+    pin: bool
+
+
+def prefill_body(body: dict[str, Any]) -> PrefillBody:
+    """``POST /v1/localkv/prefill``'s body (a 400 naming the field for a bad one)."""
     system = _optional_str(body, "system")
     documents = _documents(body.get("documents", []))
     if not documents and not system:
@@ -260,7 +270,7 @@ def prefill_body(body: dict[str, Any]) -> tuple[str | None, list[Document], str 
     pin = body.get("pin", False)
     if not isinstance(pin, bool):
         raise bad_request("'pin' must be true or false", "pin")
-    return system, documents, label, pin
+    return PrefillBody(system=system, documents=documents, label=label, pin=pin)
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:

@@ -30,7 +30,7 @@ __all__ = [
 WORK = ("state_captures", "tokenize_calls", "tokenized_chars", "renders", "rendered_chars")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Sampling:
     """What the client asked of generation; ``max_tokens`` None: the server's limit."""
 
@@ -58,7 +58,7 @@ class Breakpoint:
     ttl_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChatRequest:
     """A conversation to answer: its messages (the last from the user or a tool), the
     function tools the template renders (``{"type": "function", "function": {...}}``)."""
@@ -73,7 +73,7 @@ class ChatRequest:
     breakpoints: tuple[Breakpoint, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompletionRequest:
     """Raw text (after the template's start tokens) or token ids to continue."""
 
@@ -83,7 +83,7 @@ class CompletionRequest:
     include_usage: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Outcome:
     """One generation: the answer and what the cache did for it."""
 
@@ -134,7 +134,7 @@ class Outcome:
         return {"breakpoints": {"asked": asked, "kept": kept}} if asked else {}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelFacts:
     """What a protocol may say of the loaded model (Ollama's ``/api/tags`` and ``show``)."""
 

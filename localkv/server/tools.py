@@ -144,7 +144,7 @@ def tool_params(
     return dataclasses.replace(params, grammar=grammar)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AnswerText:
     """An answer split into reasoning and content as it streams, its tool calls at the end."""
 
@@ -229,7 +229,12 @@ def answer_text(
         else tuple(t["function"]["name"] for t in request.tools)
     )
     tail = session.detokenize(list(prompt[-8:]), special=True).rstrip()
-    return AnswerText(channel.text, channel.reasoning, names, tail.endswith("<think>"))
+    return AnswerText(
+        on_text=channel.text,
+        on_reasoning=channel.reasoning,
+        tools=names,
+        thinking=tail.endswith("<think>"),
+    )
 
 
 def with_answer(outcome: Outcome, answer: AnswerText) -> Outcome:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,6 +35,7 @@ __all__ = [
     "Q6_FORMAT",
     "Q6_INDEX",
     "Q6_TABLE",
+    "Split",
     "decode_planes",
     "join",
     "lo_name",
@@ -64,13 +66,21 @@ def logical_dtype(text: str) -> np.dtype[np.generic]:
     return dtype
 
 
-def parts(name: str) -> tuple[str, str, str]:
+def parts(name: str) -> tuple[str, ...]:
     """The stored tensors that hold split tensor ``name``: low plane, indices, table."""
     return (name + LO, name + Q6_INDEX, name + Q6_TABLE)
 
 
-def split(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str, str]:
-    """The compact file's tensors for ``tensors``, its ``planes`` metadata (JSON) and format.
+class Split(NamedTuple):
+    """A compact file's tensors and the metadata that names what was split."""
+
+    tensors: dict[str, np.ndarray]
+    planes: str  # the ``planes`` metadata entry (JSON)
+    format: str
+
+
+def split(tensors: Mapping[str, np.ndarray]) -> Split:
+    """The compact file's tensors for ``tensors``, its ``planes`` metadata and format.
 
     Every little-endian F16 tensor of at least one dimension is split but the
     tail tensors (read by row groups, ``tails``); the others are returned as they are.
@@ -89,7 +99,7 @@ def split(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str
         out[name + LO] = lo.reshape(arr.shape)
         out[name + Q6_INDEX], out[name + Q6_TABLE] = index, table
         order.append([name, "F16"])
-    return out, json.dumps(order), Q6_FORMAT
+    return Split(out, json.dumps(order), Q6_FORMAT)
 
 
 def parse_planes(text: str | None) -> list[tuple[str, np.dtype[np.generic]]]:

@@ -71,7 +71,7 @@ _FIRST_READ = 64 << 10
 Targets = Mapping[str, Sequence[np.ndarray]]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class OpenedBlock:
     """A block file opened and its header checked; ``close()`` when done."""
 
@@ -113,7 +113,7 @@ def open_block(
                 cache.put(row, header, *parsed)
         metadata, specs = parsed
         detached = metadata.get(DETACHED_XXH3) if detached_spec(metadata, specs) else None
-        tails = _tails_of(metadata, specs)
+        tail_rows, tail_sums = _tails_of(metadata, specs)
         if metadata.get("format") == planes.Q6_FORMAT:
             meta = check_metadata(metadata, row, file_format=planes.Q6_FORMAT)
             known_compact = cache.compact(row, header) if cache is not None else None
@@ -123,15 +123,27 @@ def open_block(
                 if cache is not None:
                     cache.put_compact(row, header, known_compact)
             order, logical = known_compact
-            return OpenedBlock(
-                row, fd, header, meta, metadata, logical, specs, order, detached, *tails
-            )
-        if row.stored_bytes != row.raw_bytes:
-            raise BlockCorrupt(
-                f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
-            )
-        meta = check_metadata(metadata, row)
-        return OpenedBlock(row, fd, header, meta, metadata, specs, None, None, detached, *tails)
+            physical: dict[str, TensorSpec] | None = specs
+        else:
+            if row.stored_bytes != row.raw_bytes:
+                raise BlockCorrupt(
+                    f"file of {row.stored_bytes} bytes, the index expects {row.raw_bytes} raw"
+                )
+            meta = check_metadata(metadata, row)
+            order, logical, physical = None, specs, None
+        return OpenedBlock(
+            row=row,
+            fd=fd,
+            header=header,
+            metadata=meta,
+            metadata_all=metadata,
+            specs=logical,
+            physical=physical,
+            planes=order,
+            detached=detached,
+            tail_rows=tail_rows,
+            tail_sums=tail_sums,
+        )
     except BaseException:
         os.close(fd)
         raise
@@ -178,7 +190,7 @@ def _logical(
             spec = out.pop(part, None)
             if spec is None or spec.dtype != np.uint8 or len(spec.shape) != 1:
                 raise BlockCorrupt(f"planes: tensor {name!r} lacks its U8 part {part!r}")
-        out[name] = TensorSpec(dtype, lo.shape, 0, lo.nbytes * dtype.itemsize)
+        out[name] = TensorSpec(dtype=dtype, shape=lo.shape, begin=0, end=lo.nbytes * dtype.itemsize)
     return out
 
 
@@ -223,7 +235,7 @@ def fill_block(
         if name not in RESERVED_TENSORS:
             check_rows(name, spec.shape, row, tail_rows)
         if is_tail(name):
-            into = _tail_views(name, spec, targets, tail_from, own, tail_rows)
+            into = _tail_views(name, spec, targets, tail_from, own, rows=tail_rows)
             if name in targets:
                 placed.append((name, into))
             pieces.extend(_tail_pieces(name, spec, into, start, tail_rows))
@@ -238,7 +250,7 @@ def fill_block(
             arr = np.empty(spec.shape, dtype=spec.dtype)
             own[name] = arr
             views = [byte_view(arr)]
-        pieces.append(_Piece(spec.nbytes, views, "apart" if apart else "main"))
+        pieces.append(_Piece(nbytes=spec.nbytes, views=views, kind="apart" if apart else "main"))
     if opened.planes is not None:
         fill_planes(opened, own, placed, DETACHED not in discard, (start, hashes))
     else:
@@ -279,6 +291,7 @@ def _tail_views(
     targets: Targets,
     tail_from: int | None,
     own: dict[str, np.ndarray],
+    *,
     rows: int,
 ) -> list[memoryview]:
     """Where a tail tensor's rows from ``tail_from`` go (all rows when None)."""
@@ -299,18 +312,36 @@ def _tail_pieces(
     ``start``'s group read into scratch and hashed, then its rows from ``start``."""
     row_bytes = spec.nbytes // rows if rows else 0
     first = _group_start(start, rows)
-    out = [_Piece(first * row_bytes, None, "tail")] if first else []
+    out = [_Piece(nbytes=first * row_bytes, views=None, kind="tail")] if first else []
     if start > first:
         lead = scratch.get("lead:" + name, (start - first) * row_bytes)
-        out.append(_Piece(lead.shape[0], [lead.data], "tail", name, first, row_bytes))
-    out.append(_Piece((rows - start) * row_bytes, views, "tail", name, start, row_bytes))
+        out.append(
+            _Piece(
+                nbytes=lead.shape[0],
+                views=[lead.data],
+                kind="tail",
+                name=name,
+                first_row=first,
+                row_bytes=row_bytes,
+            )
+        )
+    out.append(
+        _Piece(
+            nbytes=(rows - start) * row_bytes,
+            views=views,
+            kind="tail",
+            name=name,
+            first_row=start,
+            row_bytes=row_bytes,
+        )
+    )
     return out
 
 
 _CHUNK = 256 << 10  # a discarded tensor is hashed through a buffer that stays in cache
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Piece:
     """One tensor (or a tail tensor's row range) of a data section, as ``fill_block`` reads it."""
 
@@ -333,7 +364,10 @@ def _read_checked(opened: OpenedBlock, pieces: list[_Piece], tails: TailHashes |
     digest = xxhash.xxh3_128(opened.header)
     apart = xxhash.xxh3_128()
     at, run = len(opened.header), []
-    for piece in [*pieces, _Piece(0, None, "apart")]:  # the empty last piece reads the last run
+    for piece in [
+        *pieces,
+        _Piece(nbytes=0, views=None, kind="apart"),
+    ]:  # the empty last piece reads the last run
         if piece.views is not None:
             run.append(piece)
             continue

@@ -45,7 +45,7 @@ class DecodedBlock:
     tensors: dict[str, np.ndarray]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TensorSpec:
     """Where one tensor lies in a safetensors file's data section."""
 
@@ -145,4 +145,4 @@ def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:
     if math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 62:
         # numpy refuses such a shape even when another dimension is 0
         raise BlockCorrupt(f"safetensors: tensor {name!r} has an impossible shape")
-    return TensorSpec(dtype, tuple(shape), begin, end)
+    return TensorSpec(dtype=dtype, shape=tuple(shape), begin=begin, end=end)

@@ -141,15 +141,12 @@ class BlockIndex:
                 raise
             faults.point("after_commit")
 
-    def checkpoint(self) -> tuple[int, int, int]:
-        """Copy the WAL into the database and truncate it to zero bytes.
-
-        Returns SQLite's ``(busy, wal_pages, checkpointed_pages)``; ``busy`` is 1
-        when a reader in another process kept the WAL from being emptied.
-        """
+    def checkpoint(self) -> bool:
+        """Copy the WAL into the database and truncate it to zero bytes; False when a
+        reader in another process kept the WAL from being emptied (SQLite's ``busy``)."""
         with self.lock:
             row = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+        return not (row and int(row[0]))
 
     def vacuum(self) -> None:
         """Rebuild the database file without free pages (outside any transaction)."""

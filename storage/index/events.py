@@ -15,35 +15,49 @@ and context length: one rate for every writer's blocks and every hit.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from ..values import StoreStats
 from .blockindex import BlockIndex
 
-__all__ = ["EVENT_KINDS", "note_rate", "rate", "record", "stats"]
+__all__ = ["EVENT_KINDS", "Event", "note_rate", "rate", "record", "stats"]
 
 EVENT_KINDS = frozenset({"hit", "miss"})
 
 
-def record(
-    index: BlockIndex,
-    kind: str,
-    reason: str | None,
-    tokens: int,
-    seconds: float,
-    namespace: str | None,
-    snapshot: str | None,
-) -> None:
-    """Record a hit (``seconds``: prefill time saved) or a miss (with its reason)."""
-    if kind not in EVENT_KINDS:
-        raise ValueError(f"event kind must be hit or miss, got {kind!r}")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """A lookup's outcome: a hit (``seconds``: prefill time saved) or a miss (its reason)."""
+
+    kind: str  # hit or miss
+    reason: str | None
+    tokens: int
+    seconds: float
+    namespace: str | None = None
+    snapshot: str | None = None  # the snapshot a hit restored
+
+
+def record(index: BlockIndex, event: Event) -> None:
+    """Record ``event``; a hit counts against the snapshot it names, if that still exists."""
+    if event.kind not in EVENT_KINDS:
+        raise ValueError(f"event kind must be hit or miss, got {event.kind!r}")
+    snapshot = event.snapshot
     with index.write() as db:
-        if snapshot is not None and kind == "hit":
+        if snapshot is not None and event.kind == "hit":
             found = db.execute("UPDATE snapshots SET hits = hits + 1 WHERE id = ?", (snapshot,))
             snapshot = snapshot if found.rowcount else None
         db.execute(
             "INSERT INTO events (kind, reason, tokens, seconds, at, namespace, snapshot) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (kind, reason, int(tokens), float(seconds), time.time(), namespace, snapshot),
+            (
+                event.kind,
+                event.reason,
+                int(event.tokens),
+                float(event.seconds),
+                time.time(),
+                event.namespace,
+                snapshot,
+            ),
         )
 
 

@@ -104,7 +104,7 @@ def default_budget(root: Path) -> int:
     return min(BUDGET_CAP, int(free * BUDGET_FRACTION))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LeafInfo:
     """What eviction needs to know about a block."""
 

@@ -43,8 +43,8 @@ def evict(index: BlockIndex, layout: CacheLayout, budget_bytes: int) -> int:
         now = time.time()
         protected = index.protected(db, pinned_only=True, users_only=True)
         infos = [
-            budget.LeafInfo(*r)
-            for r in db.execute(
+            budget.LeafInfo(hash=h, parent=p, stored_bytes=n, prefill_seconds=s, last_used=u)
+            for h, p, n, s, u in db.execute(
                 "SELECT hash, parent, stored_bytes, prefill_seconds, last_used FROM blocks"
             ).fetchall()
         ]

@@ -160,7 +160,7 @@ def scrub(index: BlockIndex) -> bool:
         index.vacuum()
     except sqlite3.OperationalError as exc:  # another process is writing: try later
         logger.warning("could not vacuum the index: %s", exc)
-    busy, _, _ = index.checkpoint()
+    busy = not index.checkpoint()
     if busy:
         logger.warning("the index WAL is in use by another process; not yet truncated")
     return bool(busy)

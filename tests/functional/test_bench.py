@@ -176,13 +176,13 @@ def test_cold_restores_read_their_files_from_storage(result: BenchResult, work_d
 def test_evict_drops_a_file_from_the_page_cache(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB, not fsynced: evict flushes it
-    data, read, evicted = benchdisk.cold_call([path], path.read_bytes)
-    assert len(data) == 1 << 20
-    assert evicted == benchdisk.EVICTION_AVAILABLE
+    run = benchdisk.cold_call([path], path.read_bytes)
+    assert len(run.value) == 1 << 20
+    assert run.evicted == benchdisk.EVICTION_AVAILABLE
     if not eviction_checkable(tmp_path):
         pytest.skip("no eviction to check here")
-    assert read is not None and read >= (1 << 20) // 2
-    _, again, _ = benchdisk.cold_call([], path.read_bytes)  # nothing evicted: page cache
+    assert run.read_bytes is not None and run.read_bytes >= (1 << 20) // 2
+    again = benchdisk.cold_call([], path.read_bytes).read_bytes  # nothing evicted: page cache
     assert again is not None and again < (1 << 20) // 2
 
 
@@ -193,13 +193,16 @@ def test_without_posix_fadvise_nothing_is_called_cold(
     path.write_bytes(b"x" * 8192)
     monkeypatch.setattr(benchdisk, "EVICTION_AVAILABLE", False)
     assert benchdisk.evict([path]) is False
-    _, _, evicted = benchdisk.cold_call([path], path.read_bytes)
-    assert evicted is False
+    assert benchdisk.cold_call([path], path.read_bytes).evicted is False
     stat = Stat.of([0.001, 0.002])
     cases = [
-        ColdStat(stat, Stat.of([8192, 8192]), 8192, evicted=False),  # no eviction
-        ColdStat(stat, Stat.of([0, 8192]), 8192, evicted=True),  # one run from the page cache
-        ColdStat(stat, None, 8192, evicted=True),  # no /proc/self/io
+        ColdStat(
+            time=stat, read_bytes=Stat.of([8192, 8192]), file_bytes=8192, evicted=False
+        ),  # no eviction
+        ColdStat(
+            time=stat, read_bytes=Stat.of([0, 8192]), file_bytes=8192, evicted=True
+        ),  # one run from the page cache
+        ColdStat(time=stat, read_bytes=None, file_bytes=8192, evicted=True),  # no /proc/self/io
     ]
     for cold in cases:
         assert not cold.dropped and cold.why_not_cold
@@ -209,10 +212,16 @@ def test_without_posix_fadvise_nothing_is_called_cold(
         benchreport.fmt_cold(cases[0]) == benchreport.fmt_cold(cases[1]) == "page cache not dropped"
     )
     assert benchreport.fmt_cold(cases[2]) == "page cache drop not verified"
-    fine = ColdStat(stat, Stat.of([4096, 8192]), 8192, evicted=True)
+    fine = ColdStat(time=stat, read_bytes=Stat.of([4096, 8192]), file_bytes=8192, evicted=True)
     assert fine.dropped and benchreport.fmt_cold(fine) == benchreport.fmt_stat(stat)
     # a restore that leaves the partial states of all but the last block unread
-    partly = ColdStat(stat, Stat.of([4096, 4096]), 32768, evicted=True, needed_bytes=8192)
+    partly = ColdStat(
+        time=stat,
+        read_bytes=Stat.of([4096, 4096]),
+        file_bytes=32768,
+        evicted=True,
+        needed_bytes=8192,
+    )
     assert partly.dropped and not dataclasses.replace(partly, needed_bytes=None).dropped
 
 

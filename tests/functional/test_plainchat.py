@@ -169,26 +169,36 @@ def _cache(**fields: object) -> CacheReport:
 
 
 def test_one_cache_report_formatter_for_turns_attaches_and_resumes() -> None:
-    sync = SyncReport(_cache(), 12, 0.5)
+    sync = SyncReport(cache=_cache(), prefilled=12, prefill_s=0.5)
     assert sync_line(sync) == (
         "restored 1,820 tokens (verified) in 45 ms · prefilled 12 in 0.50 s · saved ≈ 3.1 s"
     )
-    turn = TurnReport("x", 3, sync, 0.05, 31.0, stopped=True)
+    turn = TurnReport(
+        text="x", generated=3, sync=sync, ttft_s=0.05, tokens_per_s=31.0, stopped=True
+    )
     assert turn_line(turn) == (
         "TTFT 0.05 s · 31 tok/s · restored 1,820 tokens (verified) in 45 ms · "
         "prefilled 12 · saved ≈ 3.1 s · stopped"
     )
-    unchecked = SyncReport(_cache(verified=None, common=1823), 3, 0.1)
+    unchecked = SyncReport(cache=_cache(verified=None, common=1823), prefilled=3, prefill_s=0.1)
     for line in (sync_line(unchecked), turn_line(dataclasses.replace(turn, sync=unchecked))):
         assert "(verified)" not in line
         assert "reused 1,820 of 1,823 common tokens (exact)" in line
     missed = SyncReport(
-        _cache(hit=False, miss_reason="no stored prefix", reused=0, common=0), 9, 0.2
+        cache=_cache(hit=False, miss_reason="no stored prefix", reused=0, common=0),
+        prefilled=9,
+        prefill_s=0.2,
     )
     assert sync_line(missed) == "cache miss: no stored prefix · prefilled 9 in 0.20 s"
-    assert sync_line(SyncReport(None, 0, 0.0, cancelled=True)) == ("already in memory · cancelled")
-    restored = SyncReport(_cache(), 0, 0.0)  # a resume that restored every token
-    assert "prefilled" not in sync_line(restored) and "restored 1,820 tokens" in sync_line(restored)
-    assert turn_line(dataclasses.replace(turn, sync=SyncReport(None, 4, 0.0), stopped=False)) == (
-        "TTFT 0.05 s · 31 tok/s · prefilled 4"
+    assert sync_line(SyncReport(cache=None, prefilled=0, prefill_s=0.0, cancelled=True)) == (
+        "already in memory · cancelled"
     )
+    restored = SyncReport(
+        cache=_cache(), prefilled=0, prefill_s=0.0
+    )  # a resume that restored every token
+    assert "prefilled" not in sync_line(restored) and "restored 1,820 tokens" in sync_line(restored)
+    assert turn_line(
+        dataclasses.replace(
+            turn, sync=SyncReport(cache=None, prefilled=4, prefill_s=0.0), stopped=False
+        )
+    ) == ("TTFT 0.05 s · 31 tok/s · prefilled 4")

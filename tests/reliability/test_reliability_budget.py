@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.store import SnapshotStore
 from support.store import IDENTITY, make_chain, put_chain
 from support.tinymodels import TinyModels
@@ -234,7 +235,18 @@ def test_the_store_counts_pinned_bytes_once_and_events_per_namespace(tmp_path: P
         for chain, pin in ((shared, True), (longer, True), (other, False)):
             ns = chain[-1].namespace
             end = chain[-1].end
-            store.put_snapshot(chain[-1].hash, f"{ns}{end}", None, None, end, IDENTITY, ns, pin)
+            store.put_snapshot(
+                NewSnapshot(
+                    tip=chain[-1].hash,
+                    label=f"{ns}{end}",
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=end,
+                    identity=IDENTITY,
+                    namespace=ns,
+                ),
+                pinned=pin,
+            )
         store.record_event("miss", "no stored prefix in namespace 'b'", 5, 0.0, "b")
         store.record_event("hit", None, 32, 0.01, "a")
         a_bytes = sum(sizes[b.hash] for b in longer)  # ``shared`` is its first two blocks

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from localkv.storage import faults
+from localkv.storage import NewSnapshot, faults
 from localkv.storage.disk import ENV_MIN_FREE
 from localkv.storage.store import SnapshotStore
 from support.reliability import check_store, record
@@ -72,7 +72,17 @@ def test_a_persistent_commit_failure_rolls_back_and_releases_the_lock(tmp_path: 
             with pytest.raises(OSError):
                 store.put_block(blocks[1])
             with pytest.raises(OSError):
-                store.put_snapshot(blocks[0].hash, "x", None, None, 16, blocks[0].identity, "")
+                store.put_snapshot(
+                    NewSnapshot(
+                        tip=blocks[0].hash,
+                        label="x",
+                        source_path=None,
+                        source_sha256=None,
+                        n_tokens=16,
+                        identity=blocks[0].identity,
+                        namespace="",
+                    )
+                )
         # another process can write at once: no transaction was left open
         with SnapshotStore.open(root) as other:
             assert other.put_block(blocks[1])

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from localkv.storage import NewSnapshot
 from localkv.storage.store import SnapshotStore
 from support.reliability import record
 from support.tinymodels import TinyModels, tiny_config
@@ -205,7 +206,17 @@ def test_forget_takes_longer_prompts_that_contain_the_document(tmp_path: Path) -
             put_chain(store, chain)
         for chain, path in ((chains[0], "/docs/a.txt"), (chains[2], "/docs/b.txt")):
             tip = chain[-1]
-            store.put_snapshot(tip.hash, path, path, None, tip.end, tip.identity, "")
+            store.put_snapshot(
+                NewSnapshot(
+                    tip=tip.hash,
+                    label=path,
+                    source_path=path,
+                    source_sha256=None,
+                    n_tokens=tip.end,
+                    identity=tip.identity,
+                    namespace="",
+                )
+            )
         report = store.forget("/docs/a.txt", None)
         assert report.blocks == 2 and len(report.snapshots) == 1
         assert not store.has_block(chains[0][-1].hash)
@@ -305,7 +316,15 @@ def test_forget_by_tokens_takes_every_block_holding_a_run_whoever_wrote_it(
         for name, chain in (("elsewhere", elsewhere), ("unrelated", unrelated)):
             tip = chain[-1]
             ids[name] = store.put_snapshot(
-                tip.hash, name, None, None, tip.end, tip.identity, tip.namespace
+                NewSnapshot(
+                    tip=tip.hash,
+                    label=name,
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=tip.end,
+                    identity=tip.identity,
+                    namespace=tip.namespace,
+                )
             )
         store.pin(ids["elsewhere"])  # privacy first: pinned or not, it holds the document
         report = store.forget("/docs/gone.txt", None, [np.asarray(doc, dtype=np.int32)])
@@ -330,7 +349,17 @@ def test_a_document_that_repeats_its_opening_leaves_the_shared_block_before_it(
         for chain in (asked, unrelated):
             put_chain(store, chain)
         tip = unrelated[-1]
-        kept = store.put_snapshot(tip.hash, "unrelated", None, None, tip.end, tip.identity, "")
+        kept = store.put_snapshot(
+            NewSnapshot(
+                tip=tip.hash,
+                label="unrelated",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=tip.end,
+                identity=tip.identity,
+                namespace="",
+            )
+        )
         report = store.forget(None, None, [np.asarray(doc, dtype=np.int32)])
         assert report.blocks == len(asked) - 1
         assert store.has_block(asked[0].hash)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from click.testing import CliRunner
+from localkv.storage import NewSnapshot
 from localkv.storage.store import SnapshotStore
 from safetensors.numpy import load_file
 from support.reliability import record
@@ -204,7 +205,17 @@ def test_rm_takes_the_tips_beside_its_chain_and_keeps_those_a_staying_chain_hold
         for blocks in chains.values():
             put_chain(store, blocks)
         ids = {
-            name: store.put_snapshot(chains[name][-1].hash, name, None, None, n, IDENTITY, "")
+            name: store.put_snapshot(
+                NewSnapshot(
+                    tip=chains[name][-1].hash,
+                    label=name,
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=n,
+                    identity=IDENTITY,
+                    namespace="",
+                )
+            )
             for name, n in (("mine", len(mine)), ("theirs", len(theirs)))
         }
         store.remove_snapshot(ids["mine"])

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.store import Block, BlockRow, SnapshotStore
 
 from support.store import logits_for, make_chain, tensors_for
@@ -159,7 +160,15 @@ def seed_store(root: Path, seed: int, n_docs: int) -> list[Block]:
                 store.put_block(b)
             tip = blocks[-1]
             store.put_snapshot(
-                tip.hash, f"doc {seed}/{i}", None, None, tip.end, tip.identity, tip.namespace
+                NewSnapshot(
+                    tip=tip.hash,
+                    label=f"doc {seed}/{i}",
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=tip.end,
+                    identity=tip.identity,
+                    namespace=tip.namespace,
+                )
             )
             out.extend(blocks)
     return out

@@ -78,7 +78,7 @@ class _Shape:
         return self.n_embd // self.n_head
 
 
-def build_tiny_llama(
+def build_tiny_llama(  # noqa: PLR0913 - to take a value type
     dst: Path,
     tokenizer_source: Path,
     *,

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from localkv.storage import NewSnapshot
 from localkv.storage.store import BlockCorrupt, SnapshotStore
 
 from support.reliability import BLOCK, doc_tokens, oracle_mismatch
@@ -55,7 +56,16 @@ def write_doc(store: SnapshotStore, log: Log, seed: int, i: int, pinned: bool = 
     tip = blocks[-1]
     try:
         snap = store.put_snapshot(
-            tip.hash, f"doc {seed}/{i}", None, None, tip.end, tip.identity, tip.namespace, pinned
+            NewSnapshot(
+                tip=tip.hash,
+                label=f"doc {seed}/{i}",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=tip.end,
+                identity=tip.identity,
+                namespace=tip.namespace,
+            ),
+            pinned=pinned,
         )
     except ValueError:  # its tip was evicted by a churn process already
         log("X", tip.hash)

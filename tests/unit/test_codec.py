@@ -180,7 +180,7 @@ def test_extended_cells_round_trip_byte_identical(
 
 
 def _without_cell_tokens(state: codec.KVState) -> codec.KVState:
-    return codec.KVState(state.positions, state.v_trans, state.layers)
+    return codec.KVState(positions=state.positions, v_trans=state.v_trans, layers=state.layers)
 
 
 def test_an_assembly_names_the_tokens_before_the_state_is_loaded(

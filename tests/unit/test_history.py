@@ -176,7 +176,7 @@ def test_rows_saved_before_models_were_recorded_migrate_and_still_load(tmp_path:
         assert (info.model, info.revision, info.pending) == (None, 0, None)
         assert store.load("old") == state
         written = store.write(state, "old", 0, model=MODEL)
-        assert written == Written("old", 1) and store.info("old").model == MODEL
+        assert written == Written(id="old", revision=1) and store.info("old").model == MODEL
 
 
 def test_a_write_at_a_stale_revision_forks_and_loses_nothing(tmp_path: Path) -> None:
@@ -184,7 +184,7 @@ def test_a_write_at_a_stale_revision_forks_and_loses_nothing(tmp_path: Path) -> 
         first = a.write(_state("Shared?"), None, 0, model=MODEL)
         assert (first.revision, first.forked_from) == (1, None)
         mine = a.write(_state("From a?"), first.id, first.revision, model=MODEL)
-        assert mine == Written(first.id, 2)
+        assert mine == Written(id=first.id, revision=2)
         theirs = b.write(_state("From b?"), first.id, first.revision, model=MODEL)
         assert theirs.forked_from == first.id and theirs.id != first.id
         assert theirs.reason == "another chat saved it meanwhile"

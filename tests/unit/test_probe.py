@@ -57,7 +57,7 @@ def test_probe_detects_a_changed_earlier_token(tiny_models: TinyModels, long_tex
 
 @pytest.mark.default_model
 def test_probe_is_bit_identical_on_default_model(default_model_path: Path, long_text: str) -> None:
-    cfg = SessionConfig(default_model_path, n_ctx=1024)
+    cfg = SessionConfig(model_path=default_model_path, n_ctx=1024)
     with ModelSession(cfg) as s:
         tokens = s.tokenize(long_text)[:520]
-    _probe_check(cfg, SessionConfig(default_model_path, n_ctx=2048, n_batch=256), tokens)
+    _probe_check(cfg, SessionConfig(model_path=default_model_path, n_ctx=2048, n_batch=256), tokens)

@@ -6,7 +6,16 @@ from localkv.runtime.reports import CacheReport
 
 
 def test_a_hit_that_recomputed_common_tokens_says_so() -> None:
-    report = CacheReport(True, True, None, None, 256, 0.012, 1.5, common=300)
+    report = CacheReport(
+        hit=True,
+        verified=True,
+        snapshot=None,
+        miss_reason=None,
+        reused=256,
+        restore_s=0.012,
+        saved_s=1.5,
+        common=300,
+    )
     assert report.recomputed == 44
     assert report.line(310) == (
         "reused 256 of 310 tokens (verified) in 12 ms; saved ≈ 1.5 s; "
@@ -15,9 +24,27 @@ def test_a_hit_that_recomputed_common_tokens_says_so() -> None:
 
 
 def test_a_plain_hit_and_a_miss() -> None:
-    hit = CacheReport(True, True, None, None, 300, 0.012, 1.5, common=300)
+    hit = CacheReport(
+        hit=True,
+        verified=True,
+        snapshot=None,
+        miss_reason=None,
+        reused=300,
+        restore_s=0.012,
+        saved_s=1.5,
+        common=300,
+    )
     assert hit.line(310) == "reused 300 of 310 tokens (verified) in 12 ms; saved ≈ 1.5 s"
-    miss = CacheReport(False, None, None, "no batch end shared", 0, 0.001, 0.0, common=3)
+    miss = CacheReport(
+        hit=False,
+        verified=None,
+        snapshot=None,
+        miss_reason="no batch end shared",
+        reused=0,
+        restore_s=0.001,
+        saved_s=0.0,
+        common=3,
+    )
     assert miss.line(20) == (
         "cache miss (no batch end shared); prefilled 20 tokens; reused 0 of 3 common tokens (exact)"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.chain import chain_next, chain_root, tokens_sha
 from localkv.storage.index.blockindex import BlockIndex
 from localkv.storage.store import Block, Probe, SnapshotStore
@@ -70,8 +71,28 @@ def test_shared_prefix_of_two_documents_is_stored_once(store: SnapshotStore) -> 
     assert doc_a[:2] and doc_a[0].hash == doc_b[0].hash and doc_a[1].hash == doc_b[1].hash
     assert put_chain(store, doc_a) == len(doc_a)
     assert put_chain(store, doc_b) == len(doc_b) - 2
-    a = store.put_snapshot(doc_a[-1].hash, "a", "a.txt", None, 72, IDENTITY, "")
-    b = store.put_snapshot(doc_b[-1].hash, "b", "b.txt", None, 52, IDENTITY, "")
+    a = store.put_snapshot(
+        NewSnapshot(
+            tip=doc_a[-1].hash,
+            label="a",
+            source_path="a.txt",
+            source_sha256=None,
+            n_tokens=72,
+            identity=IDENTITY,
+            namespace="",
+        )
+    )
+    b = store.put_snapshot(
+        NewSnapshot(
+            tip=doc_b[-1].hash,
+            label="b",
+            source_path="b.txt",
+            source_sha256=None,
+            n_tokens=52,
+            identity=IDENTITY,
+            namespace="",
+        )
+    )
     assert a != b
     assert len(block_files(store.root)) == len(doc_a) + len(doc_b) - 2
     assert [r.hash for r in store.chain_of(doc_b[-1].hash)] == [x.hash for x in doc_b]
@@ -213,7 +234,17 @@ def test_probe_matches_only_identical_logits() -> None:
 def test_touch_counts_hits(store: SnapshotStore) -> None:
     blocks = make_chain(list(range(32)), 16)
     put_chain(store, blocks)
-    sid = store.put_snapshot(blocks[-1].hash, "s", None, None, 32, IDENTITY, "")
+    sid = store.put_snapshot(
+        NewSnapshot(
+            tip=blocks[-1].hash,
+            label="s",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=32,
+            identity=IDENTITY,
+            namespace="",
+        )
+    )
     store.touch([b.hash for b in blocks])
     store.touch([blocks[0].hash])
     rows = store.match_chain([b.hash for b in blocks])

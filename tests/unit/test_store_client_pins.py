@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.removal.budget import ENV_CLIENT_PINS, parse_share
 from localkv.storage.store import SnapshotStore
 from support.store import IDENTITY, make_chain, put_chain
@@ -22,7 +23,18 @@ def _save(store: SnapshotStore, i: int, *, pin: bool, share: int | None = None) 
     blocks = make_chain(_doc(i), BLOCK)
     put_chain(store, blocks)
     return store.put_snapshot(
-        blocks[-1].hash, f"doc {i}", None, None, 64, IDENTITY, "", pin, None, share
+        NewSnapshot(
+            tip=blocks[-1].hash,
+            label=f"doc {i}",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=64,
+            identity=IDENTITY,
+            namespace="",
+        ),
+        pinned=pin,
+        pinned_until=None,
+        client_share=share,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.formats.blockcodec import checksum
 from localkv.storage.store import BlockCorrupt, BlockRow, SnapshotStore
 from support.store import IDENTITY, make_chain, put_chain
@@ -164,7 +165,18 @@ def test_index_path_outside_the_root_is_refused(store: SnapshotStore) -> None:
 
 def test_quarantine_moves_file_and_drops_descendants(store: SnapshotStore) -> None:
     rows = _stored(store)
-    sid = store.put_snapshot(rows[-1].hash, "doc", None, None, 64, IDENTITY, "", pinned=True)
+    sid = store.put_snapshot(
+        NewSnapshot(
+            tip=rows[-1].hash,
+            label="doc",
+            source_path=None,
+            source_sha256=None,
+            n_tokens=64,
+            identity=IDENTITY,
+            namespace="",
+        ),
+        pinned=True,
+    )
     _flip_byte(_path(store, rows[1]))
     with pytest.raises(BlockCorrupt) as info:
         store.read_blocks(rows)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.paths import CACHEDIR_TAG, CacheDirError, default_root
 from localkv.storage.store import SnapshotStore
 from support.store import make_chain, put_chain
@@ -37,7 +38,17 @@ def test_directories_0700_files_0600(tmp_path: Path, umask: int) -> None:
     with SnapshotStore.open(root) as store:
         blocks = make_chain(list(range(40)), 16)
         put_chain(store, blocks)
-        store.put_snapshot(blocks[-1].hash, "doc", None, None, 40, blocks[0].identity, "")
+        store.put_snapshot(
+            NewSnapshot(
+                tip=blocks[-1].hash,
+                label="doc",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=40,
+                identity=blocks[0].identity,
+                namespace="",
+            )
+        )
         store.quarantine(blocks[1].hash, "test")
         names = {p.name for p in root.rglob("*")}
         assert {"index.db", "index.db-wal", "CACHEDIR.TAG", "blocks", "tmp", "quarantine"} <= names

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from localkv.storage import manifests
+from localkv.storage import NewSnapshot, manifests
 from localkv.storage.store import SnapshotStore
 from support.store import IDENTITY, make_chain, put_chain
 
@@ -21,7 +21,19 @@ def _snapshot(store: SnapshotStore, tokens: list[int], label: str, until: float 
     blocks = make_chain(tokens, 16)
     put_chain(store, blocks)
     tip = blocks[-1].hash
-    return store.put_snapshot(tip, label, None, None, len(tokens), IDENTITY, "", True, until)
+    return store.put_snapshot(
+        NewSnapshot(
+            tip=tip,
+            label=label,
+            source_path=None,
+            source_sha256=None,
+            n_tokens=len(tokens),
+            identity=IDENTITY,
+            namespace="",
+        ),
+        pinned=True,
+        pinned_until=until,
+    )
 
 
 def _stored(store: SnapshotStore) -> set[str]:

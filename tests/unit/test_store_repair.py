@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from localkv.storage import manifests
+from localkv.storage import NewSnapshot, manifests
 from localkv.storage.formats.blockcodec import encode
 from localkv.storage.index.health import IndexDamaged, check_index
 from localkv.storage.paths import CacheLayout
@@ -33,9 +33,40 @@ def _filled(root: Path, *, compact: bool = False) -> tuple[list[str], dict[str, 
         put_chain(store, a)
         put_chain(store, b)
         ids = [
-            store.put_snapshot(a[-1].hash, "alpha", "/docs/a.txt", "aa" * 32, 64, IDENTITY, ""),
-            store.put_snapshot(b[-1].hash, "beta", None, None, 52, IDENTITY, "", pinned=True),
-            store.put_snapshot(a[1].hash, "half", "/docs/a.txt", None, 32, IDENTITY, ""),
+            store.put_snapshot(
+                NewSnapshot(
+                    tip=a[-1].hash,
+                    label="alpha",
+                    source_path="/docs/a.txt",
+                    source_sha256="aa" * 32,
+                    n_tokens=64,
+                    identity=IDENTITY,
+                    namespace="",
+                )
+            ),
+            store.put_snapshot(
+                NewSnapshot(
+                    tip=b[-1].hash,
+                    label="beta",
+                    source_path=None,
+                    source_sha256=None,
+                    n_tokens=52,
+                    identity=IDENTITY,
+                    namespace="",
+                ),
+                pinned=True,
+            ),
+            store.put_snapshot(
+                NewSnapshot(
+                    tip=a[1].hash,
+                    label="half",
+                    source_path="/docs/a.txt",
+                    source_sha256=None,
+                    n_tokens=32,
+                    identity=IDENTITY,
+                    namespace="",
+                )
+            ),
         ]
         store.unpin(ids[1])
         store.pin(ids[2])
@@ -111,7 +142,17 @@ def test_damaged_and_old_files_are_skipped_with_a_reason(tmp_path: Path) -> None
     blocks = make_chain(list(range(64)), 16)
     with SnapshotStore.open(root) as store:
         put_chain(store, blocks)
-        snap = store.put_snapshot(blocks[-1].hash, "all", None, None, 64, IDENTITY, "")
+        snap = store.put_snapshot(
+            NewSnapshot(
+                tip=blocks[-1].hash,
+                label="all",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=64,
+                identity=IDENTITY,
+                namespace="",
+            )
+        )
         rows = store.match_chain([b.hash for b in blocks])
     (root / "index.db").unlink()
     # block 2: one byte of K/V data flipped; block 0 stays sound
@@ -164,9 +205,39 @@ def test_manifests_follow_the_snapshots(tmp_path: Path) -> None:
     blocks = make_chain(list(range(48)), 16)
     with SnapshotStore.open(root) as store:
         put_chain(store, blocks)
-        keep = store.put_snapshot(blocks[-1].hash, "keep", "/d/k.txt", None, 48, IDENTITY, "")
-        drop = store.put_snapshot(blocks[0].hash, "drop", "/d/x.txt", None, 16, IDENTITY, "")
-        gone = store.put_snapshot(blocks[1].hash, "gone", "/d/g.txt", "ab" * 32, 32, IDENTITY, "")
+        keep = store.put_snapshot(
+            NewSnapshot(
+                tip=blocks[-1].hash,
+                label="keep",
+                source_path="/d/k.txt",
+                source_sha256=None,
+                n_tokens=48,
+                identity=IDENTITY,
+                namespace="",
+            )
+        )
+        drop = store.put_snapshot(
+            NewSnapshot(
+                tip=blocks[0].hash,
+                label="drop",
+                source_path="/d/x.txt",
+                source_sha256=None,
+                n_tokens=16,
+                identity=IDENTITY,
+                namespace="",
+            )
+        )
+        gone = store.put_snapshot(
+            NewSnapshot(
+                tip=blocks[1].hash,
+                label="gone",
+                source_path="/d/g.txt",
+                source_sha256="ab" * 32,
+                n_tokens=32,
+                identity=IDENTITY,
+                namespace="",
+            )
+        )
         store.pin(keep)
         listed = {row.id: row for row, _ in manifests.read_all(store.layout)[0]}
         assert set(listed) == {keep, drop, gone} and listed[keep].pinned

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.removal.budget import parse_size
 from localkv.storage.store import Block, SnapshotStore
 from support.store import IDENTITY, block_files, make_chain, put_chain
@@ -23,7 +24,16 @@ def _doc(store: SnapshotStore, tokens: list[int], label: str, pinned: bool = Fal
     blocks = make_chain(tokens, 16)
     put_chain(store, blocks)
     return store.put_snapshot(
-        blocks[-1].hash, label, f"{label}.txt", "ab" * 32, len(tokens), IDENTITY, "", pinned
+        NewSnapshot(
+            tip=blocks[-1].hash,
+            label=label,
+            source_path=f"{label}.txt",
+            source_sha256="ab" * 32,
+            n_tokens=len(tokens),
+            identity=IDENTITY,
+            namespace="",
+        ),
+        pinned=pinned,
     )
 
 
@@ -69,9 +79,29 @@ def test_snapshot_ids_lookup_and_pinning(store: SnapshotStore) -> None:
     assert [s.id for s in store.snapshots("")] == [a, b]
     assert store.snapshots("elsewhere") == []
     with pytest.raises(ValueError, match="tip block ends"):
-        store.put_snapshot(make_chain(DOC_A, 16)[-1].hash, "x", None, None, 71, IDENTITY, "")
+        store.put_snapshot(
+            NewSnapshot(
+                tip=make_chain(DOC_A, 16)[-1].hash,
+                label="x",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=71,
+                identity=IDENTITY,
+                namespace="",
+            )
+        )
     with pytest.raises(ValueError, match="not stored"):
-        store.put_snapshot("sha256:" + "0" * 64, "x", None, None, 1, IDENTITY, "")
+        store.put_snapshot(
+            NewSnapshot(
+                tip="sha256:" + "0" * 64,
+                label="x",
+                source_path=None,
+                source_sha256=None,
+                n_tokens=1,
+                identity=IDENTITY,
+                namespace="",
+            )
+        )
 
 
 def test_remove_snapshot_keeps_blocks_another_snapshot_needs(store: SnapshotStore) -> None:
@@ -172,7 +202,9 @@ def test_gc_removes_orphans_temp_files_and_rows_without_files(store: SnapshotSto
         store.layout.block_relpath(h).split("/")[-1] for h in (a[0].hash, a[1].hash)
     }
     assert store.verify() == []
-    assert store.gc(grace_seconds=0) == type(report)(0, 0, 0, 0)
+    assert store.gc(grace_seconds=0) == type(report)(
+        temp_files=0, orphan_files=0, missing_files=0, bytes_freed=0
+    )
 
 
 def test_stats(store: SnapshotStore) -> None:

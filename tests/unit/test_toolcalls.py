@@ -81,7 +81,7 @@ def test_an_answer_that_starts_inside_the_reasoning_and_one_without_any() -> Non
 
 def test_a_streamed_answer_holds_back_only_what_may_be_a_call() -> None:
     sent: list[str] = []
-    answer = AnswerText(sent.append, lambda _: None, NAMES)
+    answer = AnswerText(on_text=sent.append, on_reasoning=lambda _: None, tools=NAMES)
     text = (
         'Checking. <tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
     )
@@ -94,7 +94,7 @@ def test_a_streamed_answer_holds_back_only_what_may_be_a_call() -> None:
     ]
     assert answer.calls[0].id.startswith("call_")
     prose: list[str] = []
-    plain = AnswerText(prose.append, lambda _: None, NAMES)
+    plain = AnswerText(on_text=prose.append, on_reasoning=lambda _: None, tools=NAMES)
     for word in ("It ", "is ", "a < b ", "here."):
         plain.push(word)
     plain.finish()

@@ -26,7 +26,7 @@ _PROC_IO = Path("/proc/self/io")
 _FIELDS = ("rchar", "wchar", "read_bytes", "write_bytes")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Io:
     rchar: int = 0
     wchar: int = 0

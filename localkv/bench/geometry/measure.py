@@ -39,7 +39,7 @@ from localkv.runtime import Runtime
 __all__ = ["Figures", "document_for", "measure"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Figures:
     """The medians of one model at one length (bytes, seconds)."""
 
@@ -86,7 +86,7 @@ def _uncached(model: Path, n: int) -> tuple[float, Request]:
         return time.perf_counter() - t0, request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Prefill:
     seconds: float
     save_s: float
@@ -109,7 +109,14 @@ def _cached(model: Path, n: int, store: Path, state_file: Path | None) -> _Prefi
         size = 0
         if state_file is not None:
             size = _save_state_file(rt, state_file)
-    return _Prefill(report.seconds, timer.seconds, written, tree_bytes(store), report.kept, size)
+    return _Prefill(
+        seconds=report.seconds,
+        save_s=timer.seconds,
+        written=written,
+        disk=tree_bytes(store),
+        kept=report.kept,
+        state_file=size,
+    )
 
 
 def _save_state_file(rt: Runtime, path: Path) -> int:
@@ -124,7 +131,7 @@ def _save_state_file(rt: Runtime, path: Path) -> int:
     return size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Restore:
     seconds: float
     probe_s: float
@@ -146,12 +153,12 @@ def _restores(model: Path, n: int, store: Path, request: Request, repeats: int) 
             needed = int(llama_cpp.llama_state_seq_get_size(rt.session.ctx, 0))
             out.append(
                 _Restore(
-                    sum(steps.get(s, 0.0) for s in ("lookup", "read", "load")),
-                    steps.get("probe", 0.0),
-                    read,
-                    report.reused,
-                    bool(report.verified),
-                    needed,
+                    seconds=sum(steps.get(s, 0.0) for s in ("lookup", "read", "load")),
+                    probe_s=steps.get("probe", 0.0),
+                    read=read,
+                    reused=report.reused,
+                    verified=bool(report.verified),
+                    needed=needed,
                 )
             )
     return out

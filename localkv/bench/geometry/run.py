@@ -66,6 +66,7 @@ def run_geometry(
     out: Path,
     names: Sequence[str] = (),
     say: Say = log.info,
+    *,
     work_dir: Path | None = None,
 ) -> dict[str, object]:
     """Measure, write ``geometry.json`` and ``geometry.md`` into ``out``; the results."""
@@ -98,7 +99,9 @@ def run_geometry(
                     }
                 )
                 say(f"  {json.dumps(results[-1]['derived'])}")
-                doc = _write(out, sizes, repeats, started, time.perf_counter() - t0, results)
+                doc = _write(
+                    out, sizes, repeats, started, time.perf_counter() - t0, results=results
+                )
     return doc
 
 
@@ -108,6 +111,7 @@ def _write(
     repeats: Sequence[int],
     started: str,
     seconds: float,
+    *,
     results: list[dict[str, object]],
 ) -> dict[str, object]:
     """Write both files with the results so far (a run cut short keeps its rows)."""

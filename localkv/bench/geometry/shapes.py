@@ -28,7 +28,7 @@ F16 = 2  # bytes of a K or V element: llama.cpp's default cache type
 F32 = 4  # bytes of a recurrent state element
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Ssm:
     """A Mamba2 layer's shape."""
 
@@ -48,7 +48,7 @@ class Ssm:
         return ((self.d_conv - 1) * self.conv_dim + self.d_state * self.d_inner) * F32
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Geometry:
     """What one model keeps per sequence, layer by layer."""
 
@@ -105,15 +105,30 @@ def _granite_kinds() -> tuple[str, ...]:
 
 
 GEOMETRIES = (
-    Geometry("gemma-3-12b", "Gemma 3 12B", "gemma3", _gemma3_kinds(48), 8, 256, window=1024),
-    Geometry("llama-3.1-8b", "Llama 3.1 8B", "llama", ("full",) * 32, 8, 128),
     Geometry(
-        "granite-4.0-h-tiny",
-        "Granite 4.0-H-Tiny",
-        "nemotron_h",
-        _granite_kinds(),
-        4,
-        128,
+        name="gemma-3-12b",
+        label="Gemma 3 12B",
+        arch="gemma3",
+        kinds=_gemma3_kinds(48),
+        n_head_kv=8,
+        head_dim=256,
+        window=1024,
+    ),
+    Geometry(
+        name="llama-3.1-8b",
+        label="Llama 3.1 8B",
+        arch="llama",
+        kinds=("full",) * 32,
+        n_head_kv=8,
+        head_dim=128,
+    ),
+    Geometry(
+        name="granite-4.0-h-tiny",
+        label="Granite 4.0-H-Tiny",
+        arch="nemotron_h",
+        kinds=_granite_kinds(),
+        n_head_kv=4,
+        head_dim=128,
         ssm=Ssm(d_inner=3072, d_state=128, n_head=48),
     ),
 )

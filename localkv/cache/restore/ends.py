@@ -9,32 +9,37 @@ diverges mid-block reuses up to the last such block before the divergence.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from localkv.cache.lookup import Plan
 from localkv.kv.partial import MemoryKind
 
-__all__ = ["snapshot_cut", "what_is_kept"]
+__all__ = ["Cut", "snapshot_cut", "what_is_kept"]
 
 
 def what_is_kept(kind: MemoryKind | None) -> str:
     return "the sliding-window state" if kind == "swa" else "the recurrent state"
 
 
-def snapshot_cut(
-    plan: Plan, reuse: int, kind: MemoryKind | None, block_size: int
-) -> tuple[Plan, int, str | None]:
-    """``plan`` cut at its last snapshot boundary within ``reuse`` tokens, the tokens
-    reused, or why none can be (plain KV memory: unchanged)."""
+class Cut(NamedTuple):
+    """A plan cut at a snapshot boundary."""
+
+    plan: Plan
+    reuse: int  # the tokens reused
+    refusal: str | None  # why none can be; None: ``plan`` holds ``reuse`` tokens
+
+
+def snapshot_cut(plan: Plan, reuse: int, kind: MemoryKind | None, block_size: int) -> Cut:
+    """``plan`` cut at its last snapshot boundary within ``reuse`` tokens (plain KV
+    memory: unchanged)."""
     if kind == "kv" or reuse == 0:
-        return plan, reuse, None
+        return Cut(plan, reuse, None)
     keep = [i for i, row in enumerate(plan.chain) if 2 <= row.end <= reuse and row.end_state]
     if not keep:
-        return (
-            plan,
-            0,
-            (
-                f"no snapshot boundary in the {reuse:,} reusable tokens: "
-                f"{what_is_kept(kind)} is kept at segment ends and every {block_size}"
-            ),
+        refusal = (
+            f"no snapshot boundary in the {reuse:,} reusable tokens: "
+            f"{what_is_kept(kind)} is kept at segment ends and every {block_size}"
         )
+        return Cut(plan, 0, refusal)
     chain = plan.chain[: keep[-1] + 1]
-    return Plan(chain, chain[-1].end, plan.common), chain[-1].end, None
+    return Cut(Plan(chain, chain[-1].end, plan.common), chain[-1].end, None)

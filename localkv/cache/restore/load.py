@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,7 +52,9 @@ def load_chain(
         if session.memory_kind == "swa":
             blocks, window_state = read_window_chain(store, session, opened)
         elif (found := _in_pieces(session, opened)) is not None:
-            blocks, loaded = read_in_pieces(store, session, opened, *found, root), True
+            layout, v_trans = found
+            blocks = read_in_pieces(store, session, opened, layout, v_trans, parent=root)
+            loaded = True
         else:
             blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
@@ -130,9 +133,15 @@ def _in_pieces(
     return tuple(found.layers), found.v_trans
 
 
-def _read(
-    store: SnapshotStore, session: ModelSession, opened: list[OpenedBlock]
-) -> tuple[list[Block], np.ndarray | None, np.ndarray | None]:
+class _Read(NamedTuple):
+    """A chain's blocks read, and where their rows went."""
+
+    blocks: list[Block]
+    buffer: np.ndarray | None  # the state buffer their K/V rows were read into
+    tip_rows: np.ndarray | None  # the array the last block's partial rows were read into
+
+
+def _read(store: SnapshotStore, session: ModelSession, opened: list[OpenedBlock]) -> _Read:
     """The blocks, and (where it can) the state buffer their K/V rows were read into
     and the array the last block's partial rows were read into.
 
@@ -149,7 +158,7 @@ def _read(
     v_trans, layout = found.v_trans, found.layers
     n = opened[-1].row.end - 1  # chain_layout refused an empty chain
     if n <= 0 or not layout:
-        return store.fill_blocks(opened, [None] * len(opened), drops), None, None
+        return _Read(store.fill_blocks(opened, [None] * len(opened), drops), None, None)
     tail = int(opened[-1].metadata.get("partial_bytes", partial.HEADER)) - partial.HEADER
     buffer, k_rows, v_rows = session.restore_buffer(layout, n, max(0, tail), v_trans)
     # a transposed V is read token-major into its own area, then transposed a layer at a time
@@ -159,13 +168,13 @@ def _read(
     # the chain's final token is read (the checksum covers it) but not loaded:
     # its rows go to a spill area, one row per tensor
     spill = np.empty(sum(x[1] + x[3] for x in layout), dtype=np.uint8)
-    targets = fill_targets(opened, layout, k_rows, v_places, n, spill)
+    targets = fill_targets(opened, layout, k_rows, v_places, n, spill=spill)
     if tip_rows is not None:  # pages reused from the last restore: no page faults
         targets[-1][PARTIAL] = [tip_rows]
     blocks = store.fill_blocks(opened, targets, drops, parallel=parallel_reads(session))
     if v_trans:  # each layer's V rows, token-major as stored, go in as llama.cpp's columns
         transpose_v(v_places, v_rows)
-    return blocks, buffer, tip_rows
+    return _Read(blocks, buffer, tip_rows)
 
 
 class _Rows(threading.local):

@@ -89,6 +89,7 @@ def read_in_pieces(
     opened: list[OpenedBlock],
     layout: tuple[LayerLayout, ...],
     v_trans: bool,
+    *,
     parent: str,
 ) -> list[Block]:
     """Read and load the chain but its final token, a piece at a time; the blocks read.
@@ -113,7 +114,7 @@ def read_in_pieces(
             v_trans=v_trans,
         )
         v_places = [token_rows(v, stop - first) for v in v_rows] if v_trans else v_rows
-        targets = fill_targets(group, layout, k_rows, v_places, n, spill, first)
+        targets = fill_targets(group, layout, k_rows, v_places, n, spill=spill, first=first)
         got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel)
         if v_trans:
             transpose_v(v_places, v_rows)
@@ -124,12 +125,13 @@ def read_in_pieces(
     return blocks
 
 
-def fill_targets(
+def fill_targets(  # noqa: PLR0913 - to take a value type
     opened: list[OpenedBlock],
     layout: tuple[LayerLayout, ...],
     k_rows: list[np.ndarray],
     v_places: list[np.ndarray],
     n: int,
+    *,
     spill: np.ndarray,
     first: int = 0,
 ) -> list[dict[str, list[np.ndarray]]]:

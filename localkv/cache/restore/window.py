@@ -87,11 +87,15 @@ def read_window_chain(
     for block_file, tail_from in zip(opened, froms, strict=True):
         start, end = block_file.row.start, block_file.row.end
         places: _Targets = {}
-        used = _place(places, "", layout.layers, (k_rows, v_rows), (start, end, 0), n, spill)
+        used = _place(
+            places, "", layout.layers, (k_rows, v_rows), (start, end, 0), n=n, spill=spill
+        )
         if tail_from < block_file.tail_rows:
             stored = end - block_file.tail_rows + tail_from
             rows = (wk, wv)
-            _place(places, WINDOW, layout.window, rows, (stored, end, first), n, spill[used:])
+            _place(
+                places, WINDOW, layout.window, rows, (stored, end, first), n=n, spill=spill[used:]
+            )
         else:  # no row of this block is in the window: its tails are not read
             places.update({name: [] for name in block_file.specs if name.startswith(WINDOW)})
         targets.append(places)
@@ -99,12 +103,13 @@ def read_window_chain(
     return blocks, buffer
 
 
-def _place(
+def _place(  # noqa: PLR0913 - to take a value type
     places: _Targets,
     prefix: str,
     layers: tuple[codec.LayerLayout, ...],
     rows: tuple[list[np.ndarray], list[np.ndarray]],
     span: tuple[int, int, int],
+    *,
     n: int,
     spill: np.ndarray,
 ) -> int:

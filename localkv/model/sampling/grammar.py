@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from localkv.model.sampling.errors import GrammarError
 
@@ -154,16 +154,22 @@ def _converter() -> type[Any]:
     return Converter
 
 
-def _bounds(
-    node: object, where: str, depth: int = 0, named: bool = False
-) -> Iterator[tuple[str, str, object]]:
+class _Bound(NamedTuple):
+    """A length or size bound in a schema."""
+
+    where: str  # the path to the object holding it
+    key: str  # e.g. maxLength
+    value: object
+
+
+def _bounds(node: object, where: str, depth: int = 0, named: bool = False) -> Iterator[_Bound]:
     """Every length or size bound in a schema, with where it is (``named``: keys are names)."""
     if depth > 64:
         raise GrammarError("the JSON schema nests too deep")
     if isinstance(node, Mapping):
         for key, value in node.items():
             if key in _REPEAT_KEYS and not named:
-                yield where, str(key), value
+                yield _Bound(where, str(key), value)
             else:
                 inner = not named and key in _NAMED_KEYS
                 yield from _bounds(value, f"{where}.{key}", depth + 1, inner)

@@ -10,7 +10,7 @@ from localkv.model.sampling.grammar import check_gbnf
 __all__ = ["SamplingParams"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """Greedy at temperature 0, else top-k, top-p, min-p, temperature, drawn with ``seed``.
 

@@ -81,7 +81,7 @@ def blocks(outcome: Outcome) -> list[dict[str, Any]]:
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Message:
     """One answer, the gateway's encoder: ``whole`` for a response body, or ``opening``,
     ``piece``s and ``closing`` for a stream (``ping`` events as keep-alives)."""

@@ -31,7 +31,7 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         parsed = messages_request(await self.gateway.body(request))
         asked = parsed.request.sampling.max_tokens
-        encoder = Message(parsed.model, asked=asked)
+        encoder = Message(model=parsed.model, asked=asked)
         return await self.gateway.answer(request, parsed.request, encoder)
 
     async def count_tokens(self, request: Request) -> Response:

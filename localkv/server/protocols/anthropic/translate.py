@@ -279,7 +279,14 @@ def _assistant(content: list[Any], where: str, convo: _Conversation) -> None:
             )
     thought = "".join(reasoning)
     convo.messages.append(
-        Message("assistant", "".join(texts), thought or None, tuple(calls), None, None)
+        Message(
+            "assistant",
+            "".join(texts),
+            reasoning=thought or None,
+            tool_calls=tuple(calls),
+            tool_call_id=None,
+            name=None,
+        )
     )
     convo.keep(len(convo.messages) - 1, _kept(blocks))
 
@@ -333,7 +340,7 @@ def _result(block: dict[str, Any], at: str) -> Message:
         raise bad_request(f"{at}.content: must be a string or an array of text blocks", at)
     if block.get("is_error") is True:
         content = f"Error: {content}"
-    return Message("tool", content, None, (), call_id, None)
+    return Message("tool", content, reasoning=None, tool_calls=(), tool_call_id=call_id, name=None)
 
 
 def _tools(

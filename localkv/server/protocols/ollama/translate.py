@@ -160,7 +160,9 @@ def _messages(raw: list[Any]) -> tuple[Message, ...]:
         if role == "tool":
             out.append(_tool_result(message, text, i, pending))
         elif role == "assistant":
-            out.append(Message("assistant", text, _thinking(message, where), calls))
+            out.append(
+                Message("assistant", text, reasoning=_thinking(message, where), tool_calls=calls)
+            )
         else:
             out.append(Message("system" if role == "developer" else str(role), text))
     return tuple(out)

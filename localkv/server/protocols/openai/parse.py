@@ -113,10 +113,10 @@ def _message(raw: object, i: int) -> Message:
     return Message(
         "system" if role == "developer" else str(role),
         text,
-        reasoning or None,
-        calls,
-        call_id,
-        name,
+        reasoning=reasoning or None,
+        tool_calls=calls,
+        tool_call_id=call_id,
+        name=name,
     )
 
 

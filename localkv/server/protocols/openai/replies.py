@@ -54,7 +54,7 @@ def message(outcome: Outcome) -> dict[str, object]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reply:
     """The fixed parts of one response: its id, kind, model and creation time."""
 
@@ -69,7 +69,13 @@ class Reply:
     @classmethod
     def new(cls, chat: bool, model: str, include_usage: bool = False) -> Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(prefix + secrets.token_hex(12), chat, model, int(time.time()), include_usage)
+        return cls(
+            id=prefix + secrets.token_hex(12),
+            chat=chat,
+            model=model,
+            created=int(time.time()),
+            include_usage=include_usage,
+        )
 
     def _head(self, stream: bool) -> dict[str, object]:
         kind = "chat.completion" if self.chat else "text_completion"

@@ -33,7 +33,7 @@ def event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {text}\n\n"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Answer:
     """The fixed parts of one response: its id, model, time and the request's echoes,
     and what the request says of its items (namespaces, sealed reasoning)."""
@@ -184,7 +184,7 @@ def usage(outcome: Outcome, reasoning_tokens: int) -> dict[str, Any]:
     }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Events:
     """A response's stream: the events for each piece of text, then the end."""
 
@@ -297,7 +297,7 @@ class Encoder:
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
-        self.events = Events(answer)
+        self.events = Events(answer=answer)
 
     def whole(self, outcome: Outcome) -> dict[str, Any]:
         return self.answer.body(outcome, outcome.reasoning_tokens)

@@ -128,7 +128,7 @@ def _message(item: dict[str, Any], where: str, reasoning: str | None) -> Message
         )
     text = _text(item.get("content"), where)
     if role == "assistant":
-        return Message("assistant", text, reasoning or None)
+        return Message("assistant", text, reasoning=reasoning or None)
     return Message("system" if role == "developer" else str(role), text)
 
 
@@ -205,7 +205,7 @@ def _add_call(out: list[Message], call: ToolCall, reasoning: str | None) -> None
     if out and out[-1].role == "assistant" and not reasoning:
         out[-1] = dataclasses.replace(out[-1], tool_calls=(*out[-1].tool_calls, call))
         return
-    out.append(Message("assistant", "", reasoning or None, (call,)))
+    out.append(Message("assistant", "", reasoning=reasoning or None, tool_calls=(call,)))
 
 
 def _call_output(item: dict[str, Any], where: str) -> Message:
