@@ -10,14 +10,6 @@ import pytest
 from agentkit import Served
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "agents: real coding-agent clients (Claude Code, Codex, opencode, aider, llm, "
-        "Continue) against a real server; minutes; run with make agents",
-    )
-
-
 @pytest.fixture
 def served(gemma3_path: Path, tmp_path: Path) -> Iterator[Served]:
     """A running server on Gemma 3 270M whose cache survives ``restart()``."""
