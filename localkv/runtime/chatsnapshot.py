@@ -25,7 +25,7 @@ from localkv.cache.save import SaveResult
 from localkv.runtime.runtime import Runtime
 from localkv.storage.values import BlockRow
 
-__all__ = ["ConversationSnapshot"]
+__all__ = ["ConversationSnapshot", "chain_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ConversationSnapshot:
         try:
             previous = self.id
             if previous is None and self.resumed:
-                previous = _earlier(cache, result.tip, label)
+                previous = self.earlier(cache, result.tip, label)
             pinned = previous is not None and cache.store.get_snapshot(previous).pinned
         except (KeyError, OSError, sqlite3.Error):  # removed on the cache screen
             previous, pinned = None, False
@@ -65,6 +65,10 @@ class ConversationSnapshot:
             except (KeyError, OSError, sqlite3.Error) as exc:
                 log.warning("could not drop the conversation's older snapshot: %s", exc)
 
+    def earlier(self, cache: PrefixCache, tip: str, label: str) -> str | None:
+        """The earlier snapshot of this conversation the first save replaces (``_earlier``)."""
+        return _earlier(cache, tip, label)
+
 
 def _earlier(cache: PrefixCache, tip: str, label: str) -> str | None:
     """The newest snapshot with this label whose tokens begin the chain ending at ``tip``.
@@ -73,15 +77,16 @@ def _earlier(cache: PrefixCache, tip: str, label: str) -> str | None:
     holds its tokens and more, so the new snapshot replaces it.
     """
     store = cache.store
-    tokens = _tokens(store.chain_of(tip))
+    tokens = chain_tokens(store.chain_of(tip))
     for snap in reversed(store.snapshots(cache.namespace)):
         if snap.label != label or snap.tip == tip:
             continue
-        old = _tokens(store.chain_of(snap.tip))
+        old = chain_tokens(store.chain_of(snap.tip))
         if old.shape[0] <= tokens.shape[0] and np.array_equal(old, tokens[: old.shape[0]]):
             return snap.id
     return None
 
 
-def _tokens(chain: list[BlockRow]) -> np.ndarray:
+def chain_tokens(chain: list[BlockRow]) -> np.ndarray:
+    """The tokens of a stored chain, from its first block to its tip."""
     return np.concatenate([row.tokens for row in chain]) if chain else np.zeros(0, np.int32)

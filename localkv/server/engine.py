@@ -48,6 +48,7 @@ from localkv.server.requests import (
     Outcome,
     Sampling,
 )
+from localkv.server.rows import ServerConversation, conversation_label, stem_end
 from localkv.server.stops import StopText
 from localkv.server.tools import answer_text, tool_params, with_answer
 from localkv.storage.removal.budget import ENV_CLIENT_PINS
@@ -92,6 +93,11 @@ class Engine:
         state, prompt = built.state, list(built.state.tokens)
         pins = pin_ends(built, request.messages, request.breakpoints)
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
+        # one conversation, one row: it replaces the row of the same stem
+        chat.snapshot = ServerConversation(
+            self.runtime, prompt[: stem_end(built.reach, request.messages)]
+        )
+        label = conversation_label(request.messages)
         sync, diverged = self._sync(chat, state, channel)
         stops = StopText(request.sampling.stop)
         params = tool_params(self._params(request.sampling, len(prompt)), request, template)
@@ -110,7 +116,7 @@ class Engine:
         split.push(stops.flush())
         split.finish()
         kept = KeptPins()
-        self._close_turn(chat, answer.ids, answer.text, stops.text, (pins, kept))
+        self._close_turn(chat, (answer.ids, answer.text, stops.text), label, (pins, kept))
         if pins and not channel.cancelled():
             self.runtime.wait_for_saves()  # the usage counts only the pins that were made
         outcome = self._outcome(
@@ -135,16 +141,18 @@ class Engine:
     def _close_turn(
         self,
         chat: ChatSession,
-        ids: list[int],
-        full: str,
-        shown: str,
+        answer: tuple[list[int], str, str],
+        label: str,
         pins: tuple[Sequence[Pin], KeptPins] | None = None,
     ) -> None:
-        """Keep the answer in the live context with the turn's closing tokens, then save.
+        """Keep the answer in the live context with the turn's closing tokens, then save
+        it as the snapshot ``label`` names.
 
-        The same tokens as ``ChatSession`` records after a turn; the sampled ids
-        are remembered under the text the client got, when that is the whole answer.
+        ``answer``: the sampled ids, their text, the text the client got. The same
+        tokens as ``ChatSession`` records after a turn; the sampled ids are remembered
+        under the text the client got, when that is the whole answer.
         """
+        ids, full, shown = answer
         state, session = chat.state, self.runtime.session
         history = list(state.messages)
         start = len(state.tokens)
@@ -160,7 +168,6 @@ class Engine:
         pending = state.tokens[session.n_tokens :]
         if pending and session.n_tokens == start + len(ids):
             session.prefill(pending, ends=chat.schedule())
-        label = prefix_label(history)
         namer = snapshot_namer(chat.snapshot, label, state.boundaries[-1])
         if pins is not None:
             prompt = (list(state.tokens), chat.schedule())

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 
 from localkv.prompt.renderbudget import TemplateRenderError
 
-__all__ = ["ApiError", "anthropic_error", "bad_request", "error_response"]
+__all__ = ["RAISE_CTX", "ApiError", "anthropic_error", "bad_request", "error_response"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -43,6 +43,8 @@ _ANTHROPIC_TYPES = {
     529: "overloaded_error",
 }
 ANTHROPIC_PREFIX = "/v1/messages"
+# what a prompt too long for the context is told, after its numbers
+RAISE_CTX = "the server's --ctx: start it with a larger --ctx, or shorten the prompt"
 
 
 class ApiError(Exception):
@@ -91,7 +93,9 @@ def anthropic_error(error: ApiError) -> tuple[int, dict[str, object]]:
     if error.too_long is not None:
         tokens, most = error.too_long
         kind = "invalid_request_error"
-        message = f"prompt is too long: {max(tokens, most + 1)} tokens > {most} maximum"
+        message = (
+            f"prompt is too long: {max(tokens, most + 1)} tokens > {most} maximum ({RAISE_CTX})"
+        )
     return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localkv.prompt.request import MAX_BYTES_PER_TOKEN
-from localkv.server.errors import ApiError
+from localkv.server.errors import RAISE_CTX, ApiError
 
 __all__ = ["Budget", "disconnected"]
 
@@ -61,7 +61,7 @@ class Budget:
         return ApiError(
             413,
             f"the prompt has {count} tokens; with the answer's first token it does not fit "
-            f"in the context of {self.n_ctx:,} tokens",
+            f"in the context of {self.n_ctx:,} tokens ({RAISE_CTX})",
             param=self.param,
             code="context_length_exceeded",
             too_long=(n_tokens, self.limit),

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from localkv.server.requests import Outcome
 
 __all__ = [
+    "KEPT",
     "MAX_PINS",
     "KeptPins",
     "Pin",
@@ -56,6 +57,7 @@ __all__ = [
     "prefill_body",
     "prefix_label",
     "snapshot_namer",
+    "words",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 MAX_PINS = 4  # breakpoints kept per request, as Anthropic's API takes at most
 
 _WORDS = 6
+KEPT = " · kept"  # the label's end of a breakpoint's pinned snapshot
 _MAX_CHARS = 48
 
 
@@ -75,10 +78,16 @@ def prefix_label(first: str | Sequence[int] | Sequence[Message]) -> str:
         text = next((m.content for m in first if isinstance(m, Message) and m.content), "")
     else:
         text = "token ids" if first else ""
-    words = text.split()
-    head = printable(" ".join(words[:_WORDS]))[:_MAX_CHARS]
-    more = len(words) > _WORDS or len(head) == _MAX_CHARS
-    return f"server: {head}{'…' if more else ''}" if head else "server: (empty)"
+    head = words(text)
+    return f"server: {head}" if head else "server: (empty)"
+
+
+def words(text: str) -> str:
+    """The first words of ``text``, printable, ``…`` where more follow (empty: none)."""
+    split = text.split()
+    head = printable(" ".join(split[:_WORDS]))[:_MAX_CHARS]
+    more = len(split) > _WORDS or len(head) == _MAX_CHARS
+    return f"{head}{'…' if more else ''}" if head else ""
 
 
 def snapshot_namer(
@@ -213,7 +222,7 @@ def pin_namer(
             if not client_pin_fits(cache, tip):  # saved unpinned, with the conversation
                 continue
             until = ClientPin(time.time() + pin.ttl_s)
-            made = save_snapshot(cache, tip, (), pin.end, label=f"{label} · kept", pin=until)
+            made = save_snapshot(cache, tip, (), pin.end, label=f"{label}{KEPT}", pin=until)
             if pinned(cache, made):
                 kept.ends.append(pin.end)
         if len(kept.ends) < len(pins):
