@@ -3,9 +3,10 @@ list them and they can be pinned and removed like any other.
 
 Each request's prefix (its prompt and answer, a conversation so far) is saved in
 the background; once written, its chain is named ``server: <first words>``, the
-first words of the request's first message (or prompt). A conversation that goes
-on replaces its earlier snapshot (same label, its tokens the start of the new
-chain) as the chat's do, keeping its pin and hits (``runtime.chatsnapshot``).
+first words of the request's first message (or prompt). One conversation keeps
+one snapshot, as a chat does: a new question after the same stem, or the
+conversation going on, replaces its earlier one, keeping its pin and hits
+(``server.rows``; a completion's: same label, its tokens the start of the new chain).
 
 A request may ask for prefixes to be kept (``Breakpoint``: Anthropic's
 ``cache_control``): each is the prompt up to the last segment end at or before
