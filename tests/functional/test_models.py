@@ -146,6 +146,24 @@ def test_models_table_fits_80_columns(planted: Planted) -> None:
     assert any("unreadable:" in line for line in lines)
 
 
+def test_models_table_says_what_json_says(planted: Planted) -> None:
+    """The table's SOURCE, MEMORY and CACHE cells are --json's source, memory and cacheable."""
+    rows = {
+        m["name"]: m for m in json.loads(_localkv(planted.env, "models", "--json").stdout)["models"]
+    }
+    lines = _localkv(planted.env, "models").stdout.splitlines()[1:]
+    cells: dict[str, list[str]] = {}
+    for i, line in enumerate(lines):
+        if line.startswith(" "):  # the row under a name too long for its column
+            cells[lines[i - 1].strip()] = line.split()
+        elif line.split()[0] in rows and "unreadable:" not in line:
+            cells[line.split()[0]] = line.split()[1:]
+    for name in ("tiny-dir", "tiny-hf", "windowed", "snake", "mixed-swa"):
+        row = rows[name]
+        words = [row["source"], row["memory"], "yes" if row["cacheable"] else "no"]
+        assert [cells[name][0], *cells[name][-2:]] == words, name
+
+
 def test_ask_loads_a_model_by_its_listed_name(planted: Planted, tmp_path: Path) -> None:
     doc = tmp_path / "doc.txt"
     doc.write_text("A document about nothing much.", encoding="utf-8")
