@@ -26,7 +26,9 @@ _COLUMNS = (
 _LINE = 80
 
 _EPILOG = """\b
-Sources, where present: the default model package; LOCALKV_MODELS directories
+Sources, where present: the default model package; other installed packages
+that ship a GGUF file (package: one in parts is joined once, into
+~/.local/share/localkv/models, when first loaded); LOCALKV_MODELS directories
 (separated by ':'); LM Studio (~/.lmstudio/models, ~/.cache/lm-studio/models);
 Ollama (OLLAMA_MODELS or ~/.ollama/models); the Hugging Face hub cache
 ($HF_HOME/hub or ~/.cache/huggingface/hub).

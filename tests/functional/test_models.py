@@ -151,13 +151,7 @@ def test_models_table_says_what_json_says(planted: Planted) -> None:
     rows = {
         m["name"]: m for m in json.loads(_localkv(planted.env, "models", "--json").stdout)["models"]
     }
-    lines = _localkv(planted.env, "models").stdout.splitlines()[1:]
-    cells: dict[str, list[str]] = {}
-    for i, line in enumerate(lines):
-        if line.startswith(" "):  # the row under a name too long for its column
-            cells[lines[i - 1].strip()] = line.split()
-        elif line.split()[0] in rows and "unreadable:" not in line:
-            cells[line.split()[0]] = line.split()[1:]
+    cells = _table_rows(_localkv(planted.env, "models").stdout.splitlines()[1:])
     for name in ("tiny-dir", "tiny-hf", "windowed", "snake", "mixed-swa"):
         row = rows[name]
         words = [row["source"], row["memory"], "yes" if row["cacheable"] else "no"]
@@ -192,7 +186,8 @@ def test_nothing_is_listed_where_nothing_is_present(tmp_path: Path) -> None:
     env["HOME"] = str(tmp_path)
     done = _localkv(env, "models", "--json")
     assert done.returncode == 0, done.stderr
-    assert [m["source"] for m in json.loads(done.stdout)["models"]] == ["default"]
+    sources = [m["source"] for m in json.loads(done.stdout)["models"]]
+    assert sources == ["default", "package"]  # and Gemma 3 270M's parts, from the dev extra
 
 
 # ------------------------------------------------------- the CACHE column and prefill
@@ -204,10 +199,21 @@ def _every_architecture(directory: Path, tiny_models: TinyModels, tokenizer: Pat
 
 
 def _cache_column(table: str) -> dict[str, str]:
-    """Model name -> its CACHE cell, from the ``models`` table (every name fits its column)."""
+    """Model name -> its CACHE cell, from the ``models`` table."""
     lines = table.splitlines()
     assert lines[0].split()[-1] == "CACHE"
-    return {line.split()[0]: line.split()[-1] for line in lines[1:] if len(line.split()) > 1}
+    return {name: cells[-1] for name, cells in _table_rows(lines[1:]).items()}
+
+
+def _table_rows(lines: list[str]) -> dict[str, list[str]]:
+    """Model name -> its other cells; a name too long for its column has a line of its own."""
+    rows: dict[str, list[str]] = {}
+    for i, line in enumerate(lines):
+        if line.startswith(" "):
+            rows[lines[i - 1].strip()] = line.split()
+        elif len(line.split()) > 1:
+            rows[line.split()[0]] = line.split()[1:]
+    return rows
 
 
 def test_the_cache_column_says_what_prefill_does(
@@ -244,7 +250,9 @@ def test_the_cache_column_says_what_prefill_does(
 def test_memory_of_another_kind_is_listed_as_not_cached_with_the_reason(tmp_path: Path) -> None:
     """Architectures whose llama.cpp memory keeps more than localkv stores (model.memories)."""
     for arch, why in (("deepseek32", "indexer key cache"), ("nomic-bert", "no KV memory")):
-        info = describe(FoundModel(arch, "LOCALKV_MODELS", _header_only(tmp_path / arch, arch)))
+        info = describe(
+            FoundModel(name=arch, source="LOCALKV_MODELS", path=_header_only(tmp_path / arch, arch))
+        )
         refusal = info.cache_refusal() or ""
         assert not info.cacheable and refusal.startswith(f"{arch}: ") and why in refusal
 
@@ -275,7 +283,7 @@ def test_a_truncated_header_is_an_error_not_a_crash(
     path.write_bytes(tiny_models.base.read_bytes()[:cut])
     with pytest.raises(GGUFError):
         read_gguf_metadata(path)
-    info = describe(FoundModel("cut", "LOCALKV_MODELS", path))
+    info = describe(FoundModel(name="cut", source="LOCALKV_MODELS", path=path))
     assert info.error and info.memory == "unknown" and not info.cacheable
 
 
@@ -285,3 +293,42 @@ def test_an_implausible_length_is_refused(tmp_path: Path) -> None:
     path.write_bytes(header + (1).to_bytes(8, "little") + (2**62).to_bytes(8, "little"))
     with pytest.raises(GGUFError, match="implausible"):
         read_gguf_metadata(path)
+
+
+GEMMA = "gemma-3-270m-q4_k_m"
+
+
+def _bare_env(tmp_path: Path) -> dict[str, str]:
+    """A new user's environment: no LOCALKV_MODELS, nothing in HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA", "LOCALKV_M"))}
+    env.update(HOME=str(tmp_path / "home"), XDG_DATA_HOME=str(tmp_path / "data"))
+    return env
+
+
+def test_a_model_installed_from_pypi_in_parts_is_listed_with_no_variable(tmp_path: Path) -> None:
+    """Gemma 3 270M, installed as its four chunk packages (the dev extra), is listed from
+    its first part's header before anything is joined."""
+    done = _localkv(_bare_env(tmp_path), "models", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {m["name"]: m for m in json.loads(done.stdout.splitlines()[-1])["models"]}
+    gemma = rows[GEMMA]
+    assert gemma["source"] == "package" and gemma["architecture"] == "gemma3"
+    assert gemma["memory"] == "sliding-window" and gemma["cacheable"]
+    assert gemma["path"] == str(tmp_path / "data" / "localkv" / "models" / f"{GEMMA}.gguf")
+    assert not (tmp_path / "data").exists()  # listing joins nothing
+
+
+@pytest.mark.default_model
+def test_a_model_in_parts_is_joined_once_when_loaded_by_name(
+    tmp_path: Path, gemma3_path: Path
+) -> None:
+    env = _bare_env(tmp_path)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short note.", encoding="utf-8")
+    args = ["--model", GEMMA, "--threads", "1", "--ctx", "256", "--max-tokens", "1", "--json"]
+    for joins in (1, 0):  # the second run finds the joined file
+        done = _localkv(env, "ask", *args, "--temperature", "0", str(doc), "Why?")
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.count("joining") == joins
+    joined = tmp_path / "data" / "localkv" / "models" / f"{GEMMA}.gguf"
+    assert joined.read_bytes() == gemma3_path.read_bytes()
