@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from localkv.model.context import context_for, trained_length
 from localkv.model.ggufmeta import GGUFArray, GGUFError, GGUFMetadata, read_gguf_metadata
 from localkv.model.memories import memory_refusal
 from localkv.model.packaged import PackagedModel, join, joined_path, packaged_models
@@ -177,6 +178,8 @@ class ModelInfo:
     parameters: int | None
     quantization: str | None
     memory: str  # "attention", "sliding-window", "hybrid", "recurrent" or "unknown"
+    context_length: int | None = None  # the context the model was trained for
+    ctx: int | None = None  # the context commands open without --ctx
     error: str | None = None  # why the header could not be read
     # why the prefix cache cannot hold a model of a cacheable memory kind
     refusal: str | None = None
@@ -209,6 +212,8 @@ class ModelInfo:
             "parameters": self.parameters,
             "quantization": self.quantization,
             "memory": self.memory,
+            "context_length": self.context_length,
+            "ctx": self.ctx,
             "cacheable": self.cacheable,
             "cache_refusal": self.cache_refusal(),
             "error": self.error,
@@ -354,6 +359,8 @@ def describe(model: FoundModel) -> ModelInfo:
         parameters=meta.parameters or None,
         quantization=quantization(meta),
         memory=memory_kind(meta),
+        context_length=trained_length(meta),
+        ctx=context_for(meta),
         refusal=cache_refusal(meta),
     )
 

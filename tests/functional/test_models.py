@@ -15,8 +15,9 @@ from pathlib import Path
 import gguf
 import pytest
 from support.tinyarch import build_tiny_arch_models
-from support.tinymodels import TinyModels
+from support.tinymodels import TinyModels, build_tiny_llama
 
+from localkv.model.context import FLOOR, MEMORY_SHARE, default_context, kv_bytes_per_token
 from localkv.model.find import FoundModel, describe
 from localkv.model.ggufmeta import GGUFArray, GGUFError, read_gguf_metadata
 
@@ -332,3 +333,41 @@ def test_a_model_in_parts_is_joined_once_when_loaded_by_name(
         assert done.stderr.count("joining") == joins
     joined = tmp_path / "data" / "localkv" / "models" / f"{GEMMA}.gguf"
     assert joined.read_bytes() == gemma3_path.read_bytes()
+
+
+# ------------------------------------------------------- the context a command opens
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+
+
+@pytest.mark.skipif(not GPL3.is_file(), reason="needs Debian's common-licenses")
+def test_a_long_document_prefills_with_no_ctx_where_the_model_was_trained_for_it(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    """The GPL-3 text (more than 4,096 tokens on SmolLM2's tokenizer) fits the context of
+    a model trained for 8,192 tokens without --ctx."""
+    model = build_tiny_llama(tmp_path / "tiny-8k.gguf", default_model_path, context_length=8192)
+    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache")}
+    args = ["--model", str(model), "--threads", "1", "--json", str(GPL3)]
+    done = _localkv(env, "prefill", *args)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert 4096 < report["tokens"] <= 8192
+
+
+def test_models_reports_the_context_each_model_opens_with(tmp_path: Path) -> None:
+    """SmolLM2 was trained for 8,192 tokens and Gemma 3 270M for 32,768: their KV caches
+    at those lengths fit a quarter of any machine's memory that runs the tests."""
+    done = _localkv(_bare_env(tmp_path), "models", "--json")
+    rows = {m["name"]: m for m in json.loads(done.stdout.splitlines()[-1])["models"]}
+    smollm2 = rows["SmolLM2-135M-Instruct.Q4_1"]
+    assert (smollm2["context_length"], smollm2["ctx"]) == (8192, 8192)
+    assert (rows[GEMMA]["context_length"], rows[GEMMA]["ctx"]) == (32768, 32768)
+
+
+def test_the_context_is_lowered_to_what_memory_holds(default_model_path: Path) -> None:
+    per_token = kv_bytes_per_token(read_gguf_metadata(default_model_path))
+    assert per_token is not None
+    six_k = 6 * 1024 * per_token * MEMORY_SHARE
+    assert default_context(default_model_path, available=six_k + per_token) == 6 * 1024
+    assert default_context(default_model_path, available=per_token) == FLOOR  # never below
+    assert default_context(default_model_path, available=1 << 40) == 8192  # never above
