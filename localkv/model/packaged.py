@@ -11,6 +11,7 @@ into localkv's model folder (``models_dir``) and checked against a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -57,8 +58,10 @@ def joined_path(model: PackagedModel) -> Path:
     return models_dir() / model.name if model.split else model.parts[0]
 
 
-def packaged_models() -> list[PackagedModel]:
-    """Every GGUF file, whole or with all its parts, that installed packages ship."""
+@functools.cache
+def packaged_models() -> tuple[PackagedModel, ...]:
+    """Every GGUF file, whole or with all its parts, that installed packages ship (read
+    once a process: ``--ctx``'s default and the model itself both look)."""
     whole: list[Path] = []
     parts: dict[str, dict[int, Path]] = {}
     sums: list[Path] = []
@@ -76,13 +79,13 @@ def packaged_models() -> list[PackagedModel]:
         if sorted(numbered) == list(range(len(numbered))):  # every part, from the first
             ordered = tuple(numbered[i] for i in range(len(numbered)))
             found.append(PackagedModel(name=name, parts=ordered, sums=tuple(sums)))
-    return found
+    return tuple(found)
 
 
 def _files(dist: importlib.metadata.Distribution) -> list[Path]:
     """The GGUF-related files a distribution installed, from its RECORD's text."""
     record = dist.read_text("RECORD") or ""
-    if ".gguf" not in record:
+    if ".gguf" not in record and "SHA256SUMS" not in record:
         return []
     names = [line.split(",", 1)[0] for line in record.splitlines()]
     wanted = [

@@ -371,3 +371,47 @@ def test_the_context_is_lowered_to_what_memory_holds(default_model_path: Path) -
     assert default_context(default_model_path, available=six_k + per_token) == 6 * 1024
     assert default_context(default_model_path, available=per_token) == FLOOR  # never below
     assert default_context(default_model_path, available=1 << 40) == 8192  # never above
+
+
+def _plant_dist(site: Path, name: str, files: dict[str, bytes]) -> None:
+    """An installed distribution as pip leaves one: its files and a RECORD naming them."""
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    for rel, data in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+    lines = [f"{rel},," for rel in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("sums", ["right", "wrong", "missing part"])
+def test_a_split_model_is_joined_only_whole_and_as_its_sums_say(
+    tmp_path: Path, tiny_models: TinyModels, sums: str
+) -> None:
+    data = tiny_models.base.read_bytes()
+    digest = hashlib.sha256(data if sums != "wrong" else b"other").hexdigest()
+    site = tmp_path / "site"
+    half = len(data) // 2
+    if sums != "missing part":
+        first = {"tinysplit_part1/tiny-split.gguf.part00": data[:half]}
+        _plant_dist(site, "tinysplit-part1", first)
+    _plant_dist(site, "tinysplit-part2", {"tinysplit_part2/tiny-split.gguf.part01": data[half:]})
+    line = f"{digest}  tiny-split.gguf\n".encode()
+    _plant_dist(site, "tinysplit", {"tinysplit/SHA256SUMS": line})
+    env = {**_bare_env(tmp_path), "PYTHONPATH": str(site), "LOCALKV_HOME": str(tmp_path / "c")}
+    listed = json.loads(_localkv(env, "models", "--json").stdout.splitlines()[-1])["models"]
+    assert ("tiny-split" in [m["name"] for m in listed]) == (sums != "missing part")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A note.", encoding="utf-8")
+    args = ["--model", "tiny-split", "--threads", "1", "--max-tokens", "1", str(doc), "Why?"]
+    done = _localkv(env, "ask", *args)
+    joined = tmp_path / "data" / "localkv" / "models" / "tiny-split.gguf"
+    if sums == "right":
+        assert done.returncode == 0, done.stderr
+        assert joined.read_bytes() == data
+        return
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert not joined.parent.exists() or not any(joined.parent.iterdir())  # nothing half-joined
+    reason = "do not match the package's SHA256SUMS" if sums == "wrong" else "no model file"
+    assert reason in done.stderr.splitlines()[-1]
