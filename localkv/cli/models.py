@@ -44,7 +44,9 @@ except a hybrid with sliding-window layers and architectures whose memory is of
 another kind (a sparse-attention indexer cache, no KV memory, a draft model).
 --model NAME loads a model by the name listed here (a name too long for its
 column has a line of its own); --json gives every field and the file paths:
-SOURCE is "source", MEMORY "memory", CACHE "cacheable", with the same words."""
+SOURCE is "source", MEMORY "memory", CACHE "cacheable", with the same words;
+context_length is what the model was trained for, ctx the context a command
+opens without --ctx (see --ctx in `localkv ask --help`)."""
 
 
 @click.command(epilog=_EPILOG)
