@@ -21,7 +21,7 @@ from localkv.cache.catalogue import ClientPin, pinned
 from localkv.model.native import llama_cpp
 from localkv.model.sampling import GrammarError, SamplingParams, check_grammar
 from localkv.model.schedule import shared_end
-from localkv.model.state import STATE_WORK
+from localkv.model.state import STATE_WORK, ContextFullError
 from localkv.prompt.conversation import stream_answer
 from localkv.prompt.template import Message
 from localkv.runtime import Runtime
@@ -367,12 +367,14 @@ class Engine:
         the pin asked for was made (a client's: within the clients' share of the budget)."""
         asked = prefill_body(body)
         documents, system = asked.documents, asked.system
-        budget = Budget(self.runtime.session.n_ctx + 1, param="documents")  # no answer follows
+        budget = Budget(self.runtime.session.n_ctx, param="documents")  # no answer follows
         budget.before_chars(0, len(system or "") + sum(len(d.text) for d in documents))
         pin = ClientPin() if asked.pin else False
         try:
             report = self.runtime.prefill(documents, system=system, label=asked.label, pin=pin)
-        except ValueError as exc:  # ContextFullError is one
+        except ContextFullError as exc:
+            raise budget.too_long(exc.needed, exact=True) from None
+        except ValueError as exc:
             raise ApiError(
                 413, str(exc), param="documents", code="context_length_exceeded"
             ) from None

@@ -26,16 +26,22 @@ def disconnected() -> ApiError:
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """A prompt must leave room in ``n_ctx`` for the answer's first token."""
+    """A prompt must leave room in ``n_ctx`` for the answer's first token (a prefill's
+    ``documents``, which no answer follows, may fill it)."""
 
     n_ctx: int
     cancelled: Callable[[], bool] = lambda: False
     param: str = "messages"
 
     @property
+    def answered(self) -> bool:
+        """Whether an answer follows the prompt (not a prefill's documents)."""
+        return self.param != "documents"
+
+    @property
     def limit(self) -> int:
         """The most tokens a prompt may have."""
-        return self.n_ctx - 1
+        return self.n_ctx - 1 if self.answered else self.n_ctx
 
     def before_text(self, n_tokens: int, text: str) -> None:
         """Before ``text`` is tokenized after ``n_tokens``: still wanted, and it can fit."""
@@ -58,9 +64,10 @@ class Budget:
 
     def too_long(self, n_tokens: int, *, exact: bool) -> ApiError:
         count = f"{n_tokens:,}" if exact else f"at least {n_tokens:,}"
+        with_answer = "with the answer's first token " if self.answered else ""
         return ApiError(
             413,
-            f"the prompt has {count} tokens; with the answer's first token it does not fit "
+            f"the prompt has {count} tokens; {with_answer}it does not fit "
             f"in the context of {self.n_ctx:,} tokens ({RAISE_CTX})",
             param=self.param,
             code="context_length_exceeded",

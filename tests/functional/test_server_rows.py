@@ -107,3 +107,8 @@ def test_a_prompt_too_long_names_the_servers_ctx_in_every_protocol(
         assert "--ctx" in anthropic["error"]["message"]
         status, ollama = post(proc, "/api/chat", {**chat, "stream": False})
         assert status == 413 and "--ctx" in ollama["error"], ollama
+        status, responses = post(proc, "/v1/responses", {"model": "tiny", "input": long_text * 2})
+        assert status == 413 and "--ctx" in responses["error"]["message"], responses
+        status, prefill = post(proc, "/v1/localkv/prefill", {"documents": [long_text * 2]})
+        said = prefill["error"]["message"]
+        assert status == 413 and "--ctx" in said and "context of 2,048 tokens" in said, said
