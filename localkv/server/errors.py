@@ -93,9 +93,8 @@ def anthropic_error(error: ApiError) -> tuple[int, dict[str, object]]:
     if error.too_long is not None:
         tokens, most = error.too_long
         kind = "invalid_request_error"
-        message = (
-            f"prompt is too long: {max(tokens, most + 1)} tokens > {most} maximum ({RAISE_CTX})"
-        )
+        # these words alone: Claude Code compacts its conversation on them
+        message = f"prompt is too long: {max(tokens, most + 1)} tokens > {most} maximum"
     return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
