@@ -19,7 +19,7 @@ __all__ = ["LoadedModel", "SnapshotInfo", "list_snapshots"]
 class LoadedModel:
     """The model a runtime holds, as the faces show it."""
 
-    name: str  # the GGUF's ``general.name``, else the file's stem
+    name: str  # the file's stem, as ``localkv models`` and the server name it
     description: str  # as ``localkv models`` shows the file (``llama 135M Q4_1``)
     path: str
     file_bytes: int

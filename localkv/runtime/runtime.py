@@ -139,7 +139,7 @@ class Runtime:
         cfg = self.session.config
         path = Path(cfg.model_path)
         return LoadedModel(
-            name=self.session.meta("general.name") or path.stem,
+            name=path.stem,
             description=model_label(path) or self.session.describe(),
             path=str(path),
             file_bytes=path.stat().st_size,
