@@ -191,10 +191,9 @@ class _AskProgress:
             return
         if report.hit:
             why = f"after {report.reused:,} restored"
-        elif report.first_run:
-            why = report.miss_reason or "not cached"
         else:
-            why = f"cache miss: {report.miss_reason}"
+            why = report.miss_reason or "not cached"
+            why = why if why.startswith("not cached") else f"cache miss: {why}"
         click.echo(f"prefilling {n:,} tokens ({why})", err=True)
         self.shown = True
         if self.terminal:

@@ -34,7 +34,9 @@ from localkv.cache.catalogue import (
     covering_snapshot,
     has_room,
     save_prefill,
+    source_sha,
 )
+from localkv.cache.lookup import is_not_cached, near_miss
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
@@ -288,7 +290,7 @@ class Runtime:
         self.note_prefill(time.perf_counter() - t1, prefilled)
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
-        name = None if cancelled else SnapshotName(label, pin)
+        name = None if cancelled else SnapshotName(label, pin, system or "")
         stored = save_prefill(
             self.cache, self.session, tips, documents, name, seconds_per_token=self._rate
         )
@@ -388,7 +390,7 @@ class Runtime:
         ends = self.schedule(request)
         with self.work.held():  # the restore's bookkeeping waits for the answer
             (restored, report), prefill_s = self._restore_and_prefill(
-                request, ends, progress, cancel, before_prefill
+                request, ends, progress, cancel, self._telling(documents, system, before_prefill)
             )
             answer = None
             if prefill_s is not None:
@@ -420,14 +422,13 @@ class Runtime:
         ends: Sequence[int],
         progress: ProgressFn | None,
         cancel: CancelFn | None,
-        before_prefill: BeforePrefillFn | None,
+        told: Callable[[CacheReport, int], CacheReport],
     ) -> tuple[tuple[RestoreResult | None, CacheReport], float | None]:
-        """Restore what the cache holds of ``request``, prefill the rest; the restore and
-        the prefill's seconds (None: cancelled)."""
+        """Restore what the cache holds of ``request``, prefill the rest; the restore (as
+        ``told`` makes it) and the prefill's seconds (None: cancelled)."""
         restored, report = self.restore(request.tokens, ends)
         reused = self.session.n_tokens
-        if before_prefill is not None:
-            before_prefill(report, len(request.tokens) - reused)
+        report = told(report, len(request.tokens) - reused)
         t1 = time.perf_counter()
         try:
             self.session.prefill(
@@ -436,6 +437,42 @@ class Runtime:
         except PrefillCancelled:
             return (restored, report), None
         return (restored, report), time.perf_counter() - t1
+
+    def _telling(
+        self,
+        documents: Sequence[Document],
+        system: str | None,
+        before_prefill: BeforePrefillFn | None,
+    ) -> Callable[[CacheReport, int], CacheReport]:
+        """The restore's report, its miss named by its nearest cause, told to
+        ``before_prefill`` with the tokens left to prefill."""
+
+        def told(report: CacheReport, n: int) -> CacheReport:
+            report = self.nearest_cause(report, documents, system)
+            if before_prefill is not None:
+                before_prefill(report, n)
+            return report
+
+        return told
+
+    def nearest_cause(
+        self, report: CacheReport, documents: Sequence[Document], system: str | None
+    ) -> CacheReport:
+        """``report``; a first run or another identity's miss named by a snapshot of the
+        same documents made otherwise, where there is one (``near_miss``)."""
+        reason = report.miss_reason or ""
+        plain = is_not_cached(reason) or reason.startswith("identity differs")
+        if self.cache is None or report.hit or not plain:
+            return report
+        cache = self.cache
+        try:
+            why = near_miss(
+                cache.store, cache.identity, self.namespace, source_sha(documents), system
+            )
+        except (OSError, sqlite3.Error, ValueError) as exc:  # naming is never worth a failure
+            log.warning("could not look for a snapshot of the same documents: %s", exc)
+            return report
+        return dataclasses.replace(report, miss_reason=why) if why else report
 
     def _keep_cancelled(
         self,

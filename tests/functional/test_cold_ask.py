@@ -99,12 +99,12 @@ def test_a_cold_ask_on_a_terminal_shows_progress_and_ctrl_c_keeps_its_blocks(
     assert again["cache"]["verified"] is True
 
 
-def test_an_ask_without_a_terminal_prints_a_line_as_it_prefills(
+def test_an_ask_without_a_terminal_says_what_it_will_prefill(
     env: dict[str, str], doc: Path
 ) -> None:
+    args = ["ask", "--threads", "1", "--max-tokens", "2", str(doc), "Who?"]
     done = subprocess.run(
-        [sys.executable, "-m", "localkv", "ask", "--threads", "1", "--max-tokens", "2"]
-        + [str(doc), "Who?"],
+        [sys.executable, "-m", "localkv", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -126,3 +126,40 @@ def test_saved_time_is_one_figure_for_one_prefix_whatever_the_context(
     at_4096 = ask_json(env, "--ctx", "4096", str(doc), "Where?")
     assert at_2048["tokens"]["reused"] == at_4096["tokens"]["reused"] > 0
     assert at_2048["cache"]["saved_s"] == at_4096["cache"]["saved_s"]
+
+
+def test_a_near_miss_names_the_snapshot_and_the_system_prompt_it_was_made_with(
+    env: dict[str, str], doc: Path
+) -> None:
+    run(env, "prefill", "--threads", "1", "--system", SYSTEM, str(doc))
+    made = f'snapshot "doc.txt" was made with --system "{SYSTEM}"'
+    _, err = run(env, "ask", "--threads", "1", "--max-tokens", "2", str(doc), "Who?")
+    assert f"cache miss (not cached with this system prompt; {made}); prefilled" in err, err
+    cache = ask_json(env, "--system", "Answer briefly.", str(doc), "Who?")["cache"]
+    assert cache["miss_reason"] == f"not cached with this system prompt; {made}", cache
+    hit = ask_json(env, "--system", SYSTEM, str(doc), "Who?")["cache"]
+    assert hit["hit"] is True and hit["miss_reason"] is None
+    elsewhere = ask_json(env, "--namespace", "theirs", str(doc), "Who?")["cache"]
+    assert elsewhere["miss_reason"] == "not cached yet in namespace 'theirs'"  # none named
+
+
+def test_a_near_miss_names_a_prefill_made_without_a_system_prompt(
+    env: dict[str, str], doc: Path
+) -> None:
+    run(env, "prefill", "--threads", "1", str(doc))
+    cache = ask_json(env, "--system", SYSTEM, str(doc), "Who?")["cache"]
+    assert cache["miss_reason"] == (
+        'not cached with this system prompt; snapshot "doc.txt" was made with no --system'
+    )
+
+
+def test_a_near_miss_names_the_model_the_snapshot_was_made_with(
+    env: dict[str, str], doc: Path, tiny_models: TinyModels
+) -> None:
+    run(env, "prefill", "--threads", "1", str(doc))
+    other = ["--model", str(tiny_models.other_weights)]
+    cache = ask_json(env, *other, str(doc), "Who?")["cache"]
+    assert cache["miss_reason"] == (
+        'not cached with this model or settings; snapshot "doc.txt" was made with '
+        f"--model {tiny_models.base.stem}"
+    ), cache
