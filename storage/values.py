@@ -245,6 +245,7 @@ class NewSnapshot:
     n_tokens: int  # where the chain ends; the tip block must end there
     identity: str
     namespace: str
+    system: str | None = None  # the system prompt it was made with ("": none; None: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,6 +268,7 @@ class SnapshotRow:
     # who asked for the pin: None, the user (``cache pin``, ``prefill --pin``); "client",
     # a server's client, whose pins hold only within their share of the budget
     pin_owner: str | None = None
+    system: str | None = None  # the system prompt it was made with ("": none; None: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

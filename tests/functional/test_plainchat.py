@@ -183,7 +183,7 @@ def test_one_cache_report_formatter_for_turns_attaches_and_resumes() -> None:
     unchecked = SyncReport(cache=_cache(verified=None, common=1823), prefilled=3, prefill_s=0.1)
     for line in (sync_line(unchecked), turn_line(dataclasses.replace(turn, sync=unchecked))):
         assert "(verified)" not in line
-        assert "reused 1,820 of 1,823 common tokens (exact)" in line
+        assert "recomputed 3 common tokens (exact)" in line
     missed = SyncReport(
         cache=_cache(hit=False, miss_reason="no stored prefix", reused=0, common=0),
         prefilled=9,
