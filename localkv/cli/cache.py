@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.prompt.request import path_text
 from localkv.runtime.reports import printable
+from localkv.storage.space import Space
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import SnapshotRow
 
@@ -39,7 +41,9 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
-def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str, Any]:
+def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str, frees: int) -> dict[str, Any]:
+    """A snapshot as ``cache ls --json`` and ``cache show --json`` give it; ``frees``: the
+    bytes ``cache rm`` of it frees now (``SnapshotStore.space``)."""
     chain = store.chain_of(s.tip)
     return {
         "id": s.id,
@@ -47,6 +51,7 @@ def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str
         "model": model,
         "tokens": s.n_tokens,
         "blocks": len(chain),
+        "frees_bytes": frees,
         "bytes_on_disk": sum(r.stored_bytes for r in chain),
         "raw_bytes": sum(r.raw_bytes for r in chain),
         "hits": s.hits,
@@ -89,22 +94,43 @@ def _short_ids(store: SnapshotStore) -> int:
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     """List snapshots with their model (and warn when pinned ones hold more than the budget).
 
-    Sizes are in binary units and dates in local time; --json gives bytes and Unix
-    seconds. The server's saved prefixes are snapshots too, labelled `server: ...`.
+    `frees` is what `cache rm` of the row frees now: the blocks no other snapshot
+    needs; `size` is its whole chain, blocks it shares with other rows included.
+    The total line is every stored block (`cache stats`' stored bytes): the rows'
+    own blocks, the blocks several rows share, and blocks no row names.
+    Sizes are in binary units and dates in local time; --json gives bytes
+    (`frees_bytes`, `bytes_on_disk`) and Unix seconds. The server's saved
+    prefixes are snapshots too, labelled `server: ...`.
     """
     with _store(cache_dir) as store:
-        snaps = store.snapshots(namespace)
+        space = store.space(namespace)  # a snapshot saved meanwhile waits for the next ls
+        snaps = [s for s in store.snapshots(namespace) if s.id in space.snapshots]
         names = model_names(store, (s.identity for s in snaps))
-        rows = [_snapshot_json(store, s, names[s.identity]) for s in snaps]
+        rows = [
+            _snapshot_json(store, s, names[s.identity], space.snapshots[s.id].frees) for s in snaps
+        ]
         width = _short_ids(store)
         _warn(budget_warning(store))
     if as_json:
         click.echo(json.dumps(rows))
         return
-    if not rows:
+    if rows:
+        _print_table(rows, width)
+    else:
         click.echo("no snapshots")
-        return
-    _print_table(rows, width)
+    if space.stored_bytes:
+        click.echo(_total_line(space))
+
+
+def _total_line(space: Space) -> str:
+    """The stored bytes (``cache stats``' ``stored_bytes``) and how they split."""
+    parts = [f"{human_size(space.own_bytes)} the rows free"]
+    if space.shared_bytes:
+        parts.append(f"{human_size(space.shared_bytes)} shared by rows")
+    if space.unnamed_bytes:
+        parts.append(f"{human_size(space.unnamed_bytes)} in no row's chain")
+    line = f"total {human_size(space.stored_bytes)} on disk: " + ", ".join(parts)
+    return textwrap.fill(line, 80, subsequent_indent="  ")
 
 
 def _print_table(rows: list[dict[str, Any]], width: int) -> None:
@@ -123,13 +149,13 @@ def _print_table(rows: list[dict[str, Any]], width: int) -> None:
     table.add_column("label", overflow="fold", min_width=12)
     if models:
         table.add_column("model", overflow="fold", min_width=12)
-    for name in ("tokens", "size", "hits", "used", "pin"):
+    for name in ("tokens", "frees", "size", "hits", "used", "pin"):
         table.add_column(name, no_wrap=True)
     if spaces:
         table.add_column("namespace", overflow="fold", min_width=9)
     for r in rows:
         cells = [r["id"][:width], r["label"], *([r["model"]] if models else []), f"{r['tokens']:,}"]
-        cells += [human_size(r["bytes_on_disk"])]
+        cells += [human_size(r["frees_bytes"]), human_size(r["bytes_on_disk"])]
         cells += [str(r["hits"]), _when(r["last_used"])[5:], _pin_cell(r)]
         cells += [r["namespace"]] if spaces else []
         table.add_row(*(escape(printable(c)) for c in cells))  # no markup either
@@ -155,7 +181,8 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     """
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
-        info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity])
+        frees = store.space(s.namespace).snapshots[s.id].frees
+        info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity], frees)
         text = store.get_identity(s.identity)
     identity = json.loads(text) if text else {}
     if identity.get("memory_kind", "kv") != "kv":
@@ -177,7 +204,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
         click.echo(f"  {key:>20}: {printable(json.dumps(value))}")
 
 
-_SIZES = ("bytes_on_disk", "raw_bytes")
+_SIZES = ("frees_bytes", "bytes_on_disk", "raw_bytes")
 _DATES = ("created", "last_used")
 
 

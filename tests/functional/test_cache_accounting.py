@@ -1,0 +1,84 @@
+"""What ``localkv cache`` counts: sizes that add up, and removals that say what they remove.
+
+Through the CLI on the tiny model, with a real cache on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from support.tinymodels import TinyModels
+
+from localkv.cache.budgeting import human_size
+from localkv.cli import cli
+
+
+@pytest.fixture()
+def env(tmp_path: Path, tiny_models: TinyModels) -> dict[str, str]:
+    return {
+        **os.environ,
+        "LOCALKV_MODEL": str(tiny_models.base),
+        "LOCALKV_HOME": str(tmp_path / "cache"),
+        "LOCALKV_OTHER_TASKS": "0",
+    }
+
+
+def _run(env: dict[str, str], *args: str, code: int = 0) -> str:
+    result = CliRunner().invoke(cli, list(args), env=env)
+    assert result.exit_code == code, result.output + result.stderr
+    return result.stdout
+
+
+def _json(env: dict[str, str], *args: str) -> Any:
+    return json.loads(_run(env, *args, "--json").strip().splitlines()[-1])
+
+
+def _stored(env: dict[str, str]) -> int:
+    return int(_json(env, "cache", "stats")["budget"]["stored_bytes"])
+
+
+def _two_sharing_a_prefix(env: dict[str, str], tmp_path: Path, text: str) -> dict[str, Any]:
+    """``head`` alone, then ``head`` and ``tail``: the second chain begins with the first's
+    whole blocks. The rows of ``cache ls --json`` by label."""
+    head, tail = tmp_path / "head.txt", tmp_path / "tail.txt"
+    head.write_text(text[:4000], encoding="utf-8")
+    tail.write_text(text[4000:6000], encoding="utf-8")
+    _run(env, "prefill", "--threads", "1", "--label", "head", str(head))
+    _run(env, "prefill", "--threads", "1", "--label", "both", str(head), str(tail))
+    return {r["label"]: r for r in _json(env, "cache", "ls")}
+
+
+def test_cache_ls_rows_say_what_rm_frees_and_the_total_is_what_stats_stores(
+    env: dict[str, str], tmp_path: Path, long_text: str
+) -> None:
+    rows = _two_sharing_a_prefix(env, tmp_path, long_text)
+    stored = _stored(env)
+    full = sum(r["bytes_on_disk"] for r in rows.values())
+    assert full > stored  # the shared blocks are in both chains
+    frees = {label: r["frees_bytes"] for label, r in rows.items()}
+    assert 0 < frees["head"] < rows["head"]["bytes_on_disk"]
+    assert sum(frees.values()) < stored
+    listing = _run(env, "cache", "ls")
+    total = " ".join(listing.split("\ntotal ")[-1].split())
+    assert total.startswith(f"{human_size(stored)} on disk: "), listing
+    assert "shared by rows" in total
+    assert "frees" in listing.splitlines()[1]  # the column's header
+
+    removed = _json(env, "cache", "rm", rows["head"]["id"])
+    after = _stored(env)
+    assert removed["bytes_freed"] == frees["head"] == stored - after
+    (left,) = _json(env, "cache", "ls")  # alone now, it frees its whole chain
+    assert left["frees_bytes"] == left["bytes_on_disk"] == after
+    assert (
+        _run(env, "cache", "ls")
+        .strip()
+        .splitlines()[-1]
+        .startswith(f"total {human_size(after)} on disk: {human_size(after)} the rows free")
+    )
+    removed = _json(env, "cache", "rm", left["id"])
+    assert removed["bytes_freed"] == after and _stored(env) == 0
