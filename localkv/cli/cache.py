@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 import time
@@ -13,7 +14,12 @@ import click
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
 from localkv.cache.naming import model_names
 from localkv.cli.deepverify import deep_verify
-from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
+from localkv.cli.forgetting import (
+    forget_conversations,
+    forget_lines,
+    forget_runs,
+    forgotten_document,
+)
 from localkv.cli.jsonerrors import JsonErrors
 from localkv.cli.options import cache_dir_option, model_options, namespace_option
 from localkv.cli.repair import index_problems, repair_cmd
@@ -311,6 +317,9 @@ def forget_cmd(
     - only with --with-conversations, the saved conversations holding FILE's
       text or tokens; without it, forget refuses and removes nothing while
       any conversation holds FILE.
+    Each snapshot removed is named, pinned ones marked, with why: saved from
+    FILE, or it quotes FILE (another document's snapshot that holds a run of
+    FILE's tokens goes too: the text is forgotten wherever it is).
     Then the freed index pages (and the conversation history's) are
     overwritten and their WAL emptied.
 
@@ -334,16 +343,14 @@ def forget_cmd(
             f"{path_text(file)}: no such file, and no snapshot was saved from it: nothing to forget"
         )
     fields: dict[str, Any] = {k: getattr(report, k) for k in report.__dataclass_fields__}
+    fields["removed"] = [dataclasses.asdict(r) for r in report.removed]
     fields["wal_truncated"] = report.wal_truncated and chats_truncated
     fields["conversations"] = chats
     if as_json:
         click.echo(json.dumps(fields))
     else:
-        unindexed = f", {report.unindexed_files} unindexed file(s)" * bool(report.unindexed_files)
-        click.echo(
-            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s){unindexed}, "
-            f"{human_size(report.bytes_freed)}, {len(chats)} conversation(s)"
-        )
+        for line in forget_lines(report, chats, path_text(path.name)):
+            click.echo(printable(line))  # labels are the user's
     if not fields["wal_truncated"]:
         click.echo("warning: another process holds the index open; run again later", err=True)
 

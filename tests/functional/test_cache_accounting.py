@@ -82,3 +82,42 @@ def test_cache_ls_rows_say_what_rm_frees_and_the_total_is_what_stats_stores(
     )
     removed = _json(env, "cache", "rm", left["id"])
     assert removed["bytes_freed"] == after and _stored(env) == 0
+
+
+def test_forget_names_each_snapshot_it_removes_and_marks_the_pinned(
+    env: dict[str, str], tmp_path: Path, long_text: str
+) -> None:
+    quoted = "The lighthouse keeper wrote every night that the sea was calm and grey."
+    secret, quoting, pinned, other = (tmp_path / f"{n}.txt" for n in "abcd")
+    opening = "Private notes, kept in a drawer: the ferry leaves at dawn on Tuesdays."
+    secret.write_text(f"{opening}\n{quoted}\n", encoding="utf-8")  # never cached
+    quoting.write_text(f"{long_text[1000:1400]}\n{quoted}\n{long_text[1400:1600]}", "utf-8")
+    pinned.write_text(f"{long_text[2000:2300]}\n{quoted}\n", encoding="utf-8")
+    other.write_text(long_text[3000:3600], encoding="utf-8")
+    _run(env, "prefill", "--threads", "1", str(quoting))
+    _run(env, "prefill", "--threads", "1", "--pin", str(pinned))
+    _run(env, "prefill", "--threads", "1", str(other))
+    ids = {r["label"]: r["id"] for r in _json(env, "cache", "ls")}
+
+    said = _run(env, "cache", "forget", str(secret))
+    lines = said.splitlines()
+    assert lines[0].startswith("forgot 2 snapshot(s)"), said
+    named = {line.split()[1]: line for line in lines[1:]}
+    assert set(named) == {ids["b.txt"], ids["c.txt"]}, said
+    assert "b.txt: its blocks quote a.txt" in named[ids["b.txt"]]
+    assert "c.txt (pinned): its blocks quote a.txt" in named[ids["c.txt"]]
+    assert [r["label"] for r in _json(env, "cache", "ls")] == ["d.txt"]
+
+
+def test_forget_json_lists_the_removed_snapshots_with_their_pins_and_why(
+    env: dict[str, str], tmp_path: Path, long_text: str
+) -> None:
+    doc = tmp_path / "notes.txt"
+    doc.write_text(long_text[:1200], encoding="utf-8")
+    _run(env, "prefill", "--threads", "1", "--pin", str(doc))
+    (snap,) = _json(env, "cache", "ls")
+    report = _json(env, "cache", "forget", str(doc))
+    assert report["snapshots"] == [snap["id"]]
+    assert report["removed"] == [
+        {"id": snap["id"], "label": "notes.txt", "pinned": True, "why": "source"}
+    ]
