@@ -398,24 +398,41 @@ def _warn(warning: str | None) -> None:
 @model_options
 def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) -> None:
     """Check the index (PRAGMA integrity_check) and recheck every block file; with
-    --deep, recompute snapshots of this model."""
-    problems, deep_results = index_problems(cache_dir), []
+    --deep, recompute the snapshots of this model and settings (the others are
+    counted as skipped, by model: verify them with their --model and options)."""
+    problems, deep_results, skipped = index_problems(cache_dir), [], []
     if not problems:  # a damaged index is the problem: `localkv cache repair`
         with _store(cache_dir) as store:
             problems = [{"block": h, "reason": r} for h, r in store.verify()]
-            deep_results = deep_verify(store, opts) if deep else []
+            deep_results, skipped = deep_verify(store, opts) if deep else ([], [])
     bad = problems or [r for r in deep_results if not r["ok"]]
     if as_json:
-        click.echo(json.dumps({"problems": problems, "deep": deep_results, "ok": not bad}))
+        out = {"problems": problems, "deep": deep_results, "ok": not bad}
+        click.echo(json.dumps(out | ({"skipped": skipped} if deep else {})))
     else:
         for p in problems:
             click.echo(f"BAD  {'block ' + p['block'] if 'block' in p else 'index'}: {p['reason']}")
         for r in deep_results:
             state = "ok  " if r["ok"] else "BAD "
             click.echo(f"{state} snapshot {r['snapshot']}: {r['detail']}")
-        click.echo("all good" if not bad else f"{len(bad)} problem(s)")
+        if skipped:
+            click.echo(printable(_skipped_line(skipped)))
+        left = f" ({len(skipped)} skipped)" * bool(skipped)
+        click.echo(f"all good{left}" if not bad else f"{len(bad)} problem(s){left}")
     if bad:
         raise SystemExit(1)
+
+
+def _skipped_line(skipped: list[dict[str, str]]) -> str:
+    """How many snapshots ``verify --deep`` did not recompute, by model."""
+    by_model: dict[str, int] = {}
+    for s in skipped:
+        by_model[s["model"]] = by_model.get(s["model"], 0) + 1
+    models = ", ".join(f"{n} of {m}" for m, n in by_model.items())
+    return (
+        f"skipped {len(skipped)} snapshot(s) made with another model or settings "
+        f"({models}): not recomputed; verify them with that --model and its options"
+    )
 
 
 cache.add_command(repair_cmd)

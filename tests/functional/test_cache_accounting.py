@@ -121,3 +121,47 @@ def test_forget_json_lists_the_removed_snapshots_with_their_pins_and_why(
     assert report["removed"] == [
         {"id": snap["id"], "label": "notes.txt", "pinned": True, "why": "source"}
     ]
+
+
+def test_verify_deep_counts_the_snapshots_of_other_models_it_skips(
+    env: dict[str, str], tmp_path: Path, tiny_models: TinyModels, long_text: str
+) -> None:
+    doc = tmp_path / "notes.txt"
+    doc.write_text(long_text[:1200], encoding="utf-8")
+    other = ["--model", str(tiny_models.other_weights)]
+    _run(env, "prefill", "--threads", "1", str(doc))
+    _run(env, "prefill", "--threads", "1", *other, str(doc))
+    said = _run(env, "cache", "verify", "--deep", "--threads", "1")
+    lines = said.strip().splitlines()
+    assert lines[-1] == "all good (1 skipped)", said
+    assert lines[-2].startswith("skipped 1 snapshot(s) made with another model or settings")
+    assert "1 of tiny-other-weights" in lines[-2]
+    report = _json(env, "cache", "verify", "--deep", "--threads", "1")
+    (mine,) = report["deep"]
+    assert report["ok"] is True and mine["ok"] is True
+    assert [s["model"] for s in report["skipped"]] == ["tiny-other-weights"]
+    assert report["skipped"][0]["snapshot"] != mine["snapshot"]
+
+
+def test_repair_of_a_sound_cache_says_nothing_was_reset_and_a_rebuilt_one_that_hits_were(
+    env: dict[str, str], tmp_path: Path, long_text: str
+) -> None:
+    doc = tmp_path / "notes.txt"
+    doc.write_text(long_text[:1200], encoding="utf-8")
+    _run(env, "prefill", "--threads", "1", str(doc))
+    _run(env, "prefill", "--threads", "1", str(doc))  # a hit
+    said = _run(env, "cache", "repair").strip().splitlines()
+    assert said[-1].startswith("nothing was reset"), said
+    assert "start again" not in " ".join(said)
+    assert _json(env, "cache", "repair")["not_recovered"] is None
+    (snap,) = _json(env, "cache", "ls")
+    assert snap["hits"] == 1  # as it was
+
+    for name in ("index.db", "index.db-wal", "index.db-shm"):  # lost: rebuilt from the files
+        (Path(env["LOCALKV_HOME"]) / name).unlink(missing_ok=True)
+    said = _run(env, "cache", "repair").strip().splitlines()
+    assert said[-1] == (
+        "not recovered: hit counts, last-used times and hit/miss statistics start again"
+    )
+    (snap,) = _json(env, "cache", "ls")
+    assert snap["hits"] == 0
