@@ -400,7 +400,9 @@ def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) ->
     """Check the index (PRAGMA integrity_check) and recheck every block file; with
     --deep, recompute the snapshots of this model and settings (the others are
     counted as skipped, by model: verify them with their --model and options)."""
-    problems, deep_results, skipped = index_problems(cache_dir), [], []
+    problems = index_problems(cache_dir)
+    deep_results: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
     if not problems:  # a damaged index is the problem: `localkv cache repair`
         with _store(cache_dir) as store:
             problems = [{"block": h, "reason": r} for h, r in store.verify()]
