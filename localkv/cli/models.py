@@ -12,37 +12,41 @@ from localkv.runtime.reports import printable
 
 __all__ = ["models"]
 
-_SOURCES = {"LOCALKV_MODELS": "dir", "huggingface": "hf"}
-_MEMORY = {"sliding-window": "sliding"}
-# (title, width); the row is at most 80 columns
+# (title, widest cell); the NAME column takes what the others leave of 80 columns
 _COLUMNS = (
-    ("NAME", 22),
-    ("SOURCE", 8),
+    ("NAME", 0),
+    ("SOURCE", len("LOCALKV_MODELS")),
     ("ARCH", 8),
     ("PARAMS", 6),
     ("QUANT", 7),
     ("SIZE", 8),
-    ("MEMORY", 9),
+    ("MEMORY", len("sliding-window")),
     ("CACHE", 5),
 )
+_LINE = 80
 
 _EPILOG = """\b
-Sources, where present: the default model package; LOCALKV_MODELS directories
+Sources, where present: the default model package; other installed packages
+that ship a GGUF file (package: one in parts is joined once, into
+~/.local/share/localkv/models, when first loaded); LOCALKV_MODELS directories
 (separated by ':'); LM Studio (~/.lmstudio/models, ~/.cache/lm-studio/models);
 Ollama (OLLAMA_MODELS or ~/.ollama/models); the Hugging Face hub cache
 ($HF_HOME/hub or ~/.cache/huggingface/hub).
 
 \b
 MEMORY is what the model keeps per sequence, from its GGUF metadata: attention
-(a plain KV cache), sliding (sliding-window layers), hybrid, recurrent. CACHE
+(a plain KV cache), sliding-window (layers that attend to a window), hybrid,
+recurrent. CACHE
 says what `localkv prefill` does: yes, it saves the document's blocks; no, it
 exits 1 with the reason --json's cache_refusal gives. Every kind is cached (a
 sliding window or recurrent state is kept at snapshot points; M-RoPE models too),
 except a hybrid with sliding-window layers and architectures whose memory is of
 another kind (a sparse-attention indexer cache, no KV memory, a draft model).
---model NAME loads a model by the name listed here; --json gives every field
-and the file paths, with the long names the columns shorten: SOURCE dir is
-"LOCALKV_MODELS", hf is "huggingface"; MEMORY sliding is "sliding-window"."""
+--model NAME loads a model by the name listed here (a name too long for its
+column has a line of its own); --json gives every field and the file paths:
+SOURCE is "source", MEMORY "memory", CACHE "cacheable", with the same words;
+context_length is what the model was trained for, ctx the context a command
+opens without --ctx (see --ctx in `localkv ask --help`)."""
 
 
 @click.command(epilog=_EPILOG)
@@ -56,49 +60,57 @@ def models(as_json: bool) -> None:
     if not infos:
         click.echo("no models found (see `localkv models --help` for where they are looked for)")
         return
-    click.echo(_row([title for title, _ in _COLUMNS]))
+    widths = _widths(infos)
+    click.echo(_row([title for title, _ in _COLUMNS], widths))
     for info in infos:
-        name_width = _COLUMNS[0][1]
-        if len(info.found.name) > name_width:  # a name is never cut: it is what --model takes
+        if len(info.found.name) > widths[0]:  # a name is never cut: it is what --model takes
             click.echo(printable(info.found.name))
             info = dataclasses.replace(info, found=dataclasses.replace(info.found, name=""))
-        click.echo(_row(_cells(info)) if info.error is None else _error_row(info))
+        click.echo(_row(_cells(info), widths) if info.error is None else _error_row(info, widths))
+
+
+def _widths(infos: list[ModelInfo]) -> list[int]:
+    """Each column as wide as its title and widest cell; NAME gets the rest of the line."""
+    blank = [""] * (len(_COLUMNS) - 2)
+    rows = [_cells(i) if i.error is None else [i.found.name, i.found.source, *blank] for i in infos]
+    widths = [
+        max([len(title)] + [min(len(printable(row[i])), most) for row in rows])
+        for i, (title, most) in enumerate(_COLUMNS)
+    ]
+    widths[0] = _LINE - sum(widths[1:]) - (len(widths) - 1)
+    return widths
 
 
 def _cells(info: ModelInfo) -> list[str]:
     return [
         info.found.name,
-        _source(info),
+        info.found.source,
         info.architecture or "?",
         count_label(info.parameters),
         info.quantization or "?",
         _bytes(info.size),
-        _MEMORY.get(info.memory, info.memory),
+        info.memory,
         "yes" if info.cacheable else "no",
     ]
-
-
-def _source(info: ModelInfo) -> str:
-    return _SOURCES.get(info.found.source, info.found.source)
 
 
 def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _row(cells: list[str]) -> str:
+def _row(cells: list[str], widths: list[int]) -> str:
     out = []
-    for cell, (title, width) in zip(cells, _COLUMNS, strict=True):
+    for cell, (title, _), width in zip(cells, _COLUMNS, widths, strict=True):
         text = _fit(printable(cell), width)
         out.append(text.rjust(width) if title in ("PARAMS", "SIZE") else text.ljust(width))
     return " ".join(out).rstrip()
 
 
-def _error_row(info: ModelInfo) -> str:
+def _error_row(info: ModelInfo, widths: list[int]) -> str:
     """Name and source, then why the header could not be read, in the other columns."""
-    head = _row([info.found.name, _source(info)] + [""] * (len(_COLUMNS) - 2))
-    start = sum(width + 1 for _, width in _COLUMNS[:2])
-    return head.ljust(start) + _fit(printable(f"unreadable: {info.error}"), 80 - start)
+    head = _row([info.found.name, info.found.source] + [""] * (len(_COLUMNS) - 2), widths)
+    start = sum(width + 1 for width in widths[:2])
+    return head.ljust(start) + _fit(printable(f"unreadable: {info.error}"), _LINE - start)
 
 
 def _bytes(n: int) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from localkv.model.config import MAX_THREADS
+from localkv.model.context import FLOOR, default_context
 from localkv.model.find import ModelNotFoundError, resolve_model
 from localkv.model.native import GGML_TYPES
 from localkv.model.sampling import GrammarError, SamplingParams, json_schema_grammar
@@ -62,10 +63,11 @@ _MODEL_OPTIONS = [
         "--ctx",
         "n_ctx",
         type=click.IntRange(min=256, max=2**24),
-        default=4096,
-        show_default=True,
+        callback=lambda ctx, param, value: _context(ctx, value),
         help="Context length in tokens, 256 to 16,777,216; llama.cpp rounds it up to "
-        "a multiple of 256 and needs memory for all of it.",
+        "a multiple of 256 and needs memory for all of it. Default: the length the "
+        "model was trained for (its GGUF context_length), lowered until its KV cache "
+        "(f16) fits in a quarter of the available memory, never below 4,096.",
     ),
     click.option(
         "--n-gpu-layers",
@@ -138,6 +140,18 @@ def text_value(value: str | None, what: str) -> str | None:
         except TextError as exc:
             raise click.BadParameter(str(exc)) from None
     return value
+
+
+def _context(ctx: click.Context, value: int | None) -> int:
+    """``--ctx``, else the model's own context (``localkv.model.context``). ``--model``
+    is processed first: click takes the options given, then the rest in order."""
+    if value is not None:
+        return value
+    try:
+        model = resolve_model(ctx.params.get("model"))
+    except ModelNotFoundError:
+        return FLOOR  # the command says why when it opens the model
+    return default_context(model)
 
 
 def _system(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

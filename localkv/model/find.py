@@ -6,6 +6,8 @@ models`` lists: ``NAME:TAG`` for an Ollama model, the file stem for a file. An
 existing path always wins.
 
 Where models are found (``find_models``), in order: the default model package,
+other installed packages that ship a GGUF file, whole or in parts
+(``localkv.model.packaged``: a split one is joined once when it is loaded),
 ``LOCALKV_MODELS`` directories (``os.pathsep``-separated), LM Studio
 (``~/.lmstudio/models``, ``~/.cache/lm-studio/models``), Ollama
 (``OLLAMA_MODELS`` or ``~/.ollama/models``: a manifest per ``NAME:TAG`` names
@@ -27,8 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from localkv.model.context import context_for, trained_length
 from localkv.model.ggufmeta import GGUFArray, GGUFError, GGUFMetadata, read_gguf_metadata
 from localkv.model.memories import memory_refusal
+from localkv.model.packaged import PackagedModel, join, joined_path, packaged_models
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -125,7 +129,7 @@ def model_by_name(name: str, source: str = "--model") -> Path:
     if not exact and ":" not in name:  # Ollama's default tag
         exact = [m for m in found if m.name == f"{name}:latest"]
     if len(exact) == 1:
-        return exact[0].path
+        return _loadable(exact[0])
     if len(exact) > 1:
         where = ", ".join(f"{m.source}: {m.path}" for m in exact)
         raise ModelNotFoundError(f"model name {name!r} ({source}) is ambiguous: {where}")
@@ -137,13 +141,31 @@ def model_by_name(name: str, source: str = "--model") -> Path:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FoundModel:
     """A GGUF file and the name ``--model`` knows it by."""
 
     name: str
-    source: str  # "default", "LOCALKV_MODELS", "lmstudio", "ollama", "huggingface"
+    source: str  # "default", "package", "LOCALKV_MODELS", "lmstudio", "ollama", "huggingface"
     path: Path
+    packaged: PackagedModel | None = None  # a package's model, its parts joined at ``path``
+
+    @property
+    def header_path(self) -> Path:
+        """The file whose start is the GGUF header: the first part while not yet joined."""
+        if self.packaged is not None and not self.path.is_file():
+            return self.packaged.parts[0]
+        return self.path
+
+
+def _loadable(model: FoundModel) -> Path:
+    """The model's file, a package's parts joined first where they are not yet."""
+    if model.packaged is None:
+        return model.path
+    try:
+        return join(model.packaged)
+    except OSError as exc:
+        raise ModelNotFoundError(f"model {model.name!r} could not be joined: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +178,8 @@ class ModelInfo:
     parameters: int | None
     quantization: str | None
     memory: str  # "attention", "sliding-window", "hybrid", "recurrent" or "unknown"
+    context_length: int | None = None  # the context the model was trained for
+    ctx: int | None = None  # the context commands open without --ctx
     error: str | None = None  # why the header could not be read
     # why the prefix cache cannot hold a model of a cacheable memory kind
     refusal: str | None = None
@@ -188,6 +212,8 @@ class ModelInfo:
             "parameters": self.parameters,
             "quantization": self.quantization,
             "memory": self.memory,
+            "context_length": self.context_length,
+            "ctx": self.ctx,
             "cacheable": self.cacheable,
             "cache_refusal": self.cache_refusal(),
             "error": self.error,
@@ -200,7 +226,10 @@ def find_models(home: Path | None = None) -> list[FoundModel]:
     found: list[FoundModel] = []
     default = default_model_path()
     if default is not None:
-        found.append(FoundModel(default.stem, "default", default))
+        found.append(FoundModel(name=default.stem, source="default", path=default))
+    for packaged in packaged_models():
+        path = joined_path(packaged)
+        found.append(FoundModel(name=path.stem, source="package", path=path, packaged=packaged))
     for directory in _env_dirs(ENV_MODELS):
         found += _gguf_files(directory, "LOCALKV_MODELS")
     for directory in (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"):
@@ -227,7 +256,7 @@ def _gguf_files(directory: Path, source: str) -> Iterator[FoundModel]:
         return
     for path in sorted(directory.rglob("*.gguf")):
         if path.is_file() and not _LATER_SPLIT.search(path.name) and not _is_projector(path):
-            yield FoundModel(path.stem, source, path)
+            yield FoundModel(name=path.stem, source=source, path=path)
 
 
 def _is_projector(path: Path) -> bool:
@@ -252,7 +281,8 @@ def _ollama(root: Path) -> Iterator[FoundModel]:
             continue
         blob = root / "blobs" / digest.replace(":", "-")
         if blob.is_file():
-            yield FoundModel(_ollama_name(manifest.relative_to(manifests)), "ollama", blob)
+            name = _ollama_name(manifest.relative_to(manifests))
+            yield FoundModel(name=name, source="ollama", path=blob)
 
 
 def _ollama_model_digest(manifest: Path) -> str | None:
@@ -309,13 +339,13 @@ def _huggingface(hub: Path) -> Iterator[FoundModel]:
 def describe(model: FoundModel) -> ModelInfo:
     """``model`` with its architecture, parameters, quantization and memory kind."""
     try:
-        size = model.path.stat().st_size
-        meta = read_gguf_metadata(model.path)
+        size = model.packaged.size if model.packaged is not None else model.path.stat().st_size
+        meta = read_gguf_metadata(model.header_path)
     except (OSError, GGUFError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         return ModelInfo(
             found=model,
-            size=_size(model.path),
+            size=_size(model.header_path),
             architecture=None,
             parameters=None,
             quantization=None,
@@ -329,6 +359,8 @@ def describe(model: FoundModel) -> ModelInfo:
         parameters=meta.parameters or None,
         quantization=quantization(meta),
         memory=memory_kind(meta),
+        context_length=trained_length(meta),
+        ctx=context_for(meta),
         refusal=cache_refusal(meta),
     )
 
@@ -412,5 +444,5 @@ def memory_kind(meta: GGUFMetadata) -> str:
 
 def model_label(path: Path) -> str | None:
     """``llama 135M Q4_1``, as ``localkv models`` shows the file (None: unreadable)."""
-    info = describe(FoundModel(path.stem, "path", path))
+    info = describe(FoundModel(name=path.stem, source="path", path=path))
     return None if info.error is not None else info.label()

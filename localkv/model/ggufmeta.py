@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GGUFArray", "GGUFError", "GGUFMetadata", "TensorInfo", "read_gguf_metadata"]
+__all__ = [
+    "GGUFArray",
+    "GGUFError",
+    "GGUFMetadata",
+    "TensorInfo",
+    "read_gguf_metadata",
+    "read_gguf_values_before",
+]
 
 MAGIC = b"GGUF"
 MAX_KEYS = 1 << 20
@@ -177,6 +184,35 @@ def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
                 raise GGUFError("not a GGUF file (bad magic)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 return _parse(_Cursor(data))
+    except struct.error as exc:  # pragma: no cover - lengths are checked first
+        raise GGUFError(str(exc)) from None
+
+
+def read_gguf_values_before(path: str | Path, prefix: str) -> dict[str, Value | GGUFArray]:
+    """The key/values at the start of the GGUF at ``path``, up to the first key that
+    starts with ``prefix`` (``tokenizer.``: the vocabulary, slow to walk); no tensors.
+
+    Raises as ``read_gguf_metadata`` does.
+    """
+    if not Path(path).is_file():
+        raise GGUFError("not a regular file")
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != MAGIC:
+                raise GGUFError("not a GGUF file (bad magic)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                cur = _Cursor(data)
+                cur.pos = 4
+                if cur.uint() not in (2, 3):
+                    raise GGUFError("GGUF version is not supported")
+                cur.count(MAX_TENSORS, "tensor count")
+                values: dict[str, Value | GGUFArray] = {}
+                for _ in range(cur.count(MAX_KEYS, "key count")):
+                    key = cur.string()
+                    if key.startswith(prefix):
+                        break
+                    values[key] = _value(cur, cur.uint())
+                return values
     except struct.error as exc:  # pragma: no cover - lengths are checked first
         raise GGUFError(str(exc)) from None
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import gguf
 import pytest
 from support.tinyarch import build_tiny_arch_models
-from support.tinymodels import TinyModels
+from support.tinymodels import TinyModels, build_tiny_llama
 
+from localkv.model.context import FLOOR, MEMORY_SHARE, default_context, kv_bytes_per_token
 from localkv.model.find import FoundModel, describe
 from localkv.model.ggufmeta import GGUFArray, GGUFError, read_gguf_metadata
 
@@ -146,6 +147,18 @@ def test_models_table_fits_80_columns(planted: Planted) -> None:
     assert any("unreadable:" in line for line in lines)
 
 
+def test_models_table_says_what_json_says(planted: Planted) -> None:
+    """The table's SOURCE, MEMORY and CACHE cells are --json's source, memory and cacheable."""
+    rows = {
+        m["name"]: m for m in json.loads(_localkv(planted.env, "models", "--json").stdout)["models"]
+    }
+    cells = _table_rows(_localkv(planted.env, "models").stdout.splitlines()[1:])
+    for name in ("tiny-dir", "tiny-hf", "windowed", "snake", "mixed-swa"):
+        row = rows[name]
+        words = [row["source"], row["memory"], "yes" if row["cacheable"] else "no"]
+        assert [cells[name][0], *cells[name][-2:]] == words, name
+
+
 def test_ask_loads_a_model_by_its_listed_name(planted: Planted, tmp_path: Path) -> None:
     doc = tmp_path / "doc.txt"
     doc.write_text("A document about nothing much.", encoding="utf-8")
@@ -174,7 +187,8 @@ def test_nothing_is_listed_where_nothing_is_present(tmp_path: Path) -> None:
     env["HOME"] = str(tmp_path)
     done = _localkv(env, "models", "--json")
     assert done.returncode == 0, done.stderr
-    assert [m["source"] for m in json.loads(done.stdout)["models"]] == ["default"]
+    sources = [m["source"] for m in json.loads(done.stdout)["models"]]
+    assert sources == ["default", "package"]  # and Gemma 3 270M's parts, from the dev extra
 
 
 # ------------------------------------------------------- the CACHE column and prefill
@@ -186,10 +200,21 @@ def _every_architecture(directory: Path, tiny_models: TinyModels, tokenizer: Pat
 
 
 def _cache_column(table: str) -> dict[str, str]:
-    """Model name -> its CACHE cell, from the ``models`` table (every name fits its column)."""
+    """Model name -> its CACHE cell, from the ``models`` table."""
     lines = table.splitlines()
     assert lines[0].split()[-1] == "CACHE"
-    return {line.split()[0]: line.split()[-1] for line in lines[1:] if len(line.split()) > 1}
+    return {name: cells[-1] for name, cells in _table_rows(lines[1:]).items()}
+
+
+def _table_rows(lines: list[str]) -> dict[str, list[str]]:
+    """Model name -> its other cells; a name too long for its column has a line of its own."""
+    rows: dict[str, list[str]] = {}
+    for i, line in enumerate(lines):
+        if line.startswith(" "):
+            rows[lines[i - 1].strip()] = line.split()
+        elif len(line.split()) > 1:
+            rows[line.split()[0]] = line.split()[1:]
+    return rows
 
 
 def test_the_cache_column_says_what_prefill_does(
@@ -226,7 +251,9 @@ def test_the_cache_column_says_what_prefill_does(
 def test_memory_of_another_kind_is_listed_as_not_cached_with_the_reason(tmp_path: Path) -> None:
     """Architectures whose llama.cpp memory keeps more than localkv stores (model.memories)."""
     for arch, why in (("deepseek32", "indexer key cache"), ("nomic-bert", "no KV memory")):
-        info = describe(FoundModel(arch, "LOCALKV_MODELS", _header_only(tmp_path / arch, arch)))
+        info = describe(
+            FoundModel(name=arch, source="LOCALKV_MODELS", path=_header_only(tmp_path / arch, arch))
+        )
         refusal = info.cache_refusal() or ""
         assert not info.cacheable and refusal.startswith(f"{arch}: ") and why in refusal
 
@@ -257,7 +284,7 @@ def test_a_truncated_header_is_an_error_not_a_crash(
     path.write_bytes(tiny_models.base.read_bytes()[:cut])
     with pytest.raises(GGUFError):
         read_gguf_metadata(path)
-    info = describe(FoundModel("cut", "LOCALKV_MODELS", path))
+    info = describe(FoundModel(name="cut", source="LOCALKV_MODELS", path=path))
     assert info.error and info.memory == "unknown" and not info.cacheable
 
 
@@ -267,3 +294,124 @@ def test_an_implausible_length_is_refused(tmp_path: Path) -> None:
     path.write_bytes(header + (1).to_bytes(8, "little") + (2**62).to_bytes(8, "little"))
     with pytest.raises(GGUFError, match="implausible"):
         read_gguf_metadata(path)
+
+
+GEMMA = "gemma-3-270m-q4_k_m"
+
+
+def _bare_env(tmp_path: Path) -> dict[str, str]:
+    """A new user's environment: no LOCALKV_MODELS, nothing in HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA", "LOCALKV_M"))}
+    env.update(HOME=str(tmp_path / "home"), XDG_DATA_HOME=str(tmp_path / "data"))
+    return env
+
+
+def test_a_model_installed_from_pypi_in_parts_is_listed_with_no_variable(tmp_path: Path) -> None:
+    """Gemma 3 270M, installed as its four chunk packages (the dev extra), is listed from
+    its first part's header before anything is joined."""
+    done = _localkv(_bare_env(tmp_path), "models", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {m["name"]: m for m in json.loads(done.stdout.splitlines()[-1])["models"]}
+    gemma = rows[GEMMA]
+    assert gemma["source"] == "package" and gemma["architecture"] == "gemma3"
+    assert gemma["memory"] == "sliding-window" and gemma["cacheable"]
+    assert gemma["path"] == str(tmp_path / "data" / "localkv" / "models" / f"{GEMMA}.gguf")
+    assert not (tmp_path / "data").exists()  # listing joins nothing
+
+
+@pytest.mark.default_model
+def test_a_model_in_parts_is_joined_once_when_loaded_by_name(
+    tmp_path: Path, gemma3_path: Path
+) -> None:
+    env = _bare_env(tmp_path)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short note.", encoding="utf-8")
+    args = ["--model", GEMMA, "--threads", "1", "--ctx", "256", "--max-tokens", "1", "--json"]
+    for joins in (1, 0):  # the second run finds the joined file
+        done = _localkv(env, "ask", *args, "--temperature", "0", str(doc), "Why?")
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.count("joining") == joins
+    joined = tmp_path / "data" / "localkv" / "models" / f"{GEMMA}.gguf"
+    assert joined.read_bytes() == gemma3_path.read_bytes()
+
+
+# ------------------------------------------------------- the context a command opens
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+
+
+@pytest.mark.skipif(not GPL3.is_file(), reason="needs Debian's common-licenses")
+def test_a_long_document_prefills_with_no_ctx_where_the_model_was_trained_for_it(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    """The GPL-3 text (more than 4,096 tokens on SmolLM2's tokenizer) fits the context of
+    a model trained for 8,192 tokens without --ctx."""
+    model = build_tiny_llama(tmp_path / "tiny-8k.gguf", default_model_path, context_length=8192)
+    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache")}
+    args = ["--model", str(model), "--threads", "1", "--json", str(GPL3)]
+    done = _localkv(env, "prefill", *args)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert 4096 < report["tokens"] <= 8192
+
+
+def test_models_reports_the_context_each_model_opens_with(tmp_path: Path) -> None:
+    """SmolLM2 was trained for 8,192 tokens and Gemma 3 270M for 32,768: their KV caches
+    at those lengths fit a quarter of any machine's memory that runs the tests."""
+    done = _localkv(_bare_env(tmp_path), "models", "--json")
+    rows = {m["name"]: m for m in json.loads(done.stdout.splitlines()[-1])["models"]}
+    smollm2 = rows["SmolLM2-135M-Instruct.Q4_1"]
+    assert (smollm2["context_length"], smollm2["ctx"]) == (8192, 8192)
+    assert (rows[GEMMA]["context_length"], rows[GEMMA]["ctx"]) == (32768, 32768)
+
+
+def test_the_context_is_lowered_to_what_memory_holds(default_model_path: Path) -> None:
+    per_token = kv_bytes_per_token(read_gguf_metadata(default_model_path))
+    assert per_token is not None
+    six_k = 6 * 1024 * per_token * MEMORY_SHARE
+    assert default_context(default_model_path, available=six_k + per_token) == 6 * 1024
+    assert default_context(default_model_path, available=per_token) == FLOOR  # never below
+    assert default_context(default_model_path, available=1 << 40) == 8192  # never above
+
+
+def _plant_dist(site: Path, name: str, files: dict[str, bytes]) -> None:
+    """An installed distribution as pip leaves one: its files and a RECORD naming them."""
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    for rel, data in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+    lines = [f"{rel},," for rel in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("sums", ["right", "wrong", "missing part"])
+def test_a_split_model_is_joined_only_whole_and_as_its_sums_say(
+    tmp_path: Path, tiny_models: TinyModels, sums: str
+) -> None:
+    data = tiny_models.base.read_bytes()
+    digest = hashlib.sha256(data if sums != "wrong" else b"other").hexdigest()
+    site = tmp_path / "site"
+    half = len(data) // 2
+    if sums != "missing part":
+        first = {"tinysplit_part1/tiny-split.gguf.part00": data[:half]}
+        _plant_dist(site, "tinysplit-part1", first)
+    _plant_dist(site, "tinysplit-part2", {"tinysplit_part2/tiny-split.gguf.part01": data[half:]})
+    line = f"{digest}  tiny-split.gguf\n".encode()
+    _plant_dist(site, "tinysplit", {"tinysplit/SHA256SUMS": line})
+    env = {**_bare_env(tmp_path), "PYTHONPATH": str(site), "LOCALKV_HOME": str(tmp_path / "c")}
+    listed = json.loads(_localkv(env, "models", "--json").stdout.splitlines()[-1])["models"]
+    assert ("tiny-split" in [m["name"] for m in listed]) == (sums != "missing part")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A note.", encoding="utf-8")
+    args = ["--model", "tiny-split", "--threads", "1", "--max-tokens", "1", str(doc), "Why?"]
+    done = _localkv(env, "ask", *args)
+    joined = tmp_path / "data" / "localkv" / "models" / "tiny-split.gguf"
+    if sums == "right":
+        assert done.returncode == 0, done.stderr
+        assert joined.read_bytes() == data
+        return
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert not joined.parent.exists() or not any(joined.parent.iterdir())  # nothing half-joined
+    reason = "do not match the package's SHA256SUMS" if sums == "wrong" else "no model file"
+    assert reason in done.stderr.splitlines()[-1]

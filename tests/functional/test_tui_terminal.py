@@ -100,7 +100,7 @@ def test_a_new_user_asks_a_question_and_gets_an_answer(
     start: Callable[[str], Terminal], default_model_path: Path
 ) -> None:
     terminal = start("--temperature 0 --max-tokens 48")
-    terminal.wait(lambda s: "Enter sends" in s and "4,096 tokens" in s, timeout=120)
+    terminal.wait(lambda s: "Enter sends" in s and "8,192 tokens" in s, timeout=120)
     terminal.keys("-l", QUESTION)
     terminal.keys("Enter")
     screen = terminal.wait(lambda s: "tok/s" in s and _answer(s), timeout=120)

@@ -239,7 +239,7 @@ def test_the_side_panel_describes_the_model_as_localkv_models_does(
     from localkv.model.find import FoundModel, describe
     from localkv.runtime import Runtime
 
-    listed = describe(FoundModel("tiny-base", "path", tiny_models.base))
+    listed = describe(FoundModel(name="tiny-base", source="path", path=tiny_models.base))
     with Runtime(tiny_config(tiny_models.base), cache_dir=home) as rt:
         assert rt.model_info().description == listed.label() == "llama 6.59M F32"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,3 +24,15 @@ def test_every_package_folder_is_listed() -> None:
             found.add(".".join([name, *rel.parts]))
     assert found - listed == set(), "add these to [tool.setuptools] packages"
     assert listed - found == set(), "these are listed but have no __init__.py"
+
+
+def test_a_folder_named_localkv_in_the_working_directory_is_not_imported(tmp_path: Path) -> None:
+    """A script beside the clone (which ``git clone`` names ``localkv``) imports the
+    installed package, not the clone's folder as an empty namespace package."""
+    (tmp_path / "localkv").symlink_to(ROOT, target_is_directory=True)
+    code = "import localkv, localkv.storage, localkv.tui; print(localkv.Runtime.__name__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Runtime"
