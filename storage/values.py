@@ -28,6 +28,7 @@ __all__ = [
     "BlockCorrupt",
     "BlockRow",
     "ForgetReport",
+    "ForgottenSnapshot",
     "GcReport",
     "Probe",
     "SnapshotRow",
@@ -282,10 +283,23 @@ class GcReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ForgottenSnapshot:
+    """A snapshot ``forget`` removed, and why: ``source`` (saved from the document, by
+    its path or content hash) or ``holds`` (a block of its chain holds the document's
+    tokens, whatever it was saved from)."""
+
+    id: str
+    label: str
+    pinned: bool
+    why: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ForgetReport:
     """What ``forget`` removed."""
 
     snapshots: list[str]  # ids of the snapshots removed
+    removed: list[ForgottenSnapshot]  # the same, with their labels, pins and why
     blocks: int
     bytes_freed: int
     quarantined_files: int
