@@ -64,11 +64,16 @@ from .removal.quarantine import quarantine_index
 from .snapshots import SnapshotCatalogue
 from .values import BlockCorrupt, BlockRow, Probe
 
-__all__ = ["NOT_RECOVERED", "RepairReport", "recover_row", "repair"]
+__all__ = ["NOT_RECOVERED", "ROWS_NOT_RECOVERED", "RepairReport", "recover_row", "repair"]
 
 logger = logging.getLogger(__name__)
 
 NOT_RECOVERED = "hit counts, last-used times and hit/miss statistics start again"
+# a sound index that gained rows: only those start again
+ROWS_NOT_RECOVERED = (
+    "the rows rebuilt start with no hits and last-used times; the other rows and "
+    "the hit/miss statistics are as they were"
+)
 _NEEDED = ("hash", "parent", "identity", "namespace", "start", "ends", "probe_digest")
 _RECOVERY = ("probe_top", "prefill_seconds", "data_xxh3")
 _FORMATS = (FORMAT_VERSION, planes.Q6_FORMAT)
@@ -88,7 +93,9 @@ class RepairReport:
     snapshots: int = 0  # snapshots in the index after the repair
     temp_files: int = 0  # temp files killed saves left, removed
     placed_from_temp: int = 0  # of which whole block files, put in place first
-    not_recovered: str = NOT_RECOVERED
+    # what started again (``NOT_RECOVERED``: all of it, a new index; ``ROWS_NOT_RECOVERED``:
+    # the rows rebuilt in a sound one); None: nothing, the index kept every count
+    not_recovered: str | None = NOT_RECOVERED
 
 
 def _read_file(layout: CacheLayout, relpath: str, max_bytes: int) -> tuple[bytes, float]:
@@ -292,6 +299,7 @@ def repair(root: Path, max_bytes: int) -> RepairReport:
         raise FileNotFoundError(f"no cache at {root}")
     if not os.access(root, os.W_OK | os.X_OK):
         raise PermissionError(f"the cache at {root} is read-only: repair needs to write to it")
+    had_index = _has_index(CacheLayout(root).index)
     layout = prepare_root(root)
     problem = check_index(layout.index)
     moved = None
@@ -324,4 +332,21 @@ def repair(root: Path, max_bytes: int) -> RepairReport:
         snapshots=total,
         temp_files=temp,
         placed_from_temp=len(placed),
+        not_recovered=_not_recovered(problem is None and had_index, added, len(snaps)),
     )
+
+
+def _has_index(path: Path) -> bool:
+    """Whether an index file with something in it is there (before repair makes one)."""
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _not_recovered(kept: bool, blocks_added: int, snapshots_added: int) -> str | None:
+    """What starts again: everything in a new index, the rebuilt rows in a ``kept`` one,
+    nothing when a kept index gained no row."""
+    if not kept:
+        return NOT_RECOVERED
+    return ROWS_NOT_RECOVERED if blocks_added or snapshots_added else None

@@ -76,11 +76,8 @@ class SnapshotCatalogue:
             row = self._index.get_block(new.tip)
             if row is None:
                 raise ValueError(f"snapshot tip {new.tip} is not stored")
-            if (row.identity, row.namespace, row.end) != (
-                new.identity,
-                new.namespace,
-                new.n_tokens,
-            ):
+            expected = (new.identity, new.namespace, new.n_tokens)
+            if (row.identity, row.namespace, row.end) != expected:
                 raise ValueError(
                     f"snapshot says {new.n_tokens} tokens of {new.identity}/{new.namespace!r}, "
                     f"tip block ends at {row.end} under {row.identity}/{row.namespace!r}"
@@ -94,6 +91,7 @@ class SnapshotCatalogue:
                 n_tokens=new.n_tokens,
                 identity=new.identity,
                 namespace=new.namespace,
+                system=new.system,
                 created=now,
                 last_used=now,
                 hits=0,

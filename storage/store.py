@@ -9,7 +9,8 @@ blocks. Reading never deletes; a block that fails a check raises
 Deleting is row first, then file: a crash leaves an orphan file for ``gc``. This
 module holds the store's lifecycle, identities, block writes, lookups and events;
 the rest it delegates, keeping each public method here: opening a root to
-``opening.py``; the snapshot catalogue to ``snapshots.py``; block files' bytes and
+``opening.py``; the snapshot catalogue to ``snapshots.py``, what removing each
+snapshot frees to ``space.py``; block files' bytes and
 reading one in ``formats/``, many in parallel in ``readpool.py``, placing them
 on disk in ``disk.py``; the SQLite index in ``index/``; every way blocks leave,
 and ``verify``, in ``removal/``. ``repair.py`` rebuilds a lost index.
@@ -37,6 +38,7 @@ from .paths import CacheLayout, default_root
 from .readpool import BlockReader, Drops, Fills, Tails
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
+from .space import Space, space
 from .values import (
     MAX_RAW_BLOCK_BYTES,
     Block,
@@ -356,6 +358,11 @@ class SnapshotStore:
     def remove_snapshot(self, snapshot_id: str, heir: str | None = None) -> int:
         """Delete a snapshot and the blocks only it needed (its hits go to ``heir``)."""
         return self._catalogue.remove(snapshot_id, heir)
+
+    def space(self, namespace: str | None = None) -> Space:
+        """What removing each snapshot (of one namespace, or all) frees now, and the stored
+        bytes split into those, the shared and the rest (``space.space``)."""
+        return space(self._index, namespace)
 
     def forget(
         self, source_path: str | None, source_sha256: str | None, runs: forget.Runs = ()

@@ -28,6 +28,7 @@ __all__ = [
     "BlockCorrupt",
     "BlockRow",
     "ForgetReport",
+    "ForgottenSnapshot",
     "GcReport",
     "Probe",
     "SnapshotRow",
@@ -245,6 +246,7 @@ class NewSnapshot:
     n_tokens: int  # where the chain ends; the tip block must end there
     identity: str
     namespace: str
+    system: str | None = None  # the system prompt it was made with ("": none; None: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,6 +269,7 @@ class SnapshotRow:
     # who asked for the pin: None, the user (``cache pin``, ``prefill --pin``); "client",
     # a server's client, whose pins hold only within their share of the budget
     pin_owner: str | None = None
+    system: str | None = None  # the system prompt it was made with ("": none; None: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,10 +283,23 @@ class GcReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ForgottenSnapshot:
+    """A snapshot ``forget`` removed, and why: ``source`` (saved from the document, by
+    its path or content hash) or ``holds`` (a block of its chain holds the document's
+    tokens, whatever it was saved from)."""
+
+    id: str
+    label: str
+    pinned: bool
+    why: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ForgetReport:
     """What ``forget`` removed."""
 
     snapshots: list[str]  # ids of the snapshots removed
+    removed: list[ForgottenSnapshot]  # the same, with their labels, pins and why
     blocks: int
     bytes_freed: int
     quarantined_files: int

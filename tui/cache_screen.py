@@ -25,7 +25,8 @@ __all__ = ["CacheScreen"]
 
 log = logging.getLogger(__name__)
 
-_COLUMNS = ("label", "tokens", "size", "hits", "last used", "pinned")
+# frees: what deleting the row frees (blocks no other snapshot needs); size: its whole chain
+_COLUMNS = ("label", "tokens", "frees", "size", "hits", "last used", "pinned")
 
 
 class CacheScreen(Screen[None]):
@@ -83,6 +84,7 @@ class CacheScreen(Screen[None]):
             table.add_row(
                 Text(printable(snap.label)),
                 f"{snap.tokens:,}",
+                human_bytes(snap.frees_bytes),
                 human_bytes(snap.bytes_on_disk),
                 str(snap.hits),
                 ago(snap.last_used),

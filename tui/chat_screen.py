@@ -22,7 +22,7 @@ from textual.worker import get_current_worker
 
 from localkv import ContextFullError, DocumentError, SamplingParams, TextError
 from localkv.chat.commands import HELP, Command, message_text, parse_command
-from localkv.chat.controller import Answered, Attached, ChatController, Opened
+from localkv.chat.controller import Answered, Attached, ChatController, ModelMismatch, Opened
 from localkv.chat.formats import finish_line, sync_line, turn_line
 from localkv.runtime.callbacks import CancelFn, ProgressFn, TextFn
 from localkv.runtime.reports import printable
@@ -91,8 +91,9 @@ class ChatScreen(Screen[None]):
 
     @dataclass
     class OpenFailed(Message):
+        """The conversation stays as it was; ``error`` says why (the ``--ctx`` it needs)."""
+
         error: str
-        context_full: bool
 
     @dataclass
     class PrefillEnded(Message):
@@ -318,11 +319,11 @@ class ChatScreen(Screen[None]):
     ) -> None:
         try:
             opened = controller.open(conversation_id, progress, _cancelled())
-        except ContextFullError as exc:
-            self.post_message(self.OpenFailed(str(exc), True))
+        except (ContextFullError, ModelMismatch) as exc:
+            self.post_message(self.OpenFailed(str(exc)))
         except Exception as exc:
             log.warning("opening a conversation failed", exc_info=True)
-            self.post_message(self.OpenFailed(str(exc), False))
+            self.post_message(self.OpenFailed(str(exc)))
         else:
             self.post_message(self.ConversationOpened(opened, True))
         self.post_message(self.PrefillEnded())
@@ -353,11 +354,10 @@ class ChatScreen(Screen[None]):
         self._attach_pending()
 
     def on_chat_screen_open_failed(self, message: OpenFailed) -> None:
+        """Said once, in the conversation; the current conversation goes on (nothing is full)."""
         self._note_history_error()
         self.conversation.add_note(f"could not reopen the conversation: {message.error}", "error")
-        self.status.show(message.error, "error")
-        if message.context_full:
-            self.app.push_screen(ContextFullScreen(message.error), self._after_context_full)
+        self.status.show("could not reopen the conversation", "error")
         self._attach_pending()
 
     # ------------------------------------------------------------- prefills

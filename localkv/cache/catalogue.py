@@ -36,6 +36,7 @@ __all__ = [
     "pinned",
     "save_prefill",
     "save_snapshot",
+    "source_sha",
 ]
 
 
@@ -57,7 +58,7 @@ def covering_snapshot(
     return covering(store, namespace, result.chain, result.reused, tokens)
 
 
-def save_snapshot(
+def save_snapshot(  # noqa: PLR0913 - to take a value type
     cache: PrefixCache,
     tip: str,
     documents: Sequence[Document],
@@ -65,8 +66,12 @@ def save_snapshot(
     *,
     label: str | None,
     pin: bool | ClientPin,
+    system: str | None = None,
 ) -> str | None:
     """Name the chain ending at ``tip`` after its documents; None if it cannot be saved.
+
+    ``system``: the system prompt it was made with ("": none; None: not known), by
+    which a miss for the same documents under another one names this snapshot.
 
     ``pin``: the user's pin for good, or a client's (``ClientPin``), which holds only
     within the clients' share of the budget (``pinned`` says whether it was made).
@@ -84,10 +89,11 @@ def save_snapshot(
                 tip=tip,
                 label=label or ", ".join(document_label(d) for d in documents) or "(system prompt)",
                 source_path=_source_path(documents),
-                source_sha256=_source_sha(documents),
+                source_sha256=source_sha(documents),
                 n_tokens=n_tokens,
                 identity=cache.identity.digest,
                 namespace=cache.namespace,
+                system=system,
             ),
             pinned=bool(pin),
             pinned_until=pin.until if isinstance(pin, ClientPin) else None,
@@ -135,6 +141,7 @@ class SnapshotName:
 
     label: str | None  # None: from its documents (``document_label``)
     pin: bool | ClientPin = False
+    system: str | None = None  # the system prompt ("": none; None: not known)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,7 +172,13 @@ def save_prefill(
     snapshot = None
     if saved.tip is not None and name is not None:
         snapshot = save_snapshot(
-            cache, saved.tip, documents, tips[-1], label=name.label, pin=name.pin
+            cache,
+            saved.tip,
+            documents,
+            tips[-1],
+            label=name.label,
+            pin=name.pin,
+            system=name.system,
         )
     saved = fit_budget(cache, saved)  # evicts; says if that took this very chain
     snapshot = None if saved.not_kept else snapshot
@@ -222,7 +235,8 @@ def _source_path(documents: Sequence[Document]) -> str | None:
     return paths[0] if len(paths) == 1 else ("; ".join(paths) or None)
 
 
-def _source_sha(documents: Sequence[Document]) -> str | None:
+def source_sha(documents: Sequence[Document]) -> str | None:
+    """The documents' content, as a snapshot records it (``source_sha256``)."""
     if not documents:
         return None
     if len(documents) == 1:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from localkv.cache.identity import Identity
+from localkv.cache.naming import model_names
 from localkv.model.schedule import ends_after, shared_end
 from localkv.storage.chain import chain_hashes, tokens_sha
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import BlockRow
 
-__all__ = ["NOT_CACHED", "Plan", "is_not_cached", "miss_reason", "plan_chain"]
+__all__ = ["NOT_CACHED", "Plan", "is_not_cached", "miss_reason", "near_miss", "plan_chain"]
 
 # a request whose first block nothing stored shares, under any identity: a first run
 NOT_CACHED = "not cached yet"
@@ -105,3 +106,64 @@ def miss_reason(
             return "identity differs: " + "; ".join(diff)
     # other namespaces are never looked at: not even their existence leaks
     return NOT_CACHED if namespace == "default" else f"{NOT_CACHED} in namespace {namespace!r}"
+
+
+def near_miss(
+    store: SnapshotStore,
+    identity: Identity,
+    namespace: str,
+    source_sha256: str | None,
+    system: str | None,
+) -> str | None:
+    """A miss's nearest cause: a snapshot of ``namespace`` made from the same documents
+    (their content's ``source_sha256``) under another system prompt, or another model or
+    setting, named with the option that would find it; None when there is none.
+
+    Of several, the newest that differs only in its system prompt, else the newest."""
+    if source_sha256 is None:
+        return None
+    same = [s for s in store.snapshots(namespace) if s.source_sha256 == source_sha256]
+    for snap in reversed(same):
+        if snap.identity == identity.digest and snap.system not in (None, system or ""):
+            made = f'--system "{_shown(snap.system)}"' if snap.system else "no --system"
+            return (
+                f'not cached with this system prompt; snapshot "{snap.label}" was made with {made}'
+            )
+    for snap in reversed(same):
+        text = store.get_identity(snap.identity) if snap.identity != identity.digest else None
+        if text is not None:
+            theirs = Identity.from_dict(json.loads(text))
+            options = _options(store, snap.identity, theirs, identity)
+            if options:
+                return (
+                    f'not cached with this model or settings; snapshot "{snap.label}" '
+                    f"was made with {', '.join(options)}"
+                )
+    return None
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """A system prompt on one line, shortened past ``limit`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+_OPTIONS = {"type_k": "--type-k", "type_v": "--type-v", "attn_threads": "--threads"}
+
+
+def _options(store: SnapshotStore, digest: str, theirs: Identity, ours: Identity) -> list[str]:
+    """The options (or, for what no option sets, the fields) that differ in ``theirs``."""
+    a, b = theirs.as_dict(), ours.as_dict()
+    out = []
+    for key in (k for k in a if a[k] != b.get(k)):
+        if key == "model_sha256":
+            out.append(f"--model {model_names(store, [digest])[digest]}")
+        elif key == "flash_attn":
+            out.append(f"--flash-attn {'on' if a[key] else 'off'}")
+        elif key == "loras":
+            out.append(" ".join(f"--lora {p}" for p, _ in theirs.loras) or "no --lora")
+        elif key in _OPTIONS:
+            out.append(f"{_OPTIONS[key]} {a[key]}")
+        else:
+            out.append(f"{key} {a[key]} (this run: {b.get(key)})")
+    return out

@@ -245,7 +245,7 @@ class PrefixCache:
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         session.truncate(reuse)
         marks.append(time.perf_counter())
-        return self._hit(plan, reuse, marks, t0, (list(tokens[:reuse]), session.n_ctx))
+        return self._hit(plan, reuse, marks, t0, list(tokens[:reuse]))
 
     def _usable(
         self, plan: Plan, tokens: Sequence[int], n_ctx: int, reasons: list[str]
@@ -271,18 +271,17 @@ class PrefixCache:
         return reuse, None
 
     def _hit(
-        self, plan: Plan, reuse: int, marks: list[float], t0: float, seen: tuple[list[int], int]
+        self, plan: Plan, reuse: int, marks: list[float], t0: float, prefix: list[int]
     ) -> RestoreResult:
-        """A verified restore of ``reuse`` tokens; ``seen``: those tokens and the n_ctx."""
-        prefix, n_ctx = seen
-        rate = self.seconds_per_token(n_ctx)
-        saved = (
-            reuse * rate
-            if rate is not None
-            else sum(
-                row.prefill_seconds * min(row.n_tokens, max(0, reuse - row.start)) / row.n_tokens
-                for row in plan.chain
-            )
+        """A verified restore of ``reuse`` tokens (``prefix``).
+
+        The time it saved is what the stored blocks cost to compute (their
+        ``prefill_seconds``, pro rata where the reuse ends inside one): one
+        figure for one prefix, whatever this session's context or rate.
+        """
+        saved = sum(
+            row.prefill_seconds * min(row.n_tokens, max(0, reuse - row.start)) / row.n_tokens
+            for row in plan.chain
         )
         hashes = [row.hash for row in plan.chain]
 
@@ -325,7 +324,7 @@ class PrefixCache:
     def seconds_per_token(self, n_ctx: int) -> float | None:
         """The prefill rate timed for this identity at ``n_ctx`` (None: none timed yet).
 
-        Every writer's blocks and every hit's saved-time estimate use it.
+        Every writer's blocks record it (``prefill_seconds``); a hit's saved time sums theirs.
         """
         try:
             found = self.store.prefill_rate(self.identity.digest, n_ctx)

@@ -38,6 +38,8 @@ __all__ = [
     "ModelMismatch",
     "NoHistory",
     "Opened",
+    "TooLongToResume",
+    "check_resume",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,44 @@ class NoHistory(RuntimeError):
     """Conversations are not saved (the store could not be opened)."""
 
 
+_CTX_STEP = 1024  # a suggested --ctx is a multiple of this
+
+
+class TooLongToResume(ContextFullError):
+    """A saved conversation longer than this context; ``ctx``: the ``--ctx`` that holds it
+    (the one it was made in, when the history recorded it)."""
+
+    def __init__(self, info: ConversationInfo, needed: int, n_ctx: int) -> None:
+        made_in = info.n_ctx if info.n_ctx is not None and info.n_ctx >= needed else None
+        self.ctx = made_in or (needed // _CTX_STEP + 1) * _CTX_STEP
+        ValueError.__init__(
+            self,
+            f"“{info.title}” holds {needed:,} tokens, more than the context of {n_ctx:,} "
+            f"tokens: resume with --ctx {self.ctx}",
+        )
+        self.needed, self.n_ctx = needed, n_ctx
+
+
+def _resumed(runtime: Runtime, history: ConversationStore, info: ConversationInfo) -> ChatSession:
+    """The saved conversation as a session on ``runtime``, its KV untouched: its unanswered
+    message kept with an empty answer. Raises ``ModelMismatch`` and ``TooLongToResume``."""
+    check_model(info, model_of(runtime))
+    chat = ChatSession(runtime, history.load(info.id), snapshot_label=conversation_label)
+    if info.pending is not None:
+        chat.add_unanswered(info.pending)
+    if chat.n_tokens > chat.n_ctx:
+        raise TooLongToResume(info, chat.n_tokens, chat.n_ctx)
+    return chat
+
+
+def check_resume(runtime: Runtime, history: ConversationStore) -> None:
+    """Raise what resuming the latest conversation on ``runtime`` would, before anything
+    opens: ``ModelMismatch``, ``TooLongToResume`` (and ``MalformedConversation``)."""
+    found, _ = history.scan()
+    if found:
+        _resumed(runtime, history, found[0])
+
+
 class ChatController:
     """One conversation on a runtime, with its saved history."""
 
@@ -123,7 +163,9 @@ class ChatController:
     ) -> None:
         self.runtime = runtime
         self.history = history
-        self.keeper = HistoryKeeper(history, model_of(runtime), history_error)
+        self.keeper = HistoryKeeper(
+            history, model_of(runtime), history_error, n_ctx=runtime.session.n_ctx
+        )
         self.model = runtime.model_info()
         self.chat = ChatSession(
             runtime, ChatState(system=system), snapshot_label=conversation_label
@@ -296,9 +338,9 @@ class ChatController:
     ) -> Opened | None:
         """Reopen a saved conversation (None: the latest) and restore its prefix.
 
-        Returns None when there is no saved conversation; raises ``ContextFullError``
-        when it does not fit this context (the current conversation stays), and
-        ``NoHistory`` without a history store.
+        Returns None when there is no saved conversation; raises ``TooLongToResume``
+        when it does not fit this context (the current conversation stays),
+        ``ModelMismatch``, and ``NoHistory`` without a history store.
         """
         if self.history is None:
             raise NoHistory(self.history_error or "conversations are not saved")
@@ -312,12 +354,9 @@ class ChatController:
                 info = self.history.info(conversation_id)
             if info is None:
                 return None
-            check_model(info, self.keeper.model)
-            state = self.history.load(info.id)
+            chat = _resumed(self.runtime, self.history, info)
             self.runtime.wait_for_saves()
-            chat = ChatSession(self.runtime, state, snapshot_label=conversation_label)
             if info.pending is not None:
-                chat.add_unanswered(info.pending)
                 self.keeper.note(
                     f"the last message, “{title_of(ChatState(), info.pending)}”, was never "
                     "answered (the chat was stopped): it is kept, with an empty answer"

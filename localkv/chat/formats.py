@@ -7,6 +7,7 @@ An answer's reasoning is split from it here for both faces
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from localkv.cache.budgeting import human_size
 from localkv.prompt.reasoning import ReasoningSplit, split_reasoning
@@ -19,6 +20,7 @@ __all__ = [
     "counted",
     "finish_line",
     "human_bytes",
+    "id_width",
     "split_reasoning",
     "sync_line",
     "sync_summary",
@@ -29,6 +31,16 @@ __all__ = [
 def counted(n: int, word: str) -> str:
     """``1 hit``, ``2 hits``, ``0 hits``: a count and its noun, singular for one."""
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def id_width(ids: Iterable[str]) -> int:
+    """The shortest start (at least 8 characters) that names each of ``ids`` uniquely,
+    as ``cache ls`` shows snapshot ids: any command that takes an id takes it."""
+    ids = list(ids)
+    n = 8
+    while n < max(map(len, ids), default=0) and len({i[:n] for i in ids}) < len(ids):
+        n += 1
+    return n
 
 
 def human_bytes(n: int) -> str:

@@ -23,7 +23,15 @@ from typing import TextIO
 
 from localkv.chat.commands import PLAIN_HELP, PLAIN_INTRO, Command, message_text, parse_command
 from localkv.chat.controller import ChatController, ModelMismatch
-from localkv.chat.formats import ago, counted, human_bytes, sync_line, sync_summary, turn_line
+from localkv.chat.formats import (
+    ago,
+    counted,
+    human_bytes,
+    id_width,
+    sync_line,
+    sync_summary,
+    turn_line,
+)
 from localkv.history.store import ConversationStore, MalformedConversation
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import ContextFullError
@@ -283,21 +291,21 @@ class _PlainChat:
         self.note("new conversation")
 
     def resume(self) -> bool:
-        """Reopen the latest saved conversation, restored from the cache; False: it cannot be.
-
-        A conversation that does not fit this context is left for a new one (True).
-        """
+        """Reopen the latest saved conversation, restored from the cache; False: it cannot be
+        (another model, a larger ``--ctx``: the note names it)."""
         if self.controller.history is None:
             error = self.controller.history_error or "conversations are not saved"
             self.note(f"cannot resume: the saved conversations cannot be read: {error}")
             return False
         try:
             opened = self.controller.open(None, cancel=self._stopped)
-        except ContextFullError as exc:
-            self.note_history_error()
-            self.note(f"cannot resume the last conversation: {exc}")
-            return True
-        except (ModelMismatch, MalformedConversation, sqlite3.Error, OSError) as exc:
+        except (
+            ContextFullError,
+            ModelMismatch,
+            MalformedConversation,
+            sqlite3.Error,
+            OSError,
+        ) as exc:
             self.note_history_error()
             self.note(f"cannot resume: {exc}")
             return False
@@ -319,7 +327,10 @@ class _PlainChat:
             self.say("No saved conversations yet.")
         for conv in rows:
             model = f" · {conv.model.file}" if conv.model is not None else ""
-            line = f"{conv.id} · {conv.title} · {conv.messages} messages · {conv.tokens:,} tokens"
+            counts = f"{counted(conv.messages, 'message')} · {counted(conv.tokens, 'token')}"
+            if conv.pending is not None:
+                counts += " (last message unanswered)"
+            line = f"{conv.id} · {conv.title} · {counts}"
             self.say(printable(f"{line}{model}") + f" · {ago(conv.updated)}")
         for row in skipped:
             self.note(printable(row.line()))
@@ -331,10 +342,12 @@ class _PlainChat:
         rows = self.controller.snapshots()
         if not rows:
             self.say("No cache snapshots yet.")
+        width = id_width(snap.id for snap in self.controller.runtime.snapshots())
         for snap in rows:
             pinned = " · pinned" if snap.pinned else ""
-            self.say(
-                f"{printable(snap.label)} · {printable(snap.model)} · {snap.tokens:,} tokens · "
+            self.say(  # the id first, as `localkv cache ls` shows it: pin, rm take it
+                f"{snap.id[:width]}  {printable(snap.label)} · {printable(snap.model)} · "
+                f"{snap.tokens:,} tokens · "
                 f"{human_bytes(snap.bytes_on_disk)} · {counted(snap.hits, 'hit')} · "
                 f"used {ago(snap.last_used)}{pinned}"
             )

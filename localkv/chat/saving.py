@@ -55,10 +55,17 @@ class HistoryKeeper:
     """Writes one conversation at a time; holds its id, revision, the last error and notices."""
 
     def __init__(
-        self, store: ConversationStore | None, model: ConversationModel, error: str | None
+        self,
+        store: ConversationStore | None,
+        model: ConversationModel,
+        error: str | None,
+        *,
+        n_ctx: int | None = None,
     ) -> None:
+        """``n_ctx``: the context the conversations are made in, saved with them."""
         self.store = store
         self.model = model
+        self.n_ctx = n_ctx
         self.error = error if store is None else None
         self.id: str | None = None
         self.revision = 0
@@ -92,7 +99,9 @@ class HistoryKeeper:
         if self.id is None and pending is None and all(m.role == "system" for m in state.messages):
             return  # nothing worth a row yet
         try:
-            written = store.write(state, self.id, self.revision, model=self.model, pending=pending)
+            written = store.write(
+                state, self.id, self.revision, model=self.model, pending=pending, n_ctx=self.n_ctx
+            )
         except (sqlite3.Error, OSError, RuntimeError) as exc:
             log.warning("could not save the conversation: %s", exc)
             self.error = str(exc)

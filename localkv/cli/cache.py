@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -12,13 +14,19 @@ import click
 from localkv.cache.budgeting import budget_warning, human_size, namespace_stats, stats_lines
 from localkv.cache.naming import model_names
 from localkv.cli.deepverify import deep_verify
-from localkv.cli.forgetting import forget_conversations, forget_runs, forgotten_document
+from localkv.cli.forgetting import (
+    forget_conversations,
+    forget_lines,
+    forget_runs,
+    forgotten_document,
+)
 from localkv.cli.jsonerrors import JsonErrors
 from localkv.cli.options import cache_dir_option, model_options, namespace_option
 from localkv.cli.repair import index_problems, repair_cmd
 from localkv.cli.repair import opened_store as _store  # one line, naming repair, per error
 from localkv.prompt.request import path_text
 from localkv.runtime.reports import printable
+from localkv.storage.space import Space
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import SnapshotRow
 
@@ -39,7 +47,9 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
-def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str, Any]:
+def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str, frees: int) -> dict[str, Any]:
+    """A snapshot as ``cache ls --json`` and ``cache show --json`` give it; ``frees``: the
+    bytes ``cache rm`` of it frees now (``SnapshotStore.space``)."""
     chain = store.chain_of(s.tip)
     return {
         "id": s.id,
@@ -47,6 +57,7 @@ def _snapshot_json(store: SnapshotStore, s: SnapshotRow, model: str) -> dict[str
         "model": model,
         "tokens": s.n_tokens,
         "blocks": len(chain),
+        "frees_bytes": frees,
         "bytes_on_disk": sum(r.stored_bytes for r in chain),
         "raw_bytes": sum(r.raw_bytes for r in chain),
         "hits": s.hits,
@@ -89,22 +100,43 @@ def _short_ids(store: SnapshotStore) -> int:
 def ls_cmd(cache_dir: str | None, as_json: bool, namespace: str | None) -> None:
     """List snapshots with their model (and warn when pinned ones hold more than the budget).
 
-    Sizes are in binary units and dates in local time; --json gives bytes and Unix
-    seconds. The server's saved prefixes are snapshots too, labelled `server: ...`.
+    `frees` is what `cache rm` of the row frees now: the blocks no other snapshot
+    needs; `size` is its whole chain, blocks it shares with other rows included.
+    The total line is every stored block (`cache stats`' stored bytes): the rows'
+    own blocks, the blocks several rows share, and blocks no row names.
+    Sizes are in binary units and dates in local time; --json gives bytes
+    (`frees_bytes`, `bytes_on_disk`) and Unix seconds. The server's saved
+    prefixes are snapshots too, labelled `server: ...`.
     """
     with _store(cache_dir) as store:
-        snaps = store.snapshots(namespace)
+        space = store.space(namespace)  # a snapshot saved meanwhile waits for the next ls
+        snaps = [s for s in store.snapshots(namespace) if s.id in space.snapshots]
         names = model_names(store, (s.identity for s in snaps))
-        rows = [_snapshot_json(store, s, names[s.identity]) for s in snaps]
+        rows = [
+            _snapshot_json(store, s, names[s.identity], space.snapshots[s.id].frees) for s in snaps
+        ]
         width = _short_ids(store)
         _warn(budget_warning(store))
     if as_json:
         click.echo(json.dumps(rows))
         return
-    if not rows:
+    if rows:
+        _print_table(rows, width)
+    else:
         click.echo("no snapshots")
-        return
-    _print_table(rows, width)
+    if space.stored_bytes:
+        click.echo(_total_line(space))
+
+
+def _total_line(space: Space) -> str:
+    """The stored bytes (``cache stats``' ``stored_bytes``) and how they split."""
+    parts = [f"{human_size(space.own_bytes)} the rows free"]
+    if space.shared_bytes:
+        parts.append(f"{human_size(space.shared_bytes)} shared by rows")
+    if space.unnamed_bytes:
+        parts.append(f"{human_size(space.unnamed_bytes)} in no row's chain")
+    line = f"total {human_size(space.stored_bytes)} on disk: " + ", ".join(parts)
+    return textwrap.fill(line, 80, subsequent_indent="  ")
 
 
 def _print_table(rows: list[dict[str, Any]], width: int) -> None:
@@ -123,13 +155,13 @@ def _print_table(rows: list[dict[str, Any]], width: int) -> None:
     table.add_column("label", overflow="fold", min_width=12)
     if models:
         table.add_column("model", overflow="fold", min_width=12)
-    for name in ("tokens", "size", "hits", "used", "pin"):
+    for name in ("tokens", "frees", "size", "hits", "used", "pin"):
         table.add_column(name, no_wrap=True)
     if spaces:
         table.add_column("namespace", overflow="fold", min_width=9)
     for r in rows:
         cells = [r["id"][:width], r["label"], *([r["model"]] if models else []), f"{r['tokens']:,}"]
-        cells += [human_size(r["bytes_on_disk"])]
+        cells += [human_size(r["frees_bytes"]), human_size(r["bytes_on_disk"])]
         cells += [str(r["hits"]), _when(r["last_used"])[5:], _pin_cell(r)]
         cells += [r["namespace"]] if spaces else []
         table.add_row(*(escape(printable(c)) for c in cells))  # no markup either
@@ -155,7 +187,8 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
     """
     with _store(cache_dir) as store:
         s = _snapshot(store, snapshot_id)
-        info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity])
+        frees = store.space(s.namespace).snapshots[s.id].frees
+        info = _snapshot_json(store, s, model_names(store, [s.identity])[s.identity], frees)
         text = store.get_identity(s.identity)
     identity = json.loads(text) if text else {}
     if identity.get("memory_kind", "kv") != "kv":
@@ -177,7 +210,7 @@ def show_cmd(snapshot_id: str, cache_dir: str | None, as_json: bool) -> None:
         click.echo(f"  {key:>20}: {printable(json.dumps(value))}")
 
 
-_SIZES = ("bytes_on_disk", "raw_bytes")
+_SIZES = ("frees_bytes", "bytes_on_disk", "raw_bytes")
 _DATES = ("created", "last_used")
 
 
@@ -284,6 +317,9 @@ def forget_cmd(
     - only with --with-conversations, the saved conversations holding FILE's
       text or tokens; without it, forget refuses and removes nothing while
       any conversation holds FILE.
+    Each snapshot removed is named, pinned ones marked, with why: saved from
+    FILE, or it quotes FILE (another document's snapshot that holds a run of
+    FILE's tokens goes too: the text is forgotten wherever it is).
     Then the freed index pages (and the conversation history's) are
     overwritten and their WAL emptied.
 
@@ -307,16 +343,14 @@ def forget_cmd(
             f"{path_text(file)}: no such file, and no snapshot was saved from it: nothing to forget"
         )
     fields: dict[str, Any] = {k: getattr(report, k) for k in report.__dataclass_fields__}
+    fields["removed"] = [dataclasses.asdict(r) for r in report.removed]
     fields["wal_truncated"] = report.wal_truncated and chats_truncated
     fields["conversations"] = chats
     if as_json:
         click.echo(json.dumps(fields))
     else:
-        unindexed = f", {report.unindexed_files} unindexed file(s)" * bool(report.unindexed_files)
-        click.echo(
-            f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s){unindexed}, "
-            f"{human_size(report.bytes_freed)}, {len(chats)} conversation(s)"
-        )
+        for line in forget_lines(report, chats, path_text(path.name)):
+            click.echo(printable(line))  # labels are the user's
     if not fields["wal_truncated"]:
         click.echo("warning: another process holds the index open; run again later", err=True)
 
@@ -364,24 +398,43 @@ def _warn(warning: str | None) -> None:
 @model_options
 def verify_cmd(deep: bool, cache_dir: str | None, as_json: bool, **opts: Any) -> None:
     """Check the index (PRAGMA integrity_check) and recheck every block file; with
-    --deep, recompute snapshots of this model."""
-    problems, deep_results = index_problems(cache_dir), []
+    --deep, recompute the snapshots of this model and settings (the others are
+    counted as skipped, by model: verify them with their --model and options)."""
+    problems = index_problems(cache_dir)
+    deep_results: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
     if not problems:  # a damaged index is the problem: `localkv cache repair`
         with _store(cache_dir) as store:
             problems = [{"block": h, "reason": r} for h, r in store.verify()]
-            deep_results = deep_verify(store, opts) if deep else []
+            deep_results, skipped = deep_verify(store, opts) if deep else ([], [])
     bad = problems or [r for r in deep_results if not r["ok"]]
     if as_json:
-        click.echo(json.dumps({"problems": problems, "deep": deep_results, "ok": not bad}))
+        out = {"problems": problems, "deep": deep_results, "ok": not bad}
+        click.echo(json.dumps(out | ({"skipped": skipped} if deep else {})))
     else:
         for p in problems:
             click.echo(f"BAD  {'block ' + p['block'] if 'block' in p else 'index'}: {p['reason']}")
         for r in deep_results:
             state = "ok  " if r["ok"] else "BAD "
             click.echo(f"{state} snapshot {r['snapshot']}: {r['detail']}")
-        click.echo("all good" if not bad else f"{len(bad)} problem(s)")
+        if skipped:
+            click.echo(printable(_skipped_line(skipped)))
+        left = f" ({len(skipped)} skipped)" * bool(skipped)
+        click.echo(f"all good{left}" if not bad else f"{len(bad)} problem(s){left}")
     if bad:
         raise SystemExit(1)
+
+
+def _skipped_line(skipped: list[dict[str, str]]) -> str:
+    """How many snapshots ``verify --deep`` did not recompute, by model."""
+    by_model: dict[str, int] = {}
+    for s in skipped:
+        by_model[s["model"]] = by_model.get(s["model"], 0) + 1
+    models = ", ".join(f"{n} of {m}" for m, n in by_model.items())
+    return (
+        f"skipped {len(skipped)} snapshot(s) made with another model or settings "
+        f"({models}): not recomputed; verify them with that --model and its options"
+    )
 
 
 cache.add_command(repair_cmd)

@@ -21,7 +21,7 @@ from localkv.cli.options import (
     system_option,
     system_text,
 )
-from localkv.model.session import ModelLoadError
+from localkv.model.session import ContextFullError, ModelLoadError
 from localkv.prompt.templatechoice import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -57,8 +57,9 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
 
     Conversations are saved next to the cache after every message (the
     question before its answer); --resume reopens the last one, and fails
-    (exit 1) when the saved conversations cannot be read or the conversation
-    needs another model. `localkv history` lists, exports and deletes them.
+    (exit 1) when the saved conversations cannot be read, or the conversation
+    needs another model or a larger --ctx (the error names it).
+    `localkv history` lists, exports and deletes them.
     In the chat app, Enter sends, Ctrl+J starts a new line, Esc stops the answer,
     /help lists the commands.
     """
@@ -76,6 +77,8 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
             history.close()
         raise click.ClickException(load_error or "the model could not be loaded")
     try:
+        if resume and runtime is not None and history is not None:
+            _check_resume(runtime, history)
         if plain and runtime is not None:
             from localkv.chat.plain import run_plain_chat
 
@@ -109,6 +112,18 @@ def chat(plain: bool, system: str | None, docs: tuple[str, ...], resume: bool, *
         if runtime is not None:
             runtime.close()
     sys.exit(code)
+
+
+def _check_resume(runtime: Runtime, history: ConversationStore) -> None:
+    """Exit 1 before the chat opens when the last conversation cannot be resumed here."""
+    from localkv.chat.controller import check_resume
+    from localkv.chat.saving import ModelMismatch
+    from localkv.history.store import MalformedConversation
+
+    try:
+        check_resume(runtime, history)
+    except (ContextFullError, ModelMismatch, MalformedConversation, sqlite3.Error) as exc:
+        raise click.ClickException(f"cannot resume: {exc}") from None
 
 
 def _chat_runtime(opts: dict[str, Any]) -> tuple[Runtime | None, str | None]:

@@ -12,6 +12,7 @@ from typing import Any
 import click
 import numpy as np
 
+from localkv.cache.naming import model_names
 from localkv.cli.options import session_config
 from localkv.model.session import ModelLoadError
 from localkv.storage.store import SnapshotStore
@@ -20,9 +21,14 @@ from localkv.storage.values import BlockCorrupt
 __all__ = ["deep_verify"]
 
 
-def deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, Any]]:
+def deep_verify(
+    store: SnapshotStore, opts: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Replay each snapshot of this model's identity uncached (an emptied sequence, never a
-    trimmed one) and compare every block's probe and partial state."""
+    trimmed one) and compare every block's probe and partial state.
+
+    Returns the results, and the snapshots skipped: made under another identity (another
+    model, or the same with other settings), each with its model's name."""
     from localkv.cache.identity import identity_of
     from localkv.model.session import ModelSession
     from localkv.storage.filehash import FileHasher
@@ -31,11 +37,15 @@ def deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, An
         session = ModelSession(session_config(opts))
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from None
-    results = []
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
     with session:
         identity = identity_of(session, FileHasher(store.root / "filehashes.db"))
-        for snap in store.snapshots():
+        snaps = store.snapshots()
+        names = model_names(store, (s.identity for s in snaps))
+        for snap in snaps:
             if snap.identity != identity.digest:
+                skipped.append({"snapshot": snap.id, "model": names[snap.identity]})
                 continue
             chain = store.chain_of(snap.tip)
             try:
@@ -68,7 +78,7 @@ def deep_verify(store: SnapshotStore, opts: dict[str, Any]) -> list[dict[str, An
                 else f"{len(bad)} of {len(chain)} blocks differ (max top-64 logit diff {worst:.3g})"
             )
             results.append({"snapshot": snap.id, "ok": not bad, "detail": detail})
-    return results
+    return results, skipped
 
 
 def _partial_differs(

@@ -12,6 +12,7 @@ from typing import Any, cast
 import click
 
 from localkv.cache.budgeting import human_size
+from localkv.cache.prefix import SaveResult
 from localkv.cli import process_age
 from localkv.cli.jsonerrors import JsonErrors, TemplateFailure
 from localkv.cli.options import (
@@ -38,7 +39,7 @@ from localkv.prompt.request import (
     read_document,
 )
 from localkv.prompt.templatechoice import ChatTemplateError
-from localkv.runtime import PrefillReport, Runtime
+from localkv.runtime import Answer, AskCancelled, CacheReport, PrefillReport, Runtime
 
 __all__ = ["ask", "prefill"]
 
@@ -168,6 +169,55 @@ class _Progress:
         self.bar.update(self.task, completed=done, rate=rate)
 
 
+class _AskProgress:
+    """What a cold ``ask`` tells before and while it prefills, on stderr.
+
+    ``prefilling N tokens (not cached yet)`` first; then on a terminal the bar
+    ``prefill`` shows, gone before the answer streams; without one a line
+    every ``LINE_S`` seconds.
+    """
+
+    LINE_S = 5.0
+
+    def __init__(self, terminal: bool, block_size: int) -> None:
+        self.terminal, self.block_size = terminal, block_size
+        self.bar: _Progress | None = None
+        self.last = 0.0
+        self.shown = False
+
+    def before(self, report: CacheReport, n: int) -> None:
+        """Say what the prefill will do, when it is more than the question's own tokens."""
+        if report.hit and n <= self.block_size:
+            return
+        if report.hit:
+            why = f"after {report.reused:,} restored"
+        else:
+            why = report.miss_reason or "not cached"
+            why = why if why.startswith("not cached") else f"cache miss: {why}"
+        click.echo(f"prefilling {n:,} tokens ({why})", err=True)
+        self.shown = True
+        if self.terminal:
+            self.bar = _Progress("prefill", True).__enter__()
+
+    def __call__(self, done: int, total: int) -> None:
+        import time
+
+        if not self.shown:
+            return
+        if self.bar is not None:
+            self.bar(done, total)
+            if done >= total:
+                self.close()
+        elif time.monotonic() - self.last >= self.LINE_S and done < total:
+            self.last = time.monotonic()
+            click.echo(f"prefilled {done:,} of {total:,} tokens", err=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
 _EPILOG = (
     "Several files form one prefix, in the given order; - reads standard input. "
     + ENCODING_POLICY
@@ -252,7 +302,8 @@ def _why_unsaved(runtime: Runtime, no_cache: bool) -> str | None:
     return None
 
 
-def _report_prefill(report: PrefillReport, as_json: bool) -> None:
+def _report_prefill(report: PrefillReport, as_json: bool, err: bool = False) -> None:
+    """The prefill's report: JSON on stdout, else its lines (on stderr with ``err``)."""
     if as_json:
         click.echo(json.dumps(report.as_json()))
         return
@@ -266,12 +317,13 @@ def _report_prefill(report: PrefillReport, as_json: bool) -> None:
         f"{state} {done:,} of {report.tokens:,} tokens "
         f"({report.reused:,} reused, {report.prefilled:,} prefilled) in {report.seconds:.2f} s; "
         f"{report.blocks} blocks ({new} new){extra}, "
-        f"{human_size(report.bytes_on_disk)} on disk"
+        f"{human_size(report.bytes_on_disk)} on disk",
+        err=err,
     )
     if report.snapshot:
-        click.echo(f"snapshot {report.snapshot}")
+        click.echo(f"snapshot {report.snapshot}", err=err)
     elif report.not_kept:
-        click.echo(f"snapshot {report.not_kept}")
+        click.echo(f"snapshot {report.not_kept}", err=err)
     if report.over_budget:
         click.echo(f"warning: {report.over_budget}", err=True)
 
@@ -288,7 +340,13 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     """Ask a question about documents; the answer streams to stdout.
 
     What the cache holds is restored (and verified) first; the rest is
-    prefilled. A one-line cache report goes to stderr, and a line saying so
+    prefilled. A prefill beyond the question says so first on stderr
+    (`prefilling N tokens (not cached yet)`), then shows the bar `prefill`
+    shows in a terminal, or a line every few seconds without one. Ctrl-C,
+    SIGTERM and SIGHUP stop the prefill after the current batch, keep the
+    blocks complete (the next ask or prefill restores them) and say how many
+    tokens that is (exit 130, 143 and 129). A one-line cache report goes to
+    stderr, and a line saying so
     when the answer stopped because the context was full or at --max-tokens.
     With --json,
     finish_reason says why the answer ended: stop (the model ended it),
@@ -309,34 +367,62 @@ def ask(files: tuple[str, ...], system: str | None, as_json: bool, **opts: Any) 
     first: list[float] = []  # seconds from the process's start to the answer's first text
     with runtime:
         stream = _first_text(first, None if as_json else lambda p: click.echo(p, nl=False))
+        told = _AskProgress(sys.stderr.isatty(), runtime.session.config.block_size)
         try:
-            with _prompt_errors():
+            with _prompt_errors(), _signals_stop() as flag:
                 answer = runtime.ask(
-                    docs, question, system=system_prompt, params=params, on_text=stream
+                    docs,
+                    question,
+                    system=system_prompt,
+                    params=params,
+                    on_text=stream,
+                    progress=told,
+                    cancel=lambda: bool(flag[0]),
+                    before_prefill=None if as_json else told.before,
                 )
         except GrammarError as exc:  # llama.cpp refused --grammar
             raise click.BadParameter(str(exc), param_hint="'--grammar'") from None
+        except AskCancelled as exc:  # what was complete is saved; say how the run ended
+            told.close()
+            _report_prefill(exc.report, as_json, err=True)
+            sys.exit(128 + flag[0])
+        finally:
+            told.close()
         saves = runtime.wait_for_saves()  # the prompt's blocks, then the budget's eviction
         note = _cache_note(runtime)
     note = None if note == answer.cache.miss_reason else note  # the cache line said it
-    if as_json:
+    _print_answer(answer, runtime, params.max_tokens, first if as_json else None)
+    _warn_after(saves[-1] if saves else None, note)
+    if flag[0]:  # the answer was cut short by a signal
+        sys.exit(128 + flag[0])
+
+
+def _print_answer(
+    answer: Answer, runtime: Runtime, max_tokens: int, first: list[float] | None
+) -> None:
+    """The answer's JSON (``first``: when its first text came), else its cache line on
+    stderr and why it stopped, if it did not end itself."""
+    if first is not None:
         data = answer.as_json()
         timing = cast(dict[str, object], data["timing"])
         timing["since_start_s"] = round(first[0], 6) if first else None
         # the wait llama.cpp's threads ran with and why; their count at the end (``ThreadFit``)
         timing |= {"openmp": openmp_settings(), "threads": runtime.session.threads.current}
         click.echo(json.dumps(data))
-    else:
-        click.echo()
-        click.echo(answer.cache.line(answer.tokens.prompt), err=True)
-        if answer.finish_reason == "context":  # "finish_reason" in --json
-            n_ctx = runtime.session.n_ctx
-            full = f"answer stopped: the context is full ({n_ctx:,} tokens); raise --ctx"
-            click.echo(full, err=True)
-        elif answer.finish_reason == "length":
-            limit = f"answer stopped at the token limit (--max-tokens {params.max_tokens:,})"
-            click.echo(limit, err=True)
-    last = saves[-1] if saves else None
+        return
+    click.echo()
+    click.echo(answer.cache.line(answer.tokens.prompt), err=True)
+    if answer.finish_reason == "context":  # "finish_reason" in --json
+        n_ctx = runtime.session.n_ctx
+        full = f"answer stopped: the context is full ({n_ctx:,} tokens); raise --ctx"
+        click.echo(full, err=True)
+    elif answer.finish_reason == "length":
+        limit = f"answer stopped at the token limit (--max-tokens {max_tokens:,})"
+        click.echo(limit, err=True)
+
+
+def _warn_after(last: SaveResult | None, note: str | None) -> None:
+    """What the prompt's save and the cache said: one warning each, on stderr."""
     if last is not None and last.not_kept:
         click.echo(f"warning: this prompt's cache blocks were {last.not_kept}", err=True)
     if last is not None and last.over_budget:

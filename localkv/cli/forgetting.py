@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 import numpy as np
 
+from localkv.cache.budgeting import human_size
 from localkv.prompt.request import Document, DocumentError, read_document
-from localkv.storage.store import SnapshotStore
+from localkv.storage.store import ForgetReport, SnapshotStore
 
-__all__ = ["forget_conversations", "forget_runs", "forgotten_document"]
+__all__ = ["forget_conversations", "forget_lines", "forget_runs", "forgotten_document"]
 
 
 def forgotten_document(path: Path) -> Document | None:
@@ -77,3 +78,18 @@ def forget_conversations(
             return [], True
         deleted, truncated = history.forget([c.id for c in held])
         return list(deleted), truncated
+
+
+def forget_lines(report: ForgetReport, chats: list[str], name: str) -> list[str]:
+    """What ``cache forget`` says it removed: the counts, then each snapshot by id and
+    label, pinned ones marked, with why it went."""
+    unindexed = f", {report.unindexed_files} unindexed file(s)" * bool(report.unindexed_files)
+    lines = [
+        f"forgot {len(report.snapshots)} snapshot(s), {report.blocks} block(s){unindexed}, "
+        f"{human_size(report.bytes_freed)}, {len(chats)} conversation(s)"
+    ]
+    for snap in report.removed:
+        pinned = " (pinned)" if snap.pinned else ""
+        why = f"saved from {name}" if snap.why == "source" else f"its blocks quote {name}"
+        lines.append(f"  removed {snap.id[:12]}  {snap.label}{pinned}: {why}")
+    return lines

@@ -104,8 +104,9 @@ def repair_cmd(cache_dir: str | None, as_json: bool) -> None:
       their row, is reported and skipped;
     - every snapshot whose manifest (snapshots/ID.json) names a recovered
       chain comes back with its label, source and pin.
-    Hit counts, last-used times and the hit/miss statistics start again.
-    A sound index keeps its rows and gains what it lacks.
+    A new index starts hit counts, last-used times and the hit/miss statistics
+    again; a sound one keeps its rows and counts and gains what it lacks (the
+    rows it gains start with no hits). The last line says which.
     """
     root = default_root(Path(cache_dir) if cache_dir else None)
     if not os.path.lexists(root):
@@ -142,4 +143,7 @@ def _lines(report: RepairReport) -> Iterator[str]:
         yield f"  skipped {kind} {name}: {reason}"
     if len(skipped) > _SHOWN:
         yield f"  ... and {len(skipped) - _SHOWN} more skipped (--json lists them)"
-    yield f"not recovered: {report.not_recovered}"
+    if report.not_recovered is None:
+        yield "nothing was reset: hit counts, last-used times and statistics are as they were"
+    else:
+        yield f"not recovered: {report.not_recovered}"

@@ -22,6 +22,7 @@ from localkv.runtime.chatsession import ChatState
 
 __all__ = [
     "INFO_COLUMNS",
+    "INFO_WIDTH",
     "STATE_COLUMNS",
     "ConversationInfo",
     "ConversationModel",
@@ -42,8 +43,9 @@ _ROLES = frozenset({"system", "user", "assistant"})
 
 INFO_COLUMNS = (
     "id, title, n_messages, n_tokens, created, updated, model, model_sha256, identity, "
-    "revision, pending, forked_from"
+    "revision, pending, forked_from, n_ctx"
 )
+INFO_WIDTH = len(INFO_COLUMNS.split(","))  # a row's info columns, before its state's
 STATE_COLUMNS = "system, messages, tokens, boundaries, documents, generated"
 
 
@@ -80,14 +82,15 @@ class ConversationInfo:
 
     id: str
     title: str
-    messages: int
-    tokens: int
+    messages: int  # the unanswered one (``pending``) included
+    tokens: int  # in the saved KV sequence: not the unanswered message's
     created: float
     updated: float
     model: ConversationModel | None = None  # None: saved before models were recorded
     revision: int = 0  # bumped by every write: a changed one means another writer
     pending: str | None = None  # the user's message whose answer never came
     forked_from: str | None = None
+    n_ctx: int | None = None  # the context it was made in (None: not recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +143,7 @@ def decode_info(row: Sequence[Any]) -> ConversationInfo:
     """``INFO_COLUMNS`` of one row; raises ``MalformedConversation``."""
     id = str(row[0])
     title, n_messages, n_tokens, created, updated = row[1:6]
-    model, sha, identity, revision, pending, forked_from = row[6:12]
+    model, sha, identity, revision, pending, forked_from, n_ctx = row[6:INFO_WIDTH]
     _want(id, isinstance(title, str), "the title is not text")
     for name, value in (("n_messages", n_messages), ("n_tokens", n_tokens)):
         _want(id, _is_int(value) and value >= 0, f"{name} is not a count")
@@ -150,7 +153,7 @@ def decode_info(row: Sequence[Any]) -> ConversationInfo:
     return ConversationInfo(
         id=id,
         title=title,
-        messages=n_messages,
+        messages=n_messages + (pending is not None),
         tokens=n_tokens,
         created=float(created),
         updated=float(updated),
@@ -158,6 +161,7 @@ def decode_info(row: Sequence[Any]) -> ConversationInfo:
         revision=revision if _is_int(revision) else 0,
         pending=pending,
         forked_from=forked_from if isinstance(forked_from, str) else None,
+        n_ctx=n_ctx if _is_int(n_ctx) and n_ctx > 0 else None,
     )
 
 

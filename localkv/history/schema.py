@@ -104,3 +104,12 @@ def m003_models_and_revisions(db: sqlite_utils.Database) -> None:
     for name in ("model", "model_sha256", "identity", "pending", "forked_from"):
         table.add_column(name, str)
     table.add_column("revision", int, not_null_default=0)
+
+
+@migration
+def m004_context_size(db: sqlite_utils.Database) -> None:
+    """The context (``--ctx``) a conversation was made in: a resume too small for it names it.
+
+    Rows saved before have none (NULL).
+    """
+    db.table("conversations").add_column("n_ctx", int)

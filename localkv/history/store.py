@@ -34,6 +34,7 @@ import sqlite_utils
 
 from localkv.history.rows import (
     INFO_COLUMNS,
+    INFO_WIDTH,
     STATE_COLUMNS,
     ConversationInfo,
     ConversationModel,
@@ -226,8 +227,11 @@ class ConversationStore:
         *,
         model: ConversationModel | None,
         pending: str | None = None,
+        n_ctx: int | None = None,
     ) -> Written:
         """Save ``state`` (and the message awaiting its answer) in one transaction.
+
+        ``n_ctx``: the context it is made in, for a resume in a smaller one to name.
 
         ``id`` is updated only if it is still at ``revision`` (what this writer
         last wrote or read); if another writer changed or deleted it meanwhile,
@@ -243,6 +247,7 @@ class ConversationStore:
             "model": model.file if model else None,
             "model_sha256": model.sha256 if model else None,
             "identity": model.identity if model else None,
+            "n_ctx": n_ctx,
         }
         with self._db() as db, self._immediate(db):
             reason = None
@@ -282,8 +287,8 @@ class ConversationStore:
         skipped: list[Skipped] = []
         for row in rows:
             try:
-                info = decode_info(row[:12])
-                decode_state(info.id, row[12:], info.tokens)
+                info = decode_info(row[:INFO_WIDTH])
+                decode_state(info.id, row[INFO_WIDTH:], info.tokens)
             except MalformedConversation as exc:
                 skipped.append(Skipped(exc.id, exc.reason))
                 log.warning("%s", exc)
@@ -354,14 +359,15 @@ class ConversationStore:
             ).fetchall()
         held: list[ConversationInfo] = []
         for row in rows:
-            system, messages, tokens, pending = row[12], row[13], row[14], row[10]
+            system, messages, tokens = row[INFO_WIDTH : INFO_WIDTH + 3]
+            pending = row[10]
             texts = [system, pending, *message_texts(messages)]
             blob = tokens if isinstance(tokens, bytes) else b""
             ids = np.frombuffer(blob[: len(blob) // 4 * 4], dtype="<i4")
             if (needle and any(isinstance(t, str) and needle in t for t in texts)) or (
                 document.holds(ids)
             ):
-                held.append(info_or_placeholder(row[:12]))
+                held.append(info_or_placeholder(row[:INFO_WIDTH]))
         return tuple(held)
 
     def forget(self, ids: Sequence[str]) -> tuple[tuple[str, ...], bool]:

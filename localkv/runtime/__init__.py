@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from localkv.runtime.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
-    from localkv.runtime.runtime import Runtime
+    from localkv.runtime.runtime import AskCancelled, Runtime
 
 _WHERE = {
     "Answer": "localkv.runtime.reports",
+    "AskCancelled": "localkv.runtime.runtime",
     "CacheReport": "localkv.runtime.reports",
     "PrefillReport": "localkv.runtime.reports",
     "Runtime": "localkv.runtime.runtime",
@@ -28,7 +29,15 @@ _WHERE = {
     "TokenCounts": "localkv.runtime.reports",
 }
 
-__all__ = ["Answer", "CacheReport", "PrefillReport", "Runtime", "Timing", "TokenCounts"]
+__all__ = [
+    "Answer",
+    "AskCancelled",
+    "CacheReport",
+    "PrefillReport",
+    "Runtime",
+    "Timing",
+    "TokenCounts",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -19,7 +19,7 @@ __all__ = ["LoadedModel", "SnapshotInfo", "list_snapshots"]
 class LoadedModel:
     """The model a runtime holds, as the faces show it."""
 
-    name: str  # the GGUF's ``general.name``, else the file's stem
+    name: str  # the file's stem, as ``localkv models`` and the server name it
     description: str  # as ``localkv models`` shows the file (``llama 135M Q4_1``)
     path: str
     file_bytes: int
@@ -39,6 +39,7 @@ class SnapshotInfo:
     model: str  # as ``localkv models`` names it
     this_model: bool  # of the loaded model's cache identity: only those restore
     tokens: int
+    frees_bytes: int  # what removing it frees now: the blocks no other snapshot needs
     bytes_on_disk: int  # the blocks of its chain, shared ones included
     hits: int
     last_used: float  # seconds since the epoch
@@ -55,7 +56,8 @@ def list_snapshots(
 ) -> list[SnapshotInfo]:
     """The namespace's snapshots, oldest first; ``identity``: the loaded model's cache
     identity (None: no snapshot is this model's)."""
-    snaps = store.snapshots(namespace)
+    space = store.space(namespace)
+    snaps = [s for s in store.snapshots(namespace) if s.id in space.snapshots]
     names = model_names(store, (snap.identity for snap in snaps))
     return [
         SnapshotInfo(
@@ -64,6 +66,7 @@ def list_snapshots(
             model=names[snap.identity],
             this_model=snap.identity == identity,
             tokens=snap.n_tokens,
+            frees_bytes=space.snapshots[snap.id].frees,
             bytes_on_disk=sum(row.stored_bytes for row in store.chain_of(snap.tip)),
             hits=snap.hits,
             last_used=snap.last_used,

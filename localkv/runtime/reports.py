@@ -56,10 +56,11 @@ class CacheReport:
         return max(0, self.common - self.reused)
 
     def exactness(self) -> str:
-        """``reused 2,220 of 2,223 common tokens (exact)``, or "" when nothing was recomputed."""
+        """``recomputed 3 common tokens (exact)``: the tokens the stored chain shares but
+        computed in other batches; "" when nothing was recomputed."""
         if not self.recomputed:
             return ""
-        return f"reused {self.reused:,} of {self.common:,} common tokens (exact)"
+        return f"recomputed {self.recomputed:,} common tokens (exact)"
 
     def line(self, prompt_tokens: int) -> str:
         """One human line, e.g. ``reused 2,431 of 2,470 tokens (verified) in N ms``."""

@@ -34,7 +34,9 @@ from localkv.cache.catalogue import (
     covering_snapshot,
     has_room,
     save_prefill,
+    source_sha,
 )
+from localkv.cache.lookup import is_not_cached, near_miss
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.find import model_label, resolve_model
 from localkv.model.native import llama_cpp
@@ -54,9 +56,20 @@ from localkv.runtime.callbacks import TextFn
 from localkv.runtime.info import LoadedModel, SnapshotInfo, list_snapshots
 from localkv.runtime.reports import Answer, CacheReport, PrefillReport, Timing, TokenCounts
 
-__all__ = ["Runtime"]
+__all__ = ["AskCancelled", "BeforePrefillFn", "Runtime"]
 
 log = logging.getLogger(__name__)
+
+# the restore's outcome and the tokens left to prefill, told before they are
+BeforePrefillFn = Callable[[CacheReport, int], None]
+
+
+class AskCancelled(Exception):
+    """An ask cancelled while it prefilled; ``report`` says what the cache kept of it."""
+
+    def __init__(self, report: PrefillReport) -> None:
+        super().__init__(f"cancelled: kept {report.kept:,} of {report.tokens:,} tokens")
+        self.report = report
 
 
 class Runtime:
@@ -139,7 +152,7 @@ class Runtime:
         cfg = self.session.config
         path = Path(cfg.model_path)
         return LoadedModel(
-            name=self.session.meta("general.name") or path.stem,
+            name=path.stem,
             description=model_label(path) or self.session.describe(),
             path=str(path),
             file_bytes=path.stat().st_size,
@@ -277,7 +290,7 @@ class Runtime:
         self.note_prefill(time.perf_counter() - t1, prefilled)
         done = self.session.n_tokens
         tips = [b for b in request.boundaries if b <= done] + [done]
-        name = None if cancelled else SnapshotName(label, pin)
+        name = None if cancelled else SnapshotName(label, pin, system or "")
         stored = save_prefill(
             self.cache, self.session, tips, documents, name, seconds_per_token=self._rate
         )
@@ -353,6 +366,7 @@ class Runtime:
         on_text: TextFn | None = None,
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
+        before_prefill: BeforePrefillFn | None = None,
     ) -> Answer:
         """Answer ``question`` about ``documents``, restoring what the cache holds.
 
@@ -361,7 +375,10 @@ class Runtime:
         (an object or its JSON text) makes the answer JSON that it describes, as a
         grammar in ``params`` does; a schema or grammar that cannot constrain the
         answer raises ``GrammarError`` before anything is computed.
-        """
+
+        ``before_prefill(report, n)``: the restore and the tokens left to prefill.
+        ``cancel()`` stops the prefill between batches (``AskCancelled``: the blocks
+        completed, saved at once), or the answer."""
         params = params or SamplingParams()
         if json_schema is not None:
             params = dataclasses.replace(params, grammar=json_schema_grammar(json_schema))
@@ -372,12 +389,15 @@ class Runtime:
         self._check_fits(request, 1)
         ends = self.schedule(request)
         with self.work.held():  # the restore's bookkeeping waits for the answer
-            restored, report = self.restore(request.tokens, ends)
-            reused = self.session.n_tokens
-            t1 = time.perf_counter()
-            self.session.prefill(request.tokens[reused:], ends=ends, progress=progress)
-            prefill_s = time.perf_counter() - t1
-            answer = stream_answer(self.session, params, t0, on_text, cancel)
+            (restored, report), prefill_s = self._restore_and_prefill(
+                request, ends, progress, cancel, self._telling(documents, system, before_prefill)
+            )
+            answer = None
+            if prefill_s is not None:
+                answer = stream_answer(self.session, params, t0, on_text, cancel)
+        if answer is None or prefill_s is None:
+            raise AskCancelled(self._keep_cancelled(documents, request, (restored, report), t0))
+        reused = report.reused
         total = time.perf_counter() - t0
         self.note_prefill(prefill_s, len(request.tokens) - reused)
         self.save_prefix(request.boundaries)
@@ -394,6 +414,95 @@ class Runtime:
                 restore_s=report.restore_s, prefill_s=prefill_s, ttft_s=answer.ttft_s, total_s=total
             ),
             finish_reason=answer.finish_reason,
+        )
+
+    def _restore_and_prefill(
+        self,
+        request: Request,
+        ends: Sequence[int],
+        progress: ProgressFn | None,
+        cancel: CancelFn | None,
+        told: Callable[[CacheReport, int], CacheReport],
+    ) -> tuple[tuple[RestoreResult | None, CacheReport], float | None]:
+        """Restore what the cache holds of ``request``, prefill the rest; the restore (as
+        ``told`` makes it) and the prefill's seconds (None: cancelled)."""
+        restored, report = self.restore(request.tokens, ends)
+        reused = self.session.n_tokens
+        report = told(report, len(request.tokens) - reused)
+        t1 = time.perf_counter()
+        try:
+            self.session.prefill(
+                request.tokens[reused:], ends=ends, progress=progress, cancel=cancel
+            )
+        except PrefillCancelled:
+            return (restored, report), None
+        return (restored, report), time.perf_counter() - t1
+
+    def _telling(
+        self,
+        documents: Sequence[Document],
+        system: str | None,
+        before_prefill: BeforePrefillFn | None,
+    ) -> Callable[[CacheReport, int], CacheReport]:
+        """The restore's report, its miss named by its nearest cause, told to
+        ``before_prefill`` with the tokens left to prefill."""
+
+        def told(report: CacheReport, n: int) -> CacheReport:
+            report = self.nearest_cause(report, documents, system)
+            if before_prefill is not None:
+                before_prefill(report, n)
+            return report
+
+        return told
+
+    def nearest_cause(
+        self, report: CacheReport, documents: Sequence[Document], system: str | None
+    ) -> CacheReport:
+        """``report``; a first run or another identity's miss named by a snapshot of the
+        same documents made otherwise, where there is one (``near_miss``)."""
+        reason = report.miss_reason or ""
+        plain = is_not_cached(reason) or reason.startswith("identity differs")
+        if self.cache is None or report.hit or not plain:
+            return report
+        cache = self.cache
+        try:
+            why = near_miss(
+                cache.store, cache.identity, self.namespace, source_sha(documents), system
+            )
+        except (OSError, sqlite3.Error, ValueError) as exc:  # naming is never worth a failure
+            log.warning("could not look for a snapshot of the same documents: %s", exc)
+            return report
+        return dataclasses.replace(report, miss_reason=why) if why else report
+
+    def _keep_cancelled(
+        self,
+        documents: Sequence[Document],
+        request: Request,
+        restore: tuple[RestoreResult | None, CacheReport],
+        t0: float,
+    ) -> PrefillReport:
+        """Save the blocks a cancelled ask completed (no snapshot: its prompt is not whole)."""
+        reused = restore[1].reused
+        done = self.session.n_tokens
+        tips = [b for b in request.boundaries if b <= done] + [done]
+        stored = save_prefill(
+            self.cache, self.session, tips, documents, None, seconds_per_token=self._rate
+        )
+        return PrefillReport(
+            snapshot=None,
+            tokens=len(request.tokens),
+            reused=reused,
+            prefilled=done - reused,
+            blocks=stored.saved.blocks,
+            new_blocks=stored.saved.new_blocks,
+            bytes_on_disk=stored.bytes_on_disk,
+            seconds=time.perf_counter() - t0,
+            cancelled=True,
+            kept=stored.kept,
+            cache=self.with_snapshot(restore[0], restore[1], request.tokens),
+            not_kept=stored.saved.not_kept,
+            over_budget=stored.saved.over_budget,
+            not_saved=stored.saved.error,
         )
 
     def note_prefill(self, seconds: float, tokens: int) -> None:

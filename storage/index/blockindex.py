@@ -347,7 +347,7 @@ class BlockIndex:
     def insert_snapshot(self, db: sqlite_utils.Database, snap: SnapshotRow) -> None:
         """Insert a snapshot row inside a ``write()`` transaction."""
         db.execute(
-            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(14)})",
+            f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({_marks(15)})",
             (
                 snap.id,
                 snap.tip,
@@ -363,6 +363,7 @@ class BlockIndex:
                 int(snap.pinned),
                 snap.pinned_until if snap.pinned else None,
                 snap.pin_owner,
+                snap.system,
             ),
         )
 

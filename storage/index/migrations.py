@@ -244,3 +244,11 @@ def m007_client_pins(db: sqlite_utils.Database) -> None:
     """
     db.table("snapshots").add_column("pin_owner", str)
     db.execute("UPDATE snapshots SET pin_owner = 'client' WHERE pinned_until IS NOT NULL")
+
+
+@migration
+def m008_snapshot_system(db: sqlite_utils.Database) -> None:
+    """A snapshot records the system prompt it was made with (``system``: "" for none), so
+    a request for the same document under another one can name it. NULL: made before
+    this migration, not known."""
+    db.table("snapshots").add_column("system", str)

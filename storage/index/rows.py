@@ -33,7 +33,7 @@ BLOCK_COLUMNS = (
 )
 SNAPSHOT_COLUMNS = (
     "id, tip, label, source_path, source_sha256, n_tokens, identity, namespace, created, "
-    "last_used, hits, pinned, pinned_until, pin_owner"
+    "last_used, hits, pinned, pinned_until, pin_owner, system"
 )
 # the snapshots whose pin holds at ``?`` (now): pinned for good, or until later
 PIN_HOLDS = "pinned = 1 AND (pinned_until IS NULL OR pinned_until > ?)"
@@ -107,4 +107,5 @@ def snapshot_row(r: Sequence[Any]) -> SnapshotRow:
         pinned=bool(r[11]) and (until is None or until > time.time()),
         pinned_until=until if r[11] else None,
         pin_owner=r[13],
+        system=r[14],
     )

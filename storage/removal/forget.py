@@ -24,7 +24,7 @@ import numpy as np
 from ..disk import remove_abandoned_temp_files, remove_file
 from ..index.blockindex import BlockIndex
 from ..paths import CacheLayout
-from ..values import BlockRow, ForgetReport, SnapshotRow
+from ..values import BlockRow, ForgetReport, ForgottenSnapshot, SnapshotRow
 from .deletion import only_theirs, remove_files
 
 __all__ = ["RUN_LENGTH", "DocumentRuns", "Runs", "forget", "scrub"]
@@ -122,7 +122,8 @@ def forget(
     file no living writer holds (a killed save's, whatever it held), and every
     block file holding one of ``runs`` (a save killed before its row).
     """
-    matched = _matching(index.snapshots(), source_path, source_sha256)
+    before = {s.id: s for s in index.snapshots()}
+    matched = _matching(before.values(), source_path, source_sha256)
     document = DocumentRuns.of(runs)
     with index.write() as db:
         for snap in matched:
@@ -141,6 +142,7 @@ def forget(
     logger.info("forgot %d snapshot(s), %d block(s), %d bytes", len(removed), len(victims), freed)
     return ForgetReport(
         snapshots=sorted(removed),
+        removed=_why(before, removed, {s.id for s in matched}),
         blocks=len(victims),
         bytes_freed=freed,
         quarantined_files=quarantined,
@@ -193,6 +195,23 @@ def _holding(index: BlockIndex, document: DocumentRuns) -> set[str]:
         if parent is not None and document.starts_inside(row, parent):
             found.add(parent.hash)
     return found
+
+
+def _why(
+    before: dict[str, SnapshotRow], removed: set[str], matched: set[str]
+) -> list[ForgottenSnapshot]:
+    """The removed snapshots as listed before: saved from the document (``source``), or
+    on a chain a block of which holds it (``holds``)."""
+    return [
+        ForgottenSnapshot(
+            id=ident,
+            label=before[ident].label,
+            pinned=before[ident].pinned,
+            why="source" if ident in matched else "holds",
+        )
+        for ident in sorted(removed)
+        if ident in before
+    ]
 
 
 def _snapshots_on(index: BlockIndex, hashes: set[str]) -> set[str]:

@@ -109,9 +109,11 @@ def test_ctrl_c_in_prefill_says_what_the_next_run_restores_and_exits_130(
 
 
 def _ls_ids(out: str) -> list[str]:
-    """The first column of each row (a wrapped label's lines start with spaces)."""
+    """The first column of each row (a wrapped label's lines start with spaces; the
+    total's first line with ``total``)."""
     lines = out.splitlines()[1:]  # below the header
-    return [line.split()[0] for line in lines if line and not line[0].isspace()]
+    rows = [line for line in lines if line and not line[0].isspace()]
+    return [line.split()[0] for line in rows if not line.startswith("total ")]
 
 
 def test_ids_in_an_80_column_listing_paste_back(

@@ -183,7 +183,7 @@ def test_one_cache_report_formatter_for_turns_attaches_and_resumes() -> None:
     unchecked = SyncReport(cache=_cache(verified=None, common=1823), prefilled=3, prefill_s=0.1)
     for line in (sync_line(unchecked), turn_line(dataclasses.replace(turn, sync=unchecked))):
         assert "(verified)" not in line
-        assert "reused 1,820 of 1,823 common tokens (exact)" in line
+        assert "recomputed 3 common tokens (exact)" in line
     missed = SyncReport(
         cache=_cache(hit=False, miss_reason="no stored prefix", reused=0, common=0),
         prefilled=9,
@@ -202,3 +202,54 @@ def test_one_cache_report_formatter_for_turns_attaches_and_resumes() -> None:
             turn, sync=SyncReport(cache=None, prefilled=4, prefill_s=0.0), stopped=False
         )
     ) == ("TTFT 0.05 s · 31 tok/s · prefilled 4")
+
+
+LONG_QUESTION = "Tell me everything about the fox and the dog and the long road home. " * 25
+
+
+def test_resume_in_a_smaller_context_exits_naming_the_ctx_it_needs(
+    tiny_models: TinyModels, home: Path
+) -> None:
+    assert chat(tiny_models, f"{LONG_QUESTION}\n", ctx=1024).exit_code == 0
+    (row,) = conversations(home)
+    assert 256 < int(str(row["n_tokens"])) <= 1024
+    result = chat(tiny_models, "And then?\n", "--resume", ctx=256)
+    assert result.exit_code == 1, result.output
+    assert result.stdout == "" and "Traceback" not in result.output
+    (line,) = result.stderr.splitlines()  # one line, before the chat starts
+    assert line.startswith("Error: cannot resume: “Tell me everything about the fox")
+    assert f"{row['n_tokens']:,} tokens" in line and "context of 256 tokens" in line
+    assert line.endswith("resume with --ctx 1024"), line  # the context it was made with
+    assert len(conversations(home)) == 1  # nothing was written
+
+
+def test_a_chat_stopped_before_its_first_answer_lists_its_question(
+    tiny_models: TinyModels, home: Path
+) -> None:
+    from localkv.history.store import ConversationStore
+    from localkv.runtime.chatsession import ChatState
+
+    with ConversationStore.open(home) as store:  # as a chat killed while answering leaves it
+        store.write(ChatState(tokens=[1], boundaries=[]), None, 0, model=None, pending="Hi there")
+    listed = CliRunner().invoke(cli, ["history", "ls", "--json"], catch_exceptions=False)
+    (info,) = json.loads(listed.stdout)
+    assert (info["title"], info["messages"], info["pending"]) == ("Hi there", 1, "Hi there")
+    table = CliRunner().invoke(cli, ["history", "ls"], catch_exceptions=False)
+    row = table.stdout.splitlines()[1].split()
+    assert row[3] == "1", table.stdout  # messages: the question it holds
+    result = chat(tiny_models, "/history\n")
+    assert "Hi there · 1 message ·" in result.stdout, result.stdout
+    assert " 0 messages" not in result.stdout
+
+
+def test_the_cache_command_lists_snapshot_ids_as_cache_ls_shows_them(
+    tiny_models: TinyModels, home: Path
+) -> None:
+    result = chat(tiny_models, "Hello there\n/cache\n")
+    assert result.exit_code == 0, result.output
+    listed = CliRunner().invoke(cli, ["cache", "ls", "--json"], catch_exceptions=False)
+    (snap,) = json.loads(listed.stdout)
+    (line,) = [line for line in result.stdout.splitlines() if "Hello there ·" in line]
+    assert line.startswith(f"{snap['id'][:8]}  Hello there ·"), line
+    pinned = CliRunner().invoke(cli, ["cache", "pin", line.split()[0]], catch_exceptions=False)
+    assert pinned.exit_code == 0, pinned.output

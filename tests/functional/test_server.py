@@ -177,7 +177,7 @@ def test_prefill_then_a_chat_reuses_it_and_the_cache_lists_it(
         listed = json.loads(r.read())["data"]
     assert [(s["id"], bool(s["pinned"])) for s in listed] == [(report["snapshot"], True)]
     assert list(listed[0]) == [
-        *("id", "label", "model", "this_model", "tokens", "bytes_on_disk"),
+        *("id", "label", "model", "this_model", "tokens", "frees_bytes", "bytes_on_disk"),
         *("hits", "last_used", "pinned", "pinned_until"),
     ]
     assert (listed[0]["label"], listed[0]["this_model"]) == ("notes.txt", True)

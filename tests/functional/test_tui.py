@@ -363,6 +363,46 @@ def test_resume_in_a_new_app_restores_the_conversation_verified(
     run(second, seen_again, resume)
 
 
+def test_the_side_panel_names_the_model_by_its_file_stem(
+    open_runtime: Callable[..., Runtime], tiny_models: TinyModels
+) -> None:
+    app = build_app(open_runtime(), params=SHORT)
+    seen = Seen()
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        shown = app.screen.query_one("#model-info", Static).render()
+        name = str(shown).splitlines()[0]
+        assert name == tiny_models.base.stem  # as `localkv models` and the server name it
+
+    run(app, seen, scenario)
+
+
+def test_a_conversation_longer_than_the_context_names_the_ctx_to_resume_it(
+    open_runtime: Callable[..., Runtime], history: ConversationStore
+) -> None:
+    first = build_app(open_runtime(n_ctx=1024), params=SHORT, history=history)
+    seen = Seen()
+    question = "Tell me everything about the fox and the dog and the long road home. " * 25
+
+    async def ask(pilot: Pilot[None]) -> None:
+        await submit(pilot, question.strip())
+        await wait_for(pilot, lambda: seen.of(ChatScreen.AnswerFinished))
+
+    run(first, seen, ask)
+    second = build_app(open_runtime(n_ctx=256), params=SHORT, history=history, resume=True)
+    seen_again = Seen()
+
+    async def resume(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: seen_again.of(ChatScreen.OpenFailed))
+        await pilot.pause(0.1)
+        assert isinstance(second.screen, ChatScreen)  # no "context is full" question
+        notes = [n.content.plain for n in second.screen.query(".note.error")]
+        assert len(notes) == 1 and notes[0].endswith("resume with --ctx 1024"), notes
+        assert "context of 256 tokens" in notes[0]
+
+    run(second, seen_again, resume)
+
+
 def test_history_screen_reopens_an_earlier_conversation(
     open_runtime: Callable[..., Runtime], history: ConversationStore
 ) -> None:

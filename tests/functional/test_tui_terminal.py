@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.tinymodels import TinyModels
 
 TMUX = shutil.which("tmux")
 QUESTION = "What is the capital of France?"
@@ -119,6 +120,30 @@ def test_a_model_that_does_not_load_is_explained_on_screen(
     screen = terminal.wait(lambda s: "could not be loaded" in s, timeout=60)
     assert "llama.cpp could not load" in screen and "Traceback" not in screen
     assert terminal.quit("q") == 1, terminal.screen()
+
+
+def test_resume_in_a_smaller_context_exits_before_the_app_opens(
+    start: Callable[[str], Terminal], tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    model = shlex.quote(str(tiny_models.base))
+    base = f"--model {model} --threads 1 --temperature 0 --max-tokens 4"
+    made = subprocess.run(
+        [sys.executable, "-m", "localkv", "chat", "--plain", *shlex.split(base), "--ctx", "1024"],
+        input="Tell me everything about the fox and the long road home. " * 30 + "\n",
+        env={**os.environ, "LOCALKV_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    terminal = start(f"{base} --ctx 256 --resume")
+    assert terminal.quit("") == 1, terminal.screen()  # it never waited for a key
+    # the whole pane, its history too, wrapped lines joined
+    shown = terminal.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "chat").stdout
+    lines = [line for line in shown.splitlines() if line.strip()]
+    (line,) = [line for line in lines if not line.startswith("Pane is dead")]
+    assert line.startswith("Error: cannot resume: “Tell me everything"), shown
+    assert line.endswith("resume with --ctx 1024") and "Traceback" not in shown
 
 
 def _answer(screen: str) -> str:

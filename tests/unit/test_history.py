@@ -45,6 +45,7 @@ EXPECTED = {
     "pending": str,
     "forked_from": str,
     "revision": int,
+    "n_ctx": int,
 }
 
 

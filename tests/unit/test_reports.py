@@ -17,9 +17,10 @@ def test_a_hit_that_recomputed_common_tokens_says_so() -> None:
         common=300,
     )
     assert report.recomputed == 44
+    assert report.line(310).count("reused") == 1  # one count of reused tokens, one denominator
     assert report.line(310) == (
         "reused 256 of 310 tokens (verified) in 12 ms; saved ≈ 1.5 s; "
-        "reused 256 of 300 common tokens (exact)"
+        "recomputed 44 common tokens (exact)"
     )
 
 
@@ -46,5 +47,5 @@ def test_a_plain_hit_and_a_miss() -> None:
         common=3,
     )
     assert miss.line(20) == (
-        "cache miss (no batch end shared); prefilled 20 tokens; reused 0 of 3 common tokens (exact)"
+        "cache miss (no batch end shared); prefilled 20 tokens; recomputed 3 common tokens (exact)"
     )

@@ -44,6 +44,7 @@ EXPECTED = {
         "pinned": int,
         "pinned_until": float,
         "pin_owner": str,
+        "system": str,
     },
     "events": {
         "kind": str,
@@ -85,7 +86,7 @@ def test_blocks_of_the_first_chain_format_are_dropped() -> None:
     row = {c: 0 for c in EXPECTED["blocks"] if c not in ("ends", "end_state")}
     row.update(hash="sha256:" + "1" * 64, tokens=b"\0" * 4, probe_top=b"")
     db.table("blocks").insert(row)
-    later = ("pinned_until", "pin_owner")  # m006 and m007 add them
+    later = ("pinned_until", "pin_owner", "system")  # m006, m007 and m008 add them
     first = {c: 0 for c in EXPECTED["snapshots"] if c not in later}
     db.table("snapshots").insert(first | {"id": "s"})
     for fn in MIGRATIONS[1:]:
@@ -107,7 +108,7 @@ def test_pins_with_a_time_made_before_owners_were_told_apart_are_a_clients() -> 
     db = sqlite_utils.Database(memory=True)
     for fn in MIGRATIONS[: MIGRATIONS.index(m007_client_pins)]:
         fn(db)
-    base = {c: 0 for c in EXPECTED["snapshots"] if c != "pin_owner"}
+    base = {c: 0 for c in EXPECTED["snapshots"] if c not in ("pin_owner", "system")}
     db.table("snapshots").insert_all(
         [
             base | {"id": "kept", "pinned": 1, "pinned_until": 1e12},
