@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "GGUFArray",
@@ -32,6 +33,8 @@ MAX_KEYS = 1 << 20
 MAX_TENSORS = 1 << 24
 MAX_DIMS = 8
 SMALL_ARRAY = 64  # arrays up to this length are kept as tuples
+
+_T = TypeVar("_T")
 
 # GGUF value types -> struct formats (8: string, 9: array)
 _SCALARS = {
@@ -176,16 +179,7 @@ def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
     Raises ``GGUFError`` for what is not a readable GGUF, ``OSError`` for what cannot
     be opened.
     """
-    if not Path(path).is_file():  # a FIFO would block the open
-        raise GGUFError("not a regular file")
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != MAGIC:
-                raise GGUFError("not a GGUF file (bad magic)")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                return _parse(_Cursor(data))
-    except struct.error as exc:  # pragma: no cover - lengths are checked first
-        raise GGUFError(str(exc)) from None
+    return _read(path, _parse)
 
 
 def read_gguf_values_before(path: str | Path, prefix: str) -> dict[str, Value | GGUFArray]:
@@ -194,40 +188,56 @@ def read_gguf_values_before(path: str | Path, prefix: str) -> dict[str, Value | 
 
     Raises as ``read_gguf_metadata`` does.
     """
-    if not Path(path).is_file():
+
+    def values_before(cur: _Cursor) -> dict[str, Value | GGUFArray]:
+        values: dict[str, Value | GGUFArray] = {}
+        for _ in range(_header(cur).n_keys):
+            key = cur.string()
+            if key.startswith(prefix):
+                break
+            values[key] = _value(cur, cur.uint())
+        return values
+
+    return _read(path, values_before)
+
+
+def _read(path: str | Path, parse: Callable[[_Cursor], _T]) -> _T:
+    """``parse`` over the GGUF at ``path``, mapped; what is not a GGUF is a ``GGUFError``."""
+    if not Path(path).is_file():  # a FIFO would block the open
         raise GGUFError("not a regular file")
     try:
         with open(path, "rb") as f:
             if f.read(4) != MAGIC:
                 raise GGUFError("not a GGUF file (bad magic)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                cur = _Cursor(data)
-                cur.pos = 4
-                if cur.uint() not in (2, 3):
-                    raise GGUFError("GGUF version is not supported")
-                cur.count(MAX_TENSORS, "tensor count")
-                values: dict[str, Value | GGUFArray] = {}
-                for _ in range(cur.count(MAX_KEYS, "key count")):
-                    key = cur.string()
-                    if key.startswith(prefix):
-                        break
-                    values[key] = _value(cur, cur.uint())
-                return values
+                return parse(_Cursor(data))
     except struct.error as exc:  # pragma: no cover - lengths are checked first
         raise GGUFError(str(exc)) from None
 
 
-def _parse(cur: _Cursor) -> GGUFMetadata:
+@dataclass(frozen=True, slots=True)
+class _Header:
+    version: int
+    n_tensors: int
+    n_keys: int
+
+
+def _header(cur: _Cursor) -> _Header:
+    """The version, tensor count and key count after the magic, each checked."""
     cur.pos = 4
     version = cur.uint()
     if version not in (2, 3):
         raise GGUFError(f"GGUF version {version} is not supported")
     n_tensors = cur.count(MAX_TENSORS, "tensor count")
-    n_keys = cur.count(MAX_KEYS, "key count")
+    return _Header(version, n_tensors, cur.count(MAX_KEYS, "key count"))
+
+
+def _parse(cur: _Cursor) -> GGUFMetadata:
+    header = _header(cur)
     values: dict[str, Value | GGUFArray] = {}
-    for _ in range(n_keys):
+    for _ in range(header.n_keys):
         key = cur.string()
         kind = cur.uint()
         values[key] = _value(cur, kind)
-    tensors = tuple(_tensor(cur) for _ in range(n_tensors))
-    return GGUFMetadata(version, values, tensors)
+    tensors = tuple(_tensor(cur) for _ in range(header.n_tensors))
+    return GGUFMetadata(header.version, values, tensors)
