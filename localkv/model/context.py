@@ -3,9 +3,10 @@
 The rule: the length the model was trained for (its GGUF ``<arch>.context_length``),
 lowered, in steps of 256 tokens, until the KV cache at that length (every layer's
 keys and values in f16, as if none were a sliding window) fits in a quarter of the
-memory available now; never below ``FLOOR`` tokens (or the trained length, where it
-is shorter). A model whose header says neither gets ``FLOOR``. Read from the header
-alone (``localkv.model.ggufmeta``), before llama.cpp loads anything.
+memory available now (``$LOCALKV_MEMORY`` bytes where it is set); never below
+``FLOOR`` tokens (or the trained length, where it is shorter). A model whose header
+says neither gets ``FLOOR``. Read from the header alone (``localkv.model.ggufmeta``),
+before llama.cpp loads anything.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from localkv.model.ggufmeta import (
 )
 
 __all__ = [
+    "ENV_MEMORY",
     "FLOOR",
     "MEMORY_SHARE",
     "available_memory",
@@ -34,6 +36,7 @@ FLOOR = 4096  # the context before it followed the model
 MEMORY_SHARE = 4  # the KV cache may take 1/MEMORY_SHARE of the available memory
 _STEP = 256  # llama.cpp rounds a context up to a multiple of this
 _F16 = 2
+ENV_MEMORY = "LOCALKV_MEMORY"  # bytes of memory to assume available, instead of reading it
 
 
 def default_context(path: Path, available: int | None = None) -> int:
@@ -89,7 +92,11 @@ def kv_bytes_per_token(meta: GGUFMetadata) -> int | None:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available now (``MemAvailable``), else the physical memory."""
+    """Bytes of memory available now: ``$LOCALKV_MEMORY`` where it is a positive count
+    of bytes, else ``MemAvailable``, else the physical memory."""
+    given = os.environ.get(ENV_MEMORY, "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

@@ -17,7 +17,13 @@ import pytest
 from support.tinyarch import build_tiny_arch_models
 from support.tinymodels import TinyModels, build_tiny_llama
 
-from localkv.model.context import FLOOR, MEMORY_SHARE, default_context, kv_bytes_per_token
+from localkv.model.context import (
+    ENV_MEMORY,
+    FLOOR,
+    MEMORY_SHARE,
+    default_context,
+    kv_bytes_per_token,
+)
 from localkv.model.find import FoundModel, describe
 from localkv.model.ggufmeta import GGUFArray, GGUFError, read_gguf_metadata
 
@@ -346,7 +352,7 @@ def test_a_long_document_prefills_with_no_ctx_where_the_model_was_trained_for_it
     """The GPL-3 text (more than 4,096 tokens on SmolLM2's tokenizer) fits the context of
     a model trained for 8,192 tokens without --ctx."""
     model = build_tiny_llama(tmp_path / "tiny-8k.gguf", default_model_path, context_length=8192)
-    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "LOCALKV_HOME": str(tmp_path / "cache"), ENV_MEMORY: str(16 << 30)}
     args = ["--model", str(model), "--threads", "1", "--json", str(GPL3)]
     done = _localkv(env, "prefill", *args)
     assert done.returncode == 0, done.stderr
@@ -356,12 +362,15 @@ def test_a_long_document_prefills_with_no_ctx_where_the_model_was_trained_for_it
 
 def test_models_reports_the_context_each_model_opens_with(tmp_path: Path) -> None:
     """SmolLM2 was trained for 8,192 tokens and Gemma 3 270M for 32,768: their KV caches
-    at those lengths fit a quarter of any machine's memory that runs the tests."""
-    done = _localkv(_bare_env(tmp_path), "models", "--json")
+    at those lengths fit a quarter of 16 GiB, and not of 1 GiB."""
+    done = _localkv({**_bare_env(tmp_path), ENV_MEMORY: str(16 << 30)}, "models", "--json")
     rows = {m["name"]: m for m in json.loads(done.stdout.splitlines()[-1])["models"]}
     smollm2 = rows["SmolLM2-135M-Instruct.Q4_1"]
     assert (smollm2["context_length"], smollm2["ctx"]) == (8192, 8192)
     assert (rows[GEMMA]["context_length"], rows[GEMMA]["ctx"]) == (32768, 32768)
+    small = _localkv({**_bare_env(tmp_path), ENV_MEMORY: str(1 << 30)}, "models", "--json")
+    rows = {m["name"]: m for m in json.loads(small.stdout.splitlines()[-1])["models"]}
+    assert 4096 <= rows[GEMMA]["ctx"] < 32768  # a quarter of 1 GiB holds less
 
 
 def test_the_context_is_lowered_to_what_memory_holds(default_model_path: Path) -> None:
