@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -158,8 +159,6 @@ class _Progress:
             self.bar.__exit__(None, None, None)
 
     def __call__(self, done: int, total: int) -> None:
-        import time
-
         if self.bar is None:
             return
         if self.task is None:
@@ -200,8 +199,6 @@ class _AskProgress:
             self.bar = _Progress("prefill", True).__enter__()
 
     def __call__(self, done: int, total: int) -> None:
-        import time
-
         if not self.shown:
             return
         if self.bar is not None:
