@@ -133,11 +133,13 @@ def near_miss(
         text = store.get_identity(snap.identity) if snap.identity != identity.digest else None
         if text is not None:
             theirs = Identity.from_dict(json.loads(text))
-            options = _options(store, snap.identity, theirs, identity)
-            if options:
+            fields = _differing(theirs, identity)
+            if fields:
+                options = _options(store, snap.identity, theirs, fields)
+                made = f"was made with {', '.join(options)}" if options else "was made otherwise"
                 return (
                     f'not cached with this model or settings; snapshot "{snap.label}" '
-                    f"was made with {', '.join(options)}"
+                    f"{made} (identity differs: {', '.join(fields)})"
                 )
     return None
 
@@ -151,11 +153,18 @@ def _shown(text: str, limit: int = 60) -> str:
 _OPTIONS = {"type_k": "--type-k", "type_v": "--type-v", "attn_threads": "--threads"}
 
 
-def _options(store: SnapshotStore, digest: str, theirs: Identity, ours: Identity) -> list[str]:
-    """The options (or, for what no option sets, the fields) that differ in ``theirs``."""
+def _differing(theirs: Identity, ours: Identity) -> list[str]:
+    """The identity fields whose values differ."""
     a, b = theirs.as_dict(), ours.as_dict()
+    return [k for k in a if a[k] != b.get(k)]
+
+
+def _options(store: SnapshotStore, digest: str, theirs: Identity, fields: list[str]) -> list[str]:
+    """The options that set ``fields`` as ``theirs`` has them (a field no option sets, such
+    as the KV layout that follows from the types, is named in the identity's list only)."""
+    a = theirs.as_dict()
     out = []
-    for key in (k for k in a if a[k] != b.get(k)):
+    for key in fields:
         if key == "model_sha256":
             out.append(f"--model {model_names(store, [digest])[digest]}")
         elif key == "flash_attn":
@@ -164,6 +173,4 @@ def _options(store: SnapshotStore, digest: str, theirs: Identity, ours: Identity
             out.append(" ".join(f"--lora {p}" for p, _ in theirs.loras) or "no --lora")
         elif key in _OPTIONS:
             out.append(f"{_OPTIONS[key]} {a[key]}")
-        else:
-            out.append(f"{key} {a[key]} (this run: {b.get(key)})")
     return out

@@ -33,11 +33,9 @@ that ship a GGUF file (package: one in parts is joined once, into
 Ollama (OLLAMA_MODELS or ~/.ollama/models); the Hugging Face hub cache
 ($HF_HOME/hub or ~/.cache/huggingface/hub).
 
-\b
 MEMORY is what the model keeps per sequence, from its GGUF metadata: attention
 (a plain KV cache), sliding-window (layers that attend to a window), hybrid,
-recurrent. CACHE
-says what `localkv prefill` does: yes, it saves the document's blocks; no, it
+recurrent. CACHE says what `localkv prefill` does: yes, it saves the document's blocks; no, it
 exits 1 with the reason --json's cache_refusal gives. Every kind is cached (a
 sliding window or recurrent state is kept at snapshot points; M-RoPE models too),
 except a hybrid with sliding-window layers and architectures whose memory is of

@@ -161,5 +161,5 @@ def test_a_near_miss_names_the_model_the_snapshot_was_made_with(
     cache = ask_json(env, *other, str(doc), "Who?")["cache"]
     assert cache["miss_reason"] == (
         'not cached with this model or settings; snapshot "doc.txt" was made with '
-        f"--model {tiny_models.base.stem}"
+        f"--model {tiny_models.base.stem} (identity differs: model_sha256)"
     ), cache

@@ -224,11 +224,10 @@ def test_prefill_counts_the_blocks_cache_show_counts(
     assert again["blocks"] == shown["blocks"]
 
 
-def test_models_help_names_the_json_values_the_columns_shorten() -> None:
+def test_models_help_says_the_table_and_json_use_the_same_words() -> None:
     text = " ".join(localkv("models", "--help").stdout.split())
-    for short, long in (("dir", "LOCALKV_MODELS"), ("hf", "huggingface")):
-        assert f'{short} is "{long}"' in text
-    assert 'sliding is "sliding-window"' in text
+    assert 'SOURCE is "source", MEMORY "memory", CACHE "cacheable", with the same words' in text
+    assert "sliding-window (layers that attend to a window)" in text
 
 
 def test_the_side_panel_describes_the_model_as_localkv_models_does(
