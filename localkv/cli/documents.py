@@ -190,9 +190,9 @@ class _AskProgress:
             return
         if report.hit:
             why = f"after {report.reused:,} restored"
-        else:
+        else:  # a fault's reason (and its advice) is said once, on the cache line after
             why = report.miss_reason or "not cached"
-            why = why if why.startswith("not cached") else f"cache miss: {why}"
+            why = why if why.startswith("not cached") else "cache miss, reason below"
         click.echo(f"prefilling {n:,} tokens ({why})", err=True)
         self.shown = True
         if self.terminal:
