@@ -159,11 +159,14 @@ def test_rm_keeps_what_another_conversation_with_its_system_prompt_needs(
     tmp_path: Path, tiny_models: TinyModels, long_text: str
 ) -> None:
     root = tmp_path / "cache"
-    system = long_text[:1600]  # more than a block: the conversations share full blocks
+    # two conversations (one server row each: their system prompts end apart) that
+    # share more than a block: the system prompts' common start
+    system = long_text[:1600]
+    mine, theirs = f"{system} One.", f"{system} Two."
     runs = _runs(tiny_models, SECRET)
     with _server(tmp_path, tiny_models, root) as server:
-        _chat(server, system, SECRET)
-        _chat(server, system, OTHER)
+        _chat(server, mine, SECRET)
+        _chat(server, theirs, OTHER)
     with SnapshotStore.open(root) as store:
         chains = {s.id: _chain_tokens(store, s.id) for s in store.snapshots()}
     (secret_id,) = [i for i, tokens in chains.items() if _holds(tokens, runs)]
@@ -177,8 +180,8 @@ def test_rm_keeps_what_another_conversation_with_its_system_prompt_needs(
         assert _chain_tokens(store, other_id) == chains[other_id]  # its chain, whole
     _cli(root, "cache", "verify")
     with _server(tmp_path, tiny_models, root) as server:
-        secret = _cache(_chat(server, system, SECRET))
-        other = _cache(_chat(server, system, OTHER))
+        secret = _cache(_chat(server, mine, SECRET))
+        other = _cache(_chat(server, theirs, OTHER))
     assert secret["cached_tokens"] <= shared  # only the shared system prompt, if any
     assert (other["source"], other["verified"]) == ("disk", True)
     assert other["cached_tokens"] > shared  # its own message, restored from disk
