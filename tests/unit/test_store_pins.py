@@ -92,7 +92,8 @@ def test_cache_ls_shows_until_when_a_pin_holds(tmp_path: Path) -> None:
         [sys.executable, "-m", "localkv", *args], capture_output=True, text=True, env=env
     )
     assert out.returncode == 0, out.stderr
-    pins = {line.split("  ")[1].strip(): line.rstrip() for line in out.stdout.splitlines()[2:]}
+    rows = [line for line in out.stdout.splitlines()[2:] if not line.startswith("total ")]
+    pins = {line.split("  ")[1].strip(): line.rstrip() for line in rows}
     stamp = time.strftime("%m-%d %H:%M", time.localtime(until))
     assert pins["for a while"].endswith(f"  to {stamp}") and pins["for good"].endswith("  yes")
     listing = json.loads(
