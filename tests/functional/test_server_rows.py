@@ -9,13 +9,13 @@ whose answer is the uncached one.
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
 from support.server import ServerProcess
+from support.server import post as support_post
 from support.tinymodels import TinyModels
 
 from localkv.cli import cli
@@ -26,16 +26,7 @@ def tiny_args(tiny_models: TinyModels) -> list[str]:
 
 
 def post(server: ServerProcess, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        server.base_url + path,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return support_post(server, path, json.dumps(body).encode())
 
 
 def ask(server: ServerProcess, system: str, *turns: str) -> dict[str, Any]:

@@ -85,7 +85,10 @@ def start(tmp_path: Path) -> Iterator[Callable[[str], Terminal]]:
 
     def starter(args: str) -> Terminal:
         home = shlex.quote(str(tmp_path / "home"))
-        environment = f"env -u LOCALKV_MODEL LOCALKV_HOME={home} TERM=xterm-256color"
+        memory = 16 << 30  # the memory the default context is chosen for, not the machine's
+        environment = (
+            f"env -u LOCALKV_MODEL LOCALKV_HOME={home} LOCALKV_MEMORY={memory} TERM=xterm-256color"
+        )
         command = f"{environment} {shlex.quote(sys.executable)} -m localkv chat {args}"
         socket = f"localkv-test-{os.getpid()}-{len(started)}"
         started.append(Terminal(socket, tmp_path, command))
