@@ -31,7 +31,7 @@ endif
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF $(LLAMA_CPU_ARGS)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser agents
+.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser agents gpu gpu-build gpu-check
 
 help:
 	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
@@ -39,6 +39,9 @@ help:
 	@echo "make serve  - set up .venv with the server's extra and run localkv serve (ARGS=...)"
 	@echo "make rebuild-llama - build llama-cpp-python again for this CPU, past pip's wheel cache"
 	@echo "make agents - install the pinned coding-agent clients in build/agents and run them on a server"
+	@echo "make gpu    - build llama.cpp for a GPU backend (GPU=vulkan, the default, or GPU=cuda) beside"
+	@echo "              the CPU build and run the gpu test set on it (Vulkan runs on Mesa's lavapipe without a GPU)"
+	@echo "make gpu-check - on a CUDA machine: the CUDA build, the gpu set and the device bench, one command"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -147,6 +150,43 @@ $(AGENTS)/.installed: tests/agents/package.json tests/agents/package-lock.json t
 
 agents: $(VENV)/.dev $(VENV)/.bytecode $(AGENTS)/.installed
 	$(PY) -m pytest -m agents tests/agents $(PYTEST_ARGS)
+
+# A GPU build of llama-cpp-python beside the CPU one: only its libraries, under
+# build/gpu/$(GPU)/lib, which llama-cpp-python loads instead of its own where
+# LLAMA_CPP_LIB_PATH names them (its own switch); the Python package is the same.
+# GPU=vulkan (default) runs without a GPU on Mesa's software device (lavapipe);
+# its Debian packages are installed here when missing. GPU=cuda needs nvcc.
+GPU ?= vulkan
+GPU_DIR := build/gpu/$(GPU)
+GPU_CMAKE_vulkan := -DGGML_VULKAN=ON
+GPU_CMAKE_cuda := -DGGML_CUDA=ON
+VULKAN_DEBS := mesa-vulkan-drivers libvulkan-dev glslc spirv-headers
+GPU_LIB := LLAMA_CPP_LIB_PATH=$(CURDIR)/$(GPU_DIR)/lib
+# ggml's Vulkan backend passes over devices of the CPU type (lavapipe) unless told
+# which to use: the first, unless GGML_VK_VISIBLE_DEVICES says otherwise.
+GPU_ENV_vulkan := GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES:-0}
+
+$(GPU_DIR)/.built: | $(VENV)/bin/python
+	@test -n "$(GPU_CMAKE_$(GPU))" || { echo ">> GPU=$(GPU): say GPU=vulkan or GPU=cuda"; exit 1; }
+	@if [ "$(GPU)" = vulkan ] && ! dpkg -s $(VULKAN_DEBS) >/dev/null 2>&1; then \
+	  echo ">> Installing Debian's $(VULKAN_DEBS)."; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(VULKAN_DEBS) >/dev/null; fi
+	@echo ">> Building llama-cpp-python for $(GPU) into $(GPU_DIR) (past pip's wheel cache: tens of minutes on 2 cores)."
+	rm -rf $(GPU_DIR) && mkdir -p $(GPU_DIR)/wheel
+	CMAKE_ARGS="$(CMAKE_ARGS) $(GPU_CMAKE_$(GPU))" $(PIP) wheel --no-cache-dir --no-deps -w $(GPU_DIR)/wheel "$(LLAMA_PIN)"
+	$(PY) -m zipfile -e $(GPU_DIR)/wheel/*.whl $(GPU_DIR)/unpacked
+	mv $(GPU_DIR)/unpacked/llama_cpp/lib $(GPU_DIR)/lib && rm -rf $(GPU_DIR)/unpacked
+	@touch $@
+
+gpu-build: $(GPU_DIR)/.built
+
+# The gpu set (pytest -m gpu): cache exactness with every layer and with some layers
+# on the device, and the identity between the CPU build and the device.
+gpu: $(VENV)/.dev $(VENV)/.bytecode $(GPU_DIR)/.built
+	$(GPU_LIB) $(GPU_ENV_$(GPU)) $(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
+
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -8,9 +8,10 @@ policy:
 - representation: architecture, layer count, per-layer K/V types and row sizes,
   V layout (transposed or not), the KV cells' layout (``kv.section``: with
   llama.cpp's cell extension or not), memory kind, state format version;
-- execution: llama-cpp-python version, backend, effective flash attention,
-  llama.cpp's system description, and the thread count when flash attention is on
-  (its numerics depend on it).
+- execution: llama-cpp-python version, backend (``cpu``, or the devices layers are
+  offloaded to, by name and description), the offload split where there is one,
+  effective flash attention, llama.cpp's system description, and the thread count
+  when flash attention is on (its numerics depend on it).
 
 ``n_ctx``, ``n_batch`` and thread count do not change KV values and are not
 part of identity.
@@ -66,6 +67,8 @@ _EXECUTION = ("llama_cpp_python", "backend", "flash_attn", "attn_threads", "syst
 _MEMORY = ("swa_window", "swa_full", "partial_layout")
 # likewise: KV cells with llama.cpp's extension (M-RoPE), named only where they have it
 _CELLS = ("cell_ext",)
+# and the split of layers between the CPU and a device, named only where one computes
+_DEVICE = ("offload",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,16 +106,18 @@ class Identity:
     swa_full: bool = False
     partial_layout: str = ""
     cell_ext: bool = False  # KV cells carry x, y and the token (``kv.section``)
+    offload: str = ""  # ``devices.Offload.split``: layers on the device; empty on the CPU
 
     def tiers(self) -> dict[str, dict[str, Any]]:
         """Fields by tier, as plain JSON-able values."""
         values = self.as_dict()
         memory = _MEMORY if self.memory_kind != "kv" else ()
         cells = _CELLS if self.cell_ext else ()
+        device = _DEVICE if self.backend != "cpu" else ()
         return {
             "semantic": {k: values[k] for k in _SEMANTIC},
             "representation": {k: values[k] for k in (*_REPRESENTATION, *memory, *cells)},
-            "execution": {k: values[k] for k in _EXECUTION},
+            "execution": {k: values[k] for k in (*_EXECUTION, *device)},
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -201,7 +206,6 @@ def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:
     scale_factor = float(session.meta(f"{arch}.rope.scaling.factor") or 0.0)
     model_scale = 1.0 / scale_factor if scale_factor > 0 else 1.0
     cparams = llama_cpp.llama_context_default_params()
-    gpu = bool(llama_cpp.llama_supports_gpu_offload()) and cfg.n_gpu_layers != 0
     return Identity(
         model_sha256=hasher.sha256(cfg.model_path),
         loras=tuple((hasher.sha256(x.path), float(x.scale)) for x in cfg.loras),
@@ -229,7 +233,8 @@ def identity_of(session: ModelSession, hasher: FileHasher) -> Identity:
         memory_kind=session.memory_kind or "unknown",
         state_format=STATE_FORMAT,
         llama_cpp_python=llama_cpp_version(),
-        backend="gpu-offload" if gpu else "cpu",
+        backend=session.offload.backend(),
+        offload=session.offload.split(),
         flash_attn=not v_trans,
         attn_threads=0 if v_trans else session.n_threads,
         system_info=system_info(),

@@ -136,7 +136,9 @@ def near_miss(
             fields = _differing(theirs, identity)
             if fields:
                 options = _options(store, snap.identity, theirs, fields)
-                made = f"was made with {', '.join(options)}" if options else "was made otherwise"
+                where = _where(theirs) if {"backend", "offload"} & set(fields) else ""
+                made = f"was made{where} with {', '.join(options)}" if options else ""
+                made = made or (f"was made{where}" if where else "was made otherwise")
                 return (
                     f'not cached with this model or settings; snapshot "{snap.label}" '
                     f"{made} (identity differs: {', '.join(fields)})"
@@ -173,4 +175,12 @@ def _options(store: SnapshotStore, digest: str, theirs: Identity, fields: list[s
             out.append(" ".join(f"--lora {p}" for p, _ in theirs.loras) or "no --lora")
         elif key in _OPTIONS:
             out.append(f"{_OPTIONS[key]} {a[key]}")
+    if {"backend", "offload"} & set(fields):
+        layers = theirs.offload.split("/", 1)[0] if theirs.backend != "cpu" else "0"
+        out.append(f"--n-gpu-layers {layers}")
     return out
+
+
+def _where(theirs: Identity) -> str:
+    """Where a snapshot's layers were computed, as a miss names it."""
+    return " on the CPU" if theirs.backend == "cpu" else f" on {theirs.backend}"

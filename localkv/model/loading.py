@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from localkv.model.config import FLASH_ATTN_TYPES, LoraSpec, SessionConfig
+from localkv.model.devices import Offload, offload_of, offloads
 from localkv.model.native import (
     ggml_type_id,
     llama_cpp,
@@ -54,6 +55,7 @@ class Native:
     batch: Any
     n_threads: int
     flash_attn: str  # the setting passed to llama.cpp (``flash_attn_setting``)
+    offload: Offload  # the devices and the split of layers (``devices.offload_of``)
     n_seq_max: int = 1  # 2: a restore may load a state in pieces (``state.append_state``)
 
 
@@ -77,7 +79,7 @@ def flash_attn_setting(cfg: SessionConfig, model: Any) -> str:
     """
     if cfg.flash_attn != "auto":
         return cfg.flash_attn
-    if llama_cpp.llama_supports_gpu_offload() and cfg.n_gpu_layers != 0:
+    if offloads(cfg.n_gpu_layers):
         return "auto"
     if cfg.type_v.lower() not in _UNQUANTIZED:
         return "auto"  # a quantized V needs flash attention
@@ -110,7 +112,15 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
     threads = context_threads(cfg.n_threads)
     flash_attn = flash_attn_setting(cfg, model)
     n_seq = 2 if _plain_kv(model) else 1
-    ctx = llama_cpp.llama_init_from_model(model, _context_params(cfg, threads, flash_attn, n_seq))
+    # no layer on a device: nothing computes there, large batches included
+    offload = offload_of(
+        cfg.n_gpu_layers,
+        int(llama_cpp.llama_model_n_layer(model)),
+        op_offload=cfg.n_gpu_layers != 0,
+    )
+    cparams = _context_params(cfg, threads, flash_attn, n_seq)
+    cparams.op_offload = offload.op_offload
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         raise ModelLoadError(_context_failure(cfg))
     stack.callback(llama_cpp.llama_free, ctx)
@@ -131,6 +141,7 @@ def open_native(cfg: SessionConfig, stack: contextlib.ExitStack) -> Native:
         batch=batch,
         n_threads=threads,
         flash_attn=flash_attn,
+        offload=offload,
         n_seq_max=n_seq,
     )
 

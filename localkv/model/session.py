@@ -104,6 +104,7 @@ class ModelSession:
         self.threads = _fit_threads(native, self.config)  # fitted to the free cores
         self.ctx, self.memory, self._batch = native.ctx, native.memory, native.batch
         self.n_ctx, self.n_batch = native.n_ctx, native.n_batch
+        self.offload = native.offload  # where the layers compute (the identity names it)
         self.in_pieces = native.n_seq_max > 1  # a state may be loaded a piece at a time
         self.memory_kind, self.memory_refusal = memory_of(self.model)
         self.swa_window = int(llama_cpp.llama_model_n_swa(self.model))
@@ -414,7 +415,6 @@ def _fit_threads(native: Native, config: SessionConfig) -> ThreadFit:
     """A fit of the decodes' threads for a context ``native`` opened with ``config``:
     adapted to the free cores unless the user gave ``--threads``, flash attention is
     not off, or layers are on a GPU (there the count could change a result)."""
-    gpu = config.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
-    adapt = config.n_threads is None and native.flash_attn == "off" and not gpu
+    adapt = config.n_threads is None and native.flash_attn == "off" and native.offload.on_cpu
     ctx = native.ctx
     return ThreadFit(lambda n: llama_cpp.llama_set_n_threads(ctx, n, n), native.n_threads, adapt)

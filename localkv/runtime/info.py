@@ -23,7 +23,7 @@ class LoadedModel:
     description: str  # as ``localkv models`` shows the file (``llama 135M Q4_1``)
     path: str
     file_bytes: int
-    n_gpu_layers: int  # 0 on a CPU-only build, whatever was asked for
+    n_gpu_layers: int  # layers on a device, the output layer counted: 0 on a CPU-only build
     type_k: str
     type_v: str
     flash_attn: str  # ``on``/``off`` as llama.cpp chose it, else the setting

@@ -39,7 +39,6 @@ from localkv.cache.catalogue import (
 from localkv.cache.lookup import is_not_cached, near_miss
 from localkv.cache.prefix import PrefixCache, RestoreResult, SaveResult, open_prefix_cache
 from localkv.model.find import model_label, resolve_model
-from localkv.model.native import llama_cpp
 from localkv.model.sampling import SamplingParams, check_grammar, json_schema_grammar
 from localkv.model.session import (
     CancelFn,
@@ -156,7 +155,7 @@ class Runtime:
             description=model_label(path) or self.session.describe(),
             path=str(path),
             file_bytes=path.stat().st_size,
-            n_gpu_layers=cfg.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0,
+            n_gpu_layers=self.session.offload.layers,
             type_k=cfg.type_k,
             type_v=cfg.type_v,
             flash_attn=self.flash_attn_effective(),
