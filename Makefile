@@ -173,7 +173,8 @@ $(GPU_DIR)/.built: | $(VENV)/bin/python
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(VULKAN_DEBS) >/dev/null; fi
 	@echo ">> Building llama-cpp-python for $(GPU) into $(GPU_DIR) (past pip's wheel cache: tens of minutes on 2 cores)."
 	rm -rf $(GPU_DIR) && mkdir -p $(GPU_DIR)/wheel
-	CMAKE_ARGS="$(CMAKE_ARGS) $(GPU_CMAKE_$(GPU))" $(PIP) wheel --no-cache-dir --no-deps -w $(GPU_DIR)/wheel "$(LLAMA_PIN)"
+	extra=$$([ "$(GPU)" != vulkan ] || bash packaging/vulkan_headers.sh build/gpu/vulkan-headers) && \
+	CMAKE_ARGS="$(CMAKE_ARGS) $(GPU_CMAKE_$(GPU)) $$extra" $(PIP) wheel --no-cache-dir --no-deps -w $(GPU_DIR)/wheel "$(LLAMA_PIN)"
 	$(PY) -m zipfile -e $(GPU_DIR)/wheel/*.whl $(GPU_DIR)/unpacked
 	mv $(GPU_DIR)/unpacked/llama_cpp/lib $(GPU_DIR)/lib && rm -rf $(GPU_DIR)/unpacked
 	@touch $@
