@@ -10,7 +10,10 @@
 #   GPU                cuda (default) or vulkan
 #   GPU_CHECK_SIZES    prompt lengths in tokens (default 2048,8192)
 #   GPU_CHECK_REPEATS  verified restores per length and build (default 3)
+#   GPU_CHECK_COLD_REPEATS  cold prefills per length and build (default 2)
 #   GPU_CHECK_THREADS  CPU threads for both builds (default: every core)
+#   GPU_CHECK_GEOMETRY instead of the default model, a synthetic one of this geometry
+#                      (llama-3.1-8b, ...: localkv.bench.geometry; a slow device's choice)
 #   GPU_CHECK_PAGE     the page (default docs/performance/device-$GPU.md; JSON beside it)
 #   PYTEST_ARGS        passed to the gpu set (make gpu), e.g. "-x -q"
 #
@@ -24,6 +27,7 @@ cd "$(dirname "$0")/.." || exit 2
 GPU=${GPU:-cuda}
 SIZES=${GPU_CHECK_SIZES:-2048,8192}
 REPEATS=${GPU_CHECK_REPEATS:-3}
+COLD_REPEATS=${GPU_CHECK_COLD_REPEATS:-2}
 THREADS=${GPU_CHECK_THREADS:-$(nproc)}
 PAGE=${GPU_CHECK_PAGE:-docs/performance/device-$GPU.md}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
@@ -71,11 +75,19 @@ summary=$(grep -E '[0-9]+ (passed|failed|error)' "$LOG" | tail -1 | tr -d '=' | 
 
 stage "the device bench at $SIZES tokens"
 t=$SECONDS
-command="GPU=$GPU GPU_CHECK_SIZES=$SIZES GPU_CHECK_REPEATS=$REPEATS GPU_CHECK_THREADS=$THREADS"
+command="GPU=$GPU GPU_CHECK_SIZES=$SIZES GPU_CHECK_REPEATS=$REPEATS"
+command+=" GPU_CHECK_COLD_REPEATS=$COLD_REPEATS GPU_CHECK_THREADS=$THREADS"
+[ -n "${GPU_CHECK_PAGE:-}" ] && command+=" GPU_CHECK_PAGE=$PAGE"
+model_args=()
+if [ -n "${GPU_CHECK_GEOMETRY:-}" ]; then
+    command+=" GPU_CHECK_GEOMETRY=$GPU_CHECK_GEOMETRY"
+    model_args=(--geometry "$GPU_CHECK_GEOMETRY")
+fi
 [ -n "${PYTEST_ARGS:-}" ] && command+=" PYTEST_ARGS='$PYTEST_ARGS'"
 command+=" bash benchmarks/gpu_check.sh"
 .venv/bin/python -m localkv.bench.device \
-    --gpu-lib "build/gpu/$GPU/lib" --sizes "$SIZES" --repeats "$REPEATS" --threads "$THREADS" \
+    --gpu-lib "build/gpu/$GPU/lib" --sizes "$SIZES" --repeats "$REPEATS" \
+    --cold-repeats "$COLD_REPEATS" --threads "$THREADS" "${model_args[@]}" \
     --write-docs "$PAGE" --command "$command" \
     --note "the gpu set on this build (make gpu GPU=$GPU${PYTEST_ARGS:+ PYTEST_ARGS='$PYTEST_ARGS'}): ${summary:-no summary} (exit status $tests_rc)" \
     --note "card: ${card:-unknown}" \

@@ -136,7 +136,8 @@ def _verified_lines(cpu: Run, dev: Run) -> list[str]:
                 )
                 + "; its first token "
                 + ("is" if x["first_token_agrees"] else "is NOT")
-                + f" the cold prefill's; it read {read:.3f}x its {x['blocks']} block files' bytes"
+                + f" the cold prefill's; it read {read:.3f}x the bytes of its "
+                + f"{x['blocks']} block file(s)"
             )
     return out
 
@@ -192,7 +193,10 @@ METHOD = [
     "the GPU build) and the probe (the last token decoded alone, its logits compared bit "
     "for bit with the ones stored when the blocks were saved on the same build). "
     "**first token after a restore** adds the argmax. The steps are the restore's own "
-    "breakdown. Block files are in the page cache (just written).",
+    "breakdown; on plain KV memory a restore reads and loads a piece at a time, so "
+    "**read** holds the reads, the checks and every piece's `llama_state_seq_set_data` "
+    "(with flash attention off, the transposition of V too), and **load** what follows. "
+    "Block files are in the page cache (just written).",
     "- **bytes read**: `rchar` of `/proc/self/io` over one restore (every read call of "
     "the process, the index's included), median of the restores; against the chain's "
     "block files and llama.cpp's state of the N tokens (`llama_state_seq_get_size`).",

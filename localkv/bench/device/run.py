@@ -26,6 +26,9 @@ from typing import Any
 
 from localkv.bench.device.measure import parse_sizes
 from localkv.bench.device.report import markdown, verified
+from localkv.bench.geometry.models import build
+from localkv.bench.geometry.shapes import GEOMETRIES, by_name
+from localkv.model.find import resolve_model
 
 __all__ = ["build_env", "main", "run_build"]
 
@@ -64,10 +67,23 @@ def _measure_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _synthetic(name: str, where: Path) -> Path:
+    """The geometry benchmark's model of ``name``: real KV shapes, a narrow residual stream."""
+    return build(by_name(name), where / f"{name}.gguf", resolve_model(None))
+
+
 def compare(args: argparse.Namespace, command: str) -> int:
     """Both runs, then the page and the JSON; 0 when every restore of both verified."""
-    measure_args = _measure_args(args)
     with tempfile.TemporaryDirectory(prefix="localkv-device-runs-") as tmp:
+        if args.geometry:
+            args.model = str(_synthetic(args.geometry, Path(tmp)))
+            args.note = [
+                *args.note,
+                f"model: the synthetic {args.geometry} of "
+                "`localkv.bench.geometry` (its KV shapes, a narrow residual stream, "
+                "random weights)",
+            ]
+        measure_args = _measure_args(args)
         cpu = run_build("CPU build", measure_args, build_env(None), Path(tmp) / "cpu.json")
         dev = run_build("GPU build", measure_args, build_env(args.gpu_lib), Path(tmp) / "gpu.json")
     if dev["build"]["backend"] == "cpu":
@@ -93,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpu-lib", type=Path, required=True, help="the GPU build's libraries")
     parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument(
+        "--geometry",
+        default=None,
+        choices=[g.name for g in GEOMETRIES],
+        help="instead of --model: a synthetic model of this geometry (localkv.bench.geometry)",
+    )
     parser.add_argument("--sizes", default="2048,8192", help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="verified restores per length")
     parser.add_argument("--cold-repeats", type=int, default=2, help="cold prefills per length")
