@@ -57,10 +57,7 @@ class ContextPanel(VerticalScroll):
 
 
 def _model_text(model: LoadedModel) -> str:
-    if model.n_gpu_layers == 0:
-        gpu = "CPU only"
-    else:
-        gpu = "GPU layers " + ("all" if model.n_gpu_layers < 0 else str(model.n_gpu_layers))
+    gpu = f"{model.device} {model.n_gpu_layers} layers" if model.n_gpu_layers else "CPU only"
     return (
         f"{model.name}\n{model.description}\n{human_bytes(model.file_bytes)} · {gpu}\n"
         f"KV {model.type_k}/{model.type_v} · flash attn {model.flash_attn}"

@@ -173,7 +173,7 @@ def _options(store: SnapshotStore, digest: str, theirs: Identity, fields: list[s
             out.append(f"--flash-attn {'on' if a[key] else 'off'}")
         elif key == "loras":
             out.append(" ".join(f"--lora {p}" for p, _ in theirs.loras) or "no --lora")
-        elif key in _OPTIONS:
+        elif key in _OPTIONS and a[key] != 0:  # attn_threads 0: flash attention was off
             out.append(f"{_OPTIONS[key]} {a[key]}")
     if {"backend", "offload"} & set(fields):
         layers = theirs.offload.split("/", 1)[0] if theirs.backend != "cpu" else "0"

@@ -67,11 +67,19 @@ class Offload:
         return f"{self.layers}/{self.of} layers on the device{ops}"
 
 
+_GGML_NAMES = ("libggml.so", "libggml.dylib", "ggml.dll")
+# a GPU build whose ggml could not be read is still not the CPU
+_UNKNOWN = Device(name="GPU", description="a device llama.cpp's build offers", kind="gpu")
+
+
 @functools.cache
-def _ggml() -> ctypes.CDLL:
+def _ggml() -> ctypes.CDLL | None:
     """The ``libggml`` beside the ``libllama`` llama-cpp-python loaded (already in the process)."""
     base = Path(llama_cpp.llama_cpp._base_path)
-    lib = ctypes.CDLL(str(base / "libggml.so"))
+    found = [base / name for name in _GGML_NAMES if (base / name).is_file()]
+    if not found:
+        return None
+    lib = ctypes.CDLL(str(found[0]))
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_count.argtypes = []
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p
@@ -91,6 +99,8 @@ def devices() -> tuple[Device, ...]:
     if not llama_cpp.llama_supports_gpu_offload():
         return ()
     lib = _ggml()
+    if lib is None:
+        return (_UNKNOWN,)
     out = []
     for i in range(int(lib.ggml_backend_dev_count())):
         dev = lib.ggml_backend_dev_get(i)

@@ -24,6 +24,7 @@ class LoadedModel:
     path: str
     file_bytes: int
     n_gpu_layers: int  # layers on a device, the output layer counted: 0 on a CPU-only build
+    device: str = ""  # the device they are on (``Vulkan0``), empty when none is
     type_k: str
     type_v: str
     flash_attn: str  # ``on``/``off`` as llama.cpp chose it, else the setting

@@ -156,6 +156,9 @@ class Runtime:
             path=str(path),
             file_bytes=path.stat().st_size,
             n_gpu_layers=self.session.offload.layers,
+            device=", ".join(d.name for d in self.session.offload.devices)
+            if self.session.offload.layers
+            else "",
             type_k=cfg.type_k,
             type_v=cfg.type_v,
             flash_attn=self.flash_attn_effective(),

@@ -136,3 +136,22 @@ def test_engine_and_store_import_without_textual() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_cpu_identity_names_no_split_and_a_device_one_names_its_split(base: Identity) -> None:
+    """On the CPU the digest is what it was before devices were named (no ``offload``
+    field in it); on a device, the device and every split are digests of their own."""
+    assert base.backend == "cpu" and base.offload == ""
+    assert "offload" not in base.tiers()["execution"]
+    device = "Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))"
+    whole = dataclasses.replace(base, backend=device, offload="3/3 layers on the device")
+    split = dataclasses.replace(whole, offload="1/3 layers on the device")
+    assert whole.tiers()["execution"]["offload"] == "3/3 layers on the device"
+    assert len({base.digest, whole.digest, split.digest}) == 3
+    assert Identity.from_dict(split.as_dict()) == split
+
+
+def test_an_identity_stored_before_devices_were_named_reads_as_the_cpu(base: Identity) -> None:
+    stored = base.as_dict()
+    del stored["offload"]
+    assert Identity.from_dict(stored).digest == base.digest
