@@ -184,7 +184,6 @@ gpu-build: $(GPU_DIR)/.built
 # The gpu set (pytest -m gpu): cache exactness with every layer and with some layers
 # on the device, and the identity between the CPU build and the device.
 gpu: $(VENV)/.dev $(VENV)/.bytecode $(GPU_DIR)/.built
-	@[ "$(GPU)" != vulkan ] || bash packaging/vulkan_mesa.sh
 	$(GPU_LIB) $(GPU_ENV_$(GPU)) $(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
 
 gpu-check:
