@@ -188,8 +188,10 @@ def _model(name: str, request: pytest.FixtureRequest) -> Model:
 
 @pytest.fixture(scope="module")
 def warm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Warm:
-    request.getfixturevalue("device")  # the set fails where the build offers no device
+    device = request.getfixturevalue("device")  # the set fails where the build offers none
     name, offload = request.param
+    if name in CRASHES_LAVAPIPE and "llvmpipe" in device.description:
+        pytest.skip(CRASHES_LAVAPIPE[name])
     model = _model(name, request)
     made = Warm(
         model=model,
@@ -214,6 +216,13 @@ TINY = ("llama", "gemma3", "lfm2", "mamba2")
 # the real models, one offload each (minutes each on a software device)
 REAL = [pytest.param(("smollm2", "all"), id="smollm2-all")]
 REAL += [pytest.param(("gemma3-270m", "split"), id="gemma3-270m-split")]
+# Debian 12's Mesa (22.3) lavapipe dies in its own worker thread (SIGSEGV) in the first
+# one-token decode of Gemma 3 270M's prefill; Mesa 25 (bookworm-backports) does not
+# crash there but had not finished that prefill after nine minutes. The tiny gemma3 covers
+# sliding-window memory on lavapipe; Gemma 3 270M runs on a real device (make gpu-check).
+CRASHES_LAVAPIPE = {
+    "gemma3-270m": "Mesa 22.3's lavapipe crashes decoding Gemma 3 270M; run it on a GPU",
+}
 
 
 @pytest.mark.parametrize("warm", [*_cases(*TINY), *REAL], indirect=True)
