@@ -164,7 +164,10 @@ VULKAN_DEBS := mesa-vulkan-drivers libvulkan-dev glslc spirv-headers
 GPU_LIB := LLAMA_CPP_LIB_PATH=$(CURDIR)/$(GPU_DIR)/lib
 # ggml's Vulkan backend passes over devices of the CPU type (lavapipe) unless told
 # which to use: the first, unless GGML_VK_VISIBLE_DEVICES says otherwise.
-GPU_ENV_vulkan := GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES:-0}
+# On Debian 12 the set uses Mesa 25's lavapipe, unpacked under build/gpu/lavapipe
+# (packaging/lavapipe.sh: the system's Mesa 22.3 crashes in its worker thread).
+LAVAPIPE := build/gpu/lavapipe
+GPU_ENV_vulkan := GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES:-0} $$(cat $(LAVAPIPE)/env 2>/dev/null)
 
 $(GPU_DIR)/.built: | $(VENV)/bin/python
 	@test -n "$(GPU_CMAKE_$(GPU))" || { echo ">> GPU=$(GPU): say GPU=vulkan or GPU=cuda"; exit 1; }
@@ -184,7 +187,8 @@ gpu-build: $(GPU_DIR)/.built
 # The gpu set (pytest -m gpu): cache exactness with every layer and with some layers
 # on the device, and the identity between the CPU build and the device.
 gpu: $(VENV)/.dev $(VENV)/.bytecode $(GPU_DIR)/.built
-	$(GPU_LIB) $(GPU_ENV_$(GPU)) $(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
+	@[ "$(GPU)" != vulkan ] || bash packaging/lavapipe.sh $(LAVAPIPE)
+	env $(GPU_LIB) $(GPU_ENV_$(GPU)) $(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
 
 gpu-check:
 	bash benchmarks/gpu_check.sh
