@@ -73,6 +73,11 @@ tests_s=$((SECONDS - t))
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$LOG" | tail -1 | tr -d '=' | sed 's/^ *//;s/ *$//')
 [ "$tests_rc" = 0 ] || status=1
 
+# the lavapipe make gpu ran the set on (packaging/lavapipe.sh, Debian 12), for the bench too
+if [ "$GPU" = vulkan ] && [ -e build/gpu/lavapipe/env ]; then
+    export $(cat build/gpu/lavapipe/env)
+    stage "lavapipe: $(vulkaninfo --summary 2>/dev/null | sed -n 's/^[[:space:]]*driverInfo[[:space:]]*=[[:space:]]*//p' | head -1)"
+fi
 stage "the device bench at $SIZES tokens"
 t=$SECONDS
 command="GPU=$GPU GPU_CHECK_SIZES=$SIZES GPU_CHECK_REPEATS=$REPEATS"

@@ -121,10 +121,15 @@ class Identity:
         }
 
     def as_dict(self) -> dict[str, Any]:
+        """Every field, as stored beside the digest; a CPU identity leaves out ``offload``,
+        so its JSON is the one stored before devices were named (a store keeps one JSON
+        per digest)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = _plain(value)
+        if self.backend == "cpu" and not self.offload:
+            del out["offload"]
         return out
 
     @property
@@ -143,7 +148,12 @@ class Identity:
     def diff(self, other: Identity) -> list[str]:
         """Human-readable differences, e.g. ``["type_k: f16 → q8_0"]``."""
         a, b = self.as_dict(), other.as_dict()
-        return [f"{k}: {_show(a[k])} → {_show(b[k])}" for k in a if a[k] != b[k]]
+        keys = [*a, *(k for k in b if k not in a)]
+        return [
+            f"{k}: {_show(a.get(k, ''))} → {_show(b.get(k, ''))}"
+            for k in keys
+            if a.get(k, "") != b.get(k, "")
+        ]
 
 
 def _plain(value: Any) -> Any:

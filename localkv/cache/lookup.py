@@ -158,7 +158,7 @@ _OPTIONS = {"type_k": "--type-k", "type_v": "--type-v", "attn_threads": "--threa
 def _differing(theirs: Identity, ours: Identity) -> list[str]:
     """The identity fields whose values differ."""
     a, b = theirs.as_dict(), ours.as_dict()
-    return [k for k in a if a[k] != b.get(k)]
+    return [k for k in [*a, *(k for k in b if k not in a)] if a.get(k, "") != b.get(k, "")]
 
 
 def _options(store: SnapshotStore, digest: str, theirs: Identity, fields: list[str]) -> list[str]:
