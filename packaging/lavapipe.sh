@@ -14,18 +14,8 @@ dir=${1:?usage: lavapipe.sh DIR}
 [ -e "$dir/env" ] && exit 0
 grep -qs 'VERSION_CODENAME=bookworm' /etc/os-release || exit 0
 echo ">> Unpacking Mesa's lavapipe from bookworm-backports into $dir (Debian 12's crashes)." >&2
-apt_dir=$(mktemp -d)
-trap 'rm -rf "$apt_dir"' EXIT
-mkdir -p "$apt_dir/lists/partial"
-echo "deb http://deb.debian.org/debian bookworm-backports main" > "$apt_dir/sources.list"
-opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
-      -o "Dir::State::Lists=$apt_dir/lists" -o "APT::Get::List-Cleanup=0"
-      -o "APT::Sandbox::User=root")
-apt-get -qq "${opts[@]}" update >&2
-(cd "$apt_dir" && apt-get -qq "${opts[@]}" download \
-  mesa-vulkan-drivers mesa-libgallium libdrm2 libdrm-amdgpu1 >&2)
-rm -rf "$dir" && mkdir -p "$dir"
-for deb in "$apt_dir"/*.deb; do dpkg -x "$deb" "$dir/root"; done
+bash "$(dirname "$0")/debian_unpack.sh" bookworm-backports "$dir/root" \
+  mesa-vulkan-drivers mesa-libgallium libdrm2 libdrm-amdgpu1
 lib=$(cd "$(dirname "$(find "$dir/root/usr/lib" -name libvulkan_lvp.so | head -1)")" && pwd)
 sed "s|\"library_path\": *\"[^\"]*\"|\"library_path\": \"$lib/libvulkan_lvp.so\"|" \
   "$dir/root/usr/share/vulkan/icd.d/lvp_icd.json" > "$dir/lvp_icd.json"

@@ -15,16 +15,6 @@ fi
 if [ ! -e "$dir/usr/include/vulkan/vulkan_structs.hpp" ]; then
   echo ">> The system's Vulkan headers are older than llama.cpp's Vulkan backend needs:" >&2
   echo ">> unpacking Debian 13's libvulkan-dev headers into $dir." >&2
-  apt_dir=$(mktemp -d)
-  trap 'rm -rf "$apt_dir"' EXIT
-  mkdir -p "$apt_dir/lists/partial"
-  echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
-  opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
-        -o "Dir::State::Lists=$apt_dir/lists" -o "APT::Get::List-Cleanup=0"
-        -o "APT::Sandbox::User=root")
-  apt-get -qq "${opts[@]}" update >&2
-  (cd "$apt_dir" && apt-get -qq "${opts[@]}" download libvulkan-dev >&2)
-  rm -rf "$dir" && mkdir -p "$dir"
-  dpkg -x "$apt_dir"/libvulkan-dev_*.deb "$dir"
+  bash "$(dirname "$0")/debian_unpack.sh" trixie "$dir" libvulkan-dev
 fi
 echo "-DVulkan_INCLUDE_DIR=$(cd "$dir" && pwd)/usr/include"
