@@ -41,7 +41,8 @@ Say = Callable[[str], None]  # tells the user a line of the run's progress (``lo
 QUESTION = "What did Alice see run close by her?"
 
 
-def _first_token(session: ModelSession) -> int:
+def first_token(session: ModelSession) -> int:
+    """The greedy token after the session's last logits."""
     logits = session.last_logits
     if logits is None:
         raise RuntimeError("no logits after the last token")
@@ -147,7 +148,7 @@ class _SizeBench:
             self.session.reset()
             t0 = time.perf_counter()
             self.session.prefill(self.tokens, ends=self.ends)
-            first = _first_token(self.session)
+            first = first_token(self.session)
             times.append(time.perf_counter() - t0)
         return Stat.of(times), first
 
@@ -176,7 +177,7 @@ class _SizeBench:
     def _restore_timed(self) -> _Restored:
         t0 = time.perf_counter()
         result = self.cache.restore(self.session, self.tokens, self.ends)
-        first = _first_token(self.session) if result.reused == self.n else -1
+        first = first_token(self.session) if result.reused == self.n else -1
         seconds = time.perf_counter() - t0
         return _Restored(
             seconds=seconds,

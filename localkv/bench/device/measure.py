@@ -37,7 +37,7 @@ import numpy as np
 
 from localkv.bench.geometry.counters import io_now
 from localkv.bench.run import describe_machine, describe_model, load_average
-from localkv.bench.size import Say
+from localkv.bench.size import Say, first_token
 from localkv.bench.stats import Stat
 from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity, identity_of
@@ -106,13 +106,6 @@ class Length:
         return out
 
 
-def _first_token(session: ModelSession) -> int:
-    logits = session.last_logits
-    if logits is None:
-        raise RuntimeError("no logits after the last token")
-    return int(np.argmax(logits))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Restored:
     seconds: float
@@ -140,7 +133,7 @@ class _Length:
         self.session.reset()
         t0 = time.perf_counter()
         self.session.prefill(self.tokens, ends=self.ends)
-        first = _first_token(self.session)
+        first = first_token(self.session)
         return time.perf_counter() - t0, first
 
     def save(self, seconds_per_token: float) -> tuple[int, int]:
@@ -159,7 +152,7 @@ class _Length:
         result = self.cache.restore(self.session, self.tokens, self.ends)
         t1 = time.perf_counter()
         whole = result.reused == self.n
-        first = _first_token(self.session) if whole else -1
+        first = first_token(self.session) if whole else -1
         t2 = time.perf_counter()
         read = io_now() - before
         for fn in self.deferred:
