@@ -11,6 +11,9 @@ piece buffer: each piece's checksums are checked as it is read, its chain hashes
 before it is loaded, and it goes in after the pieces before it
 (``ModelSession.load_state(first=...)``, through the context's second
 sequence). The cells, and so the bits, are those a whole restore gives (tested).
+With transposed V (flash attention off) a piece's V rows are read token-major
+into a staging area of their own and go into llama.cpp's columns from there
+(``kv.columns``): one copy, not a copy back and forth in the state buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from localkv.cache.restore.verify import check_chain
 from localkv.kv import codec
+from localkv.kv.columns import to_columns
 from localkv.kv.layout import LayerLayout, state_size
 from localkv.model.session import ModelSession
 from localkv.model.state import large_buffer
@@ -113,16 +117,27 @@ def read_in_pieces(
             first=first,
             v_trans=v_trans,
         )
-        v_places = [token_rows(v, stop - first) for v in v_rows] if v_trans else v_rows
+        v_places = _staged(v_rows, stop - first) if v_trans else v_rows
         targets = fill_targets(group, layout, k_rows, v_places, n, spill=spill, first=first)
         got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel)
         if v_trans:
-            transpose_v(v_places, v_rows)
+            for rows, columns in zip(v_places, v_rows, strict=True):
+                to_columns(rows.view(columns.dtype), columns)
         parent = check_chain(parent, [g.row for g in group], got)
         tokens = np.concatenate([b.tokens for b in got])[: stop - first]
         session.load_state(buf, [int(t) for t in tokens], first=first)
         blocks.extend(got)
     return blocks
+
+
+def _staged(v_rows: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """Per layer, ``n`` token-major V rows in this thread's reused staging area."""
+    area = _staging(sum(v.nbytes for v in v_rows))
+    out, at = [], 0
+    for v in v_rows:
+        out.append(area[at : at + v.nbytes].reshape(n, -1))
+        at += v.nbytes
+    return out
 
 
 def fill_targets(  # noqa: PLR0913 - to take a value type
@@ -162,19 +177,21 @@ def token_rows(columns: np.ndarray, n: int) -> np.ndarray:
 
 
 def transpose_v(v_places: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
-    """Each layer's V rows, read token-major as stored, into llama.cpp's columns."""
+    """Each layer's V rows, read token-major as stored into the columns' own bytes
+    (``token_rows``), into llama.cpp's columns, through one layer's staging rows."""
     for rows, columns in zip(v_places, v_rows, strict=True):
         staged = _staging(rows.nbytes)[: rows.nbytes].reshape(rows.shape)
         staged[...] = rows
-        columns[...] = staged.view(columns.dtype).T
+        to_columns(staged.view(columns.dtype), columns)
 
 
 def _staging(nbytes: int) -> np.ndarray:
-    """This thread's reused rows for one layer's V on its way to being transposed.
+    """This thread's reused staging bytes for V rows on their way into columns.
 
-    One layer's, not the chain's: every page a fresh process touches costs a
-    page fault, and one that the host backs lazily (a virtual machine that
-    hands freed memory back, as here) costs more than the extra copy.
+    A piece's (at most ``PIECE_BYTES`` of rows), or one layer's for a whole
+    restore, not the chain's: every page a fresh process touches costs a page
+    fault, and one that the host backs lazily (a virtual machine that hands
+    freed memory back, as here) costs more than a copy.
     """
     if _PIECE.staged is None or _PIECE.staged.shape[0] < nbytes:
         _PIECE.staged = large_buffer(nbytes)
