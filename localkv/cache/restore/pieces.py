@@ -19,6 +19,7 @@ into a staging area of their own and go into llama.cpp's columns from there
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -87,7 +88,7 @@ def parallel_reads(session: ModelSession) -> bool:
     return session.threads.current > 1
 
 
-def read_in_pieces(
+def read_in_pieces(  # noqa: PLR0913 - to take a value type
     store: SnapshotStore,
     session: ModelSession,
     opened: list[OpenedBlock],
@@ -95,12 +96,18 @@ def read_in_pieces(
     v_trans: bool,
     *,
     parent: str,
+    spent: dict[str, float] | None = None,
 ) -> list[Block]:
     """Read and load the chain but its final token, a piece at a time; the blocks read.
 
     ``parent`` is the chain's root. The session holds the tokens loaded so far if a
     piece fails (``BlockCorrupt``, ``StateFormatError``); the caller empties it.
+    ``spent`` gets the seconds of two parts of the work: ``columns`` (V into llama.cpp's
+    columns) and ``load`` (the pieces into llama.cpp).
     """
+    spent = {} if spent is None else spent
+    spent.setdefault("columns", 0.0)
+    spent.setdefault("load", 0.0)
     n = opened[-1].row.end - 1
     per_token = sum(x[1] + x[3] for x in layout)
     spill = np.empty(per_token, dtype=np.uint8)
@@ -120,12 +127,17 @@ def read_in_pieces(
         v_places = _staged(v_rows, stop - first) if v_trans else v_rows
         targets = fill_targets(group, layout, k_rows, v_places, n, spill=spill, first=first)
         got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel)
+        t0 = time.perf_counter()
         if v_trans:
             for rows, columns in zip(v_places, v_rows, strict=True):
                 to_columns(rows.view(columns.dtype), columns)
+        t1 = time.perf_counter()
         parent = check_chain(parent, [g.row for g in group], got)
         tokens = np.concatenate([b.tokens for b in got])[: stop - first]
+        t2 = time.perf_counter()
         session.load_state(buf, [int(t) for t in tokens], first=first)
+        spent["columns"] += t1 - t0
+        spent["load"] += time.perf_counter() - t2
         blocks.extend(got)
     return blocks
 
