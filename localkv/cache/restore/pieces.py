@@ -13,13 +13,15 @@ before it is loaded, and it goes in after the pieces before it
 sequence). The cells, and so the bits, are those a whole restore gives (tested).
 With transposed V (flash attention off) a piece's V rows are read token-major
 into a staging area of their own and go into llama.cpp's columns from there
-(``kv.columns``): one copy, not a copy back and forth in the state buffer.
+(``kv.columns``), a block at a time on the thread that read it, while its rows
+are still in the CPU's cache.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -103,7 +105,8 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
     ``parent`` is the chain's root. The session holds the tokens loaded so far if a
     piece fails (``BlockCorrupt``, ``StateFormatError``); the caller empties it.
     ``spent`` gets the seconds of two parts of the work: ``columns`` (V into llama.cpp's
-    columns) and ``load`` (the pieces into llama.cpp).
+    columns, on the reader threads: summed over them) and ``load`` (the pieces into
+    llama.cpp).
     """
     spent = {} if spent is None else spent
     spent.setdefault("columns", 0.0)
@@ -126,20 +129,41 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
         )
         v_places = _staged(v_rows, stop - first) if v_trans else v_rows
         targets = fill_targets(group, layout, k_rows, v_places, n, spill=spill, first=first)
-        got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel)
-        t0 = time.perf_counter()
-        if v_trans:
-            for rows, columns in zip(v_places, v_rows, strict=True):
-                to_columns(rows.view(columns.dtype), columns)
-        t1 = time.perf_counter()
+        # a block's V rows go into the columns on its reader, while they are in the cache
+        took: list[float] = []  # appended on each reader: one list.append is atomic
+        then = _into_columns(group, v_places, v_rows, (first, n), took) if v_trans else None
+        got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel, then=then)
+        spent["columns"] += sum(took)
         parent = check_chain(parent, [g.row for g in group], got)
         tokens = np.concatenate([b.tokens for b in got])[: stop - first]
-        t2 = time.perf_counter()
+        t0 = time.perf_counter()
         session.load_state(buf, [int(t) for t in tokens], first=first)
-        spent["columns"] += t1 - t0
-        spent["load"] += time.perf_counter() - t2
+        spent["load"] += time.perf_counter() - t0
         blocks.extend(got)
     return blocks
+
+
+def _into_columns(
+    group: list[OpenedBlock],
+    v_places: list[np.ndarray],
+    v_rows: list[np.ndarray],
+    span: tuple[int, int],
+    took: list[float],
+) -> Callable[[int, Block], None]:
+    """For ``fill_blocks``' ``then``: block ``i``'s staged V rows (tokens below ``n``) into
+    llama.cpp's columns of a piece starting at token ``first``; each call's seconds are
+    appended to ``took``."""
+    first, n = span
+
+    def then(i: int, _block: Block) -> None:
+        t0 = time.perf_counter()
+        row = group[i].row
+        start, keep = row.start - first, max(0, min(row.end, n) - row.start)
+        for rows, columns in zip(v_places, v_rows, strict=True):
+            to_columns(rows[start : start + keep].view(columns.dtype), columns, start)
+        took.append(time.perf_counter() - t0)
+
+    return then
 
 
 def _staged(v_rows: list[np.ndarray], n: int) -> list[np.ndarray]:
