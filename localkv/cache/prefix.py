@@ -34,6 +34,7 @@ from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
 from localkv.cache.restore.ends import snapshot_cut
 from localkv.cache.restore.load import load_chain
+from localkv.cache.restore.probed import ProbedChains
 from localkv.cache.restore.verify import probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
 from localkv.kv import codec
@@ -117,6 +118,7 @@ class PrefixCache:
         self.damaged: str | None = None  # why the index cannot be used (IndexDamaged's line)
         self._index_id = _file_id(store.layout.index)
         self._writing: set[str] = set()  # prepared blocks whose write is queued
+        self._probed = ProbedChains()  # chains whose probe matched in this process
         if not store.read_only:
             store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
 
@@ -231,9 +233,10 @@ class PrefixCache:
             return self._miss(tokens, refusal, t0, plan.common)
         last = plan.chain[-1]
         spent: dict[str, float] = {}
+        probed = self._probed.matched(plan.chain)
         try:
-            stored_tokens = load_chain(
-                self.store, self.root, session, plan.chain, marks, spent=spent
+            stored_tokens, whole = load_chain(
+                self.store, self.root, session, plan.chain, marks, spent=spent, whole=probed
             )
         except (BlockCorrupt, codec.StateFormatError) as exc:
             session.reset()
@@ -242,10 +245,11 @@ class PrefixCache:
             kind = "corrupt block" if isinstance(exc, BlockCorrupt) else "unreadable state"
             reasons.append(f"{kind}: {getattr(exc, 'reason', exc)}")
             return None
-        if not probe_matches(session, last, stored_tokens):
+        if not whole and not probe_matches(session, last, stored_tokens):
             session.reset()
             self._quarantine(plan.chain[0].hash, "probe mismatch")
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
+        self._probed.add(plan.chain)
         session.truncate(reuse)
         marks.append(time.perf_counter())
         return self._hit(plan, reuse, (marks, spent), t0, list(tokens[:reuse]))

@@ -37,7 +37,7 @@ from localkv.storage.values import Block, BlockRow
 __all__ = ["load_chain"]
 
 
-def load_chain(
+def load_chain(  # noqa: PLR0913 - to take a value type
     store: SnapshotStore,
     root: str,
     session: ModelSession,
@@ -45,9 +45,13 @@ def load_chain(
     marks: list[float],
     *,
     spent: dict[str, float] | None = None,
-) -> np.ndarray:
-    """Read, check and load the chain minus its final token; return the stored tokens.
+    whole: bool = False,
+) -> tuple[np.ndarray, bool]:
+    """Read, check and load the chain minus its final token; return the stored tokens,
+    and whether the final token was loaded too.
 
+    ``whole`` asks to load the final token's rows as well (for a chain whose probe has
+    matched before): done where the chain is plain KV read in pieces, else not.
     ``marks`` gets the times the reads ended and the state was loaded; where pieces are
     loaded as they are read, ``spent`` gets the seconds of their loads (``load``) and of
     V going into llama.cpp's columns (``columns``), which ``marks`` counts as reading.
@@ -57,14 +61,16 @@ def load_chain(
     loaded = False  # read and loaded a piece at a time (``pieces``)
     try:
         if session.memory_kind == "swa":
+            whole = False
             blocks, window_state = read_window_chain(store, session, opened)
         elif (found := _in_pieces(session, opened)) is not None:
             layout, v_trans = found
             blocks = read_in_pieces(
-                store, session, opened, layout, v_trans, parent=root, spent=spent
+                store, session, opened, layout, v_trans, parent=root, spent=spent, whole=whole
             )
             loaded = True
         else:
+            whole = False  # read into one buffer: up to the probe token
             blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
         for block_file in opened:
@@ -73,7 +79,7 @@ def load_chain(
     if not loaded:  # (a piece's chain hashes are checked before it goes in)
         check_chain(root, chain, blocks)
     tokens = np.concatenate([b.tokens for b in blocks])
-    n = int(tokens.shape[0]) - 1
+    n = int(tokens.shape[0]) - (0 if whole else 1)
     held = [int(t) for t in tokens[:n]]
     if session.memory_kind == "swa":
         session.load_state(window_state, held)
@@ -92,7 +98,7 @@ def load_chain(
     # where the writer settled, ``schedule.settle_marks``)
     ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e <= n]
     session.batch_ends = ends if ends[-1:] == [n] else [*ends, n]
-    return tokens
+    return tokens, whole
 
 
 def _load_with_partial(

@@ -99,8 +99,10 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
     *,
     parent: str,
     spent: dict[str, float] | None = None,
+    whole: bool = False,
 ) -> list[Block]:
-    """Read and load the chain but its final token, a piece at a time; the blocks read.
+    """Read and load the chain but its final token (``whole``: with it), a piece at a
+    time; the blocks read.
 
     ``parent`` is the chain's root. The session holds the tokens loaded so far if a
     piece fails (``BlockCorrupt``, ``StateFormatError``); the caller empties it.
@@ -111,7 +113,7 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
     spent = {} if spent is None else spent
     spent.setdefault("columns", 0.0)
     spent.setdefault("load", 0.0)
-    n = opened[-1].row.end - 1
+    n = opened[-1].row.end - (0 if whole else 1)
     per_token = sum(x[1] + x[3] for x in layout)
     spill = np.empty(per_token, dtype=np.uint8)
     blocks: list[Block] = []
