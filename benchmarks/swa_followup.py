@@ -6,7 +6,9 @@ llama.cpp's own server (llama-server), on a sliding-window model (Gemma 3 270M).
 
 Both servers run at once with the same model, context, threads and chat format
 (``gemma``: the model's GGUF has no template, and localkv chooses that format for
-it too), llama-server with its default flags otherwise. Two scenes, each request a
+it too; llama-server gets ``--no-jinja``, without which it would render every
+prompt as the word "gemma"), llama-server with its default flags otherwise. Two
+scenes, each request a
 streamed chat completion (greedy, 8 tokens) whose time to first content chunk is
 measured by the client:
 
@@ -16,11 +18,12 @@ measured by the client:
 - ``alternate``: two documents of that size as system prompts, each asked a new
   question in turn (A, B, A, B, ...; the first two are warm-ups).
 
-Each run sends one request of each scene to each server, the servers interleaved,
-and the load average is read before every run. Without ``--llama-server``, the
-binary at ``LLAMA_SERVER`` runs (none: ``--localkv-only``). localkv's replies carry
-how many prompt tokens it reused and from where; the table prints them beside the
-median times.
+Each scene starts its own servers (a fresh cache); each run sends one request to each
+server, the servers interleaved, and the load average is read before every run.
+Without ``--llama-server``, the binary at ``LLAMA_SERVER`` runs (none:
+``--localkv-only``). The table prints, beside the median times, each server's prompt
+tokens and cached tokens as its usage says (the same prompts: the same work), and
+where localkv's reused tokens came from.
 
 ``measure(...)`` is the function behind the command: it returns the results as a
 dict (what ``--write-json`` writes) for a page generator to call.
@@ -99,6 +102,7 @@ class Peer:
             "temperature": 0,
             "max_tokens": 8,
             "stream": True,
+            "stream_options": {"include_usage": True},
             "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": question},
@@ -117,6 +121,10 @@ class Peer:
                 if not first and delta.get("content"):
                     first = time.perf_counter() - t0
                 extra = chunk.get("localkv", extra)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    extra = {**extra, "prompt_tokens": usage["prompt_tokens"], "cached": cached}
         return first, extra
 
 
@@ -137,7 +145,9 @@ def commands(model: Path, threads: int, ctx: int, llama_server: Path | None) -> 
         "localkv": ([*localkv, "--ctx", str(ctx), "--threads", str(threads)], "/health")
     }
     if llama_server is not None:
-        peer = [str(llama_server), "-m", str(model), *fmt, "--host", "127.0.0.1"]
+        # --no-jinja: the built-in format named; with Jinja on (its default) llama-server
+        # would take "gemma" as a template's text and render every prompt as that word
+        peer = [str(llama_server), "-m", str(model), "--no-jinja", *fmt, "--host", "127.0.0.1"]
         out["llama-server"] = ([*peer, "-c", str(ctx), "-t", str(threads)], "/health")
     return out
 
@@ -151,38 +161,37 @@ def measure(
     runs: int = 5,
     llama_server: Path | None = None,
 ) -> dict[str, Any]:
-    """Run both scenes on each server; the times (s), localkv's reuse and the loads."""
+    """Run each scene on fresh servers; the times (s), each request's usage and the loads."""
     system, doc_a, doc_b = documents(model, n_tokens, 3)
-    work = Path(tempfile.mkdtemp(prefix="lkv-swafollow-"))
-    times: dict[str, dict[str, list[float]]] = {}
-    reuse: dict[str, list[dict[str, Any]]] = {"followup": [], "alternate": []}
+    servers = commands(model, threads, ctx, llama_server)
+    times: dict[str, dict[str, list[float]]] = {kind: {} for kind in servers}
+    requests: dict[str, list[dict[str, Any]]] = {}
     loads: list[float] = []
-    try:
-        with ExitStack() as stack:
-            peers = [
-                stack.enter_context(started(kind, cmd, work, health))
-                for kind, (cmd, health) in commands(model, threads, ctx, llama_server).items()
-            ]
-            for peer in peers:  # warm-ups: the system prompt and both documents computed
-                peer.ask(system, QUESTIONS[-1])
-                peer.ask(doc_a, QUESTIONS[-2])
-                peer.ask(doc_b, QUESTIONS[-3])
-                times[peer.kind] = {"followup": [], "alternate": []}
-            for run in range(runs):
-                loads.append(os.getloadavg()[0])
+    scenes = {  # the warm-up prompts, then the prompt of each run
+        "followup": ([system], [system] * runs),
+        "alternate": ([doc_a, doc_b], [(doc_a, doc_b)[run % 2] for run in range(runs)]),
+    }
+    for scene, (warm, prompts) in scenes.items():
+        work = Path(tempfile.mkdtemp(prefix="lkv-swafollow-"))
+        requests[scene] = []
+        try:
+            with ExitStack() as stack:
+                peers = [
+                    stack.enter_context(started(kind, cmd, work, health))
+                    for kind, (cmd, health) in servers.items()
+                ]
                 for peer in peers:
-                    t, info = peer.ask(system, QUESTIONS[run % 9])
-                    times[peer.kind]["followup"].append(t)
-                    if peer.kind == "localkv":
-                        reuse["followup"].append(info)
-                for peer in peers:
-                    doc = doc_a if run % 2 == 0 else doc_b
-                    t, info = peer.ask(doc, QUESTIONS[run % 9])
-                    times[peer.kind]["alternate"].append(t)
-                    if peer.kind == "localkv":
-                        reuse["alternate"].append(info)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                    for i, text in enumerate(warm):
+                        peer.ask(text, QUESTIONS[-1 - i])
+                    times[peer.kind][scene] = []
+                for run, text in enumerate(prompts):
+                    loads.append(os.getloadavg()[0])
+                    for peer in peers:  # the servers interleaved
+                        t, info = peer.ask(text, QUESTIONS[run % 9])
+                        times[peer.kind][scene].append(t)
+                        requests[scene].append({"server": peer.kind, "run": run, **info})
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return {
         "model": str(model),
         "threads": threads,
@@ -191,18 +200,18 @@ def measure(
         "runs": runs,
         "load_1min": loads,
         "seconds": times,
-        "localkv_reuse": reuse,
+        "requests": requests,
     }
 
 
 def table(result: dict[str, Any]) -> str:
     """The medians, the ratio to llama-server and localkv's reuse, as text."""
-    times, reuse = result["seconds"], result["localkv_reuse"]
+    times, reuse = result["seconds"], result["requests"]
     lines = [
         f"model {Path(result['model']).name}, ~{result['tokens']:,} tokens, n_ctx "
         f"{result['ctx']}, {result['threads']} threads, {result['runs']} runs; load "
         + ", ".join(f"{x:.2f}" for x in result["load_1min"]),
-        f"{'scene':<10} {'server':<13} {'median TTFT':>12} {'ratio':>6}  localkv reuse",
+        f"{'scene':<10} {'server':<13} {'median TTFT':>12} {'ratio':>6}  prompt tokens, reused",
     ]
     for scene in ("followup", "alternate"):
         base = times.get("llama-server", {}).get(scene)
@@ -210,11 +219,14 @@ def table(result: dict[str, Any]) -> str:
             med = statistics.median(by_scene[scene])
             ratio = f"{med / statistics.median(base):.2f}x" if base else ""
             info = ""
+            mine = [r for r in reuse[scene] if r["server"] == kind]
+            prompt = sorted({r.get("prompt_tokens") for r in mine}, key=str)
+            cached = sorted({r.get("cached") for r in mine}, key=str)
+            info = f"prompt {prompt}, cached {cached}"
             if kind == "localkv":
-                cached = [r.get("cached_tokens") for r in reuse[scene]]
-                sources = sorted({str(r.get("source")) for r in reuse[scene]})
-                restore = statistics.median(float(r.get("restore_ms") or 0) for r in reuse[scene])
-                info = f"cached {cached}, from {'/'.join(sources)}, restore {restore:.0f}ms"
+                sources = sorted({str(r.get("source")) for r in mine})
+                restore = statistics.median(float(r.get("restore_ms") or 0) for r in mine)
+                info += f", from {'/'.join(sources)}, restore {restore:.0f}ms"
             lines.append(f"{scene:<10} {kind:<13} {med * 1000:>10.0f}ms {ratio:>6}  {info}")
     return "\n".join(lines)
 
