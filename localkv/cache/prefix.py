@@ -230,8 +230,11 @@ class PrefixCache:
         if refusal is not None:  # memory with a partial part: restore at a snapshot only
             return self._miss(tokens, refusal, t0, plan.common)
         last = plan.chain[-1]
+        spent: dict[str, float] = {}
         try:
-            stored_tokens = load_chain(self.store, self.root, session, plan.chain, marks)
+            stored_tokens = load_chain(
+                self.store, self.root, session, plan.chain, marks, spent=spent
+            )
         except (BlockCorrupt, codec.StateFormatError) as exc:
             session.reset()
             bad = exc.block_hash if isinstance(exc, BlockCorrupt) else None
@@ -245,7 +248,7 @@ class PrefixCache:
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         session.truncate(reuse)
         marks.append(time.perf_counter())
-        return self._hit(plan, reuse, marks, t0, list(tokens[:reuse]))
+        return self._hit(plan, reuse, (marks, spent), t0, list(tokens[:reuse]))
 
     def _usable(
         self, plan: Plan, tokens: Sequence[int], n_ctx: int, reasons: list[str]
@@ -271,9 +274,15 @@ class PrefixCache:
         return reuse, None
 
     def _hit(
-        self, plan: Plan, reuse: int, marks: list[float], t0: float, prefix: list[int]
+        self,
+        plan: Plan,
+        reuse: int,
+        timed: tuple[list[float], dict[str, float]],
+        t0: float,
+        prefix: list[int],
     ) -> RestoreResult:
-        """A verified restore of ``reuse`` tokens (``prefix``).
+        """A verified restore of ``reuse`` tokens (``prefix``); ``timed``: ``load_chain``'s
+        marks and the parts of its reading it timed (``_steps``).
 
         The time it saved is what the stored blocks cost to compute (their
         ``prefill_seconds``, pro rata where the reuse ends inside one): one
@@ -291,7 +300,8 @@ class PrefixCache:
             self.store.record_event("hit", None, reuse, saved, self.namespace, snapshot=named)
 
         self.defer(bookkeeping)
-        steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
+        marks = timed[0]
+        steps = _steps(marks, timed[1])
         seconds = marks[-1] - t0
         return RestoreResult(
             reused=reuse,
@@ -408,3 +418,17 @@ def open_prefix_cache(
     except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
         store.close()
         return None, f"cache unavailable: {exc}"
+
+
+def _steps(marks: list[float], spent: dict[str, float]) -> dict[str, float]:
+    """A restore's seconds by step: ``lookup``, ``read`` (and hash), ``load`` (into
+    llama.cpp), ``probe``, from ``marks``; where pieces were loaded as they were read
+    (``spent``), their loads move from ``read`` to ``load``, and ``columns`` (V into
+    llama.cpp's columns, part of ``read``) is told apart."""
+    steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
+    loaded = spent.get("load", 0.0)
+    steps["read"] -= loaded
+    steps["load"] += loaded
+    if "columns" in spent:
+        steps["columns"] = spent["columns"]
+    return steps

@@ -43,8 +43,15 @@ def load_chain(
     session: ModelSession,
     chain: list[BlockRow],
     marks: list[float],
+    *,
+    spent: dict[str, float] | None = None,
 ) -> np.ndarray:
-    """Read, check and load the chain minus its final token; return the stored tokens."""
+    """Read, check and load the chain minus its final token; return the stored tokens.
+
+    ``marks`` gets the times the reads ended and the state was loaded; where pieces are
+    loaded as they are read, ``spent`` gets the seconds of their loads (``load``) and of
+    V going into llama.cpp's columns (``columns``), which ``marks`` counts as reading.
+    """
     opened = store.open_blocks(chain)
     tip_rows = buffer = None
     loaded = False  # read and loaded a piece at a time (``pieces``)
@@ -53,7 +60,9 @@ def load_chain(
             blocks, window_state = read_window_chain(store, session, opened)
         elif (found := _in_pieces(session, opened)) is not None:
             layout, v_trans = found
-            blocks = read_in_pieces(store, session, opened, layout, v_trans, parent=root)
+            blocks = read_in_pieces(
+                store, session, opened, layout, v_trans, parent=root, spent=spent
+            )
             loaded = True
         else:
             blocks, buffer, tip_rows = _read(store, session, opened)
