@@ -17,6 +17,7 @@ from localkv.bench.stats import ColdStat, PeakMemory, Stat
 from localkv.model.session import SessionConfig
 
 __all__ = [
+    "COLUMNS",
     "RESTORE",
     "STEPS",
     "AskResult",
@@ -27,6 +28,9 @@ __all__ = [
 
 STEPS = ("lookup", "read", "load", "probe")
 RESTORE = "restore"  # lookup + read + load: the state in place, not yet verified by the probe
+# of the read step: V into llama.cpp's columns (flash attention off; on the reader threads,
+# summed over them), from ``RestoreResult.breakdown``
+COLUMNS = "columns"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

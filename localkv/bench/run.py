@@ -41,7 +41,7 @@ from pathlib import Path
 from localkv.bench.baselines import DiskCacheBench
 from localkv.bench.disk import EVICTION_AVAILABLE, IN_MEMORY_FILE_SYSTEMS, file_system
 from localkv.bench.lookup import bench_lookup
-from localkv.bench.results import RESTORE, STEPS, BenchConfig, BenchResult, SizeResult
+from localkv.bench.results import COLUMNS, RESTORE, STEPS, BenchConfig, BenchResult, SizeResult
 from localkv.bench.size import Say, bench_size
 from localkv.bench.stats import ColdStat
 from localkv.bench.text import prompt_tokens
@@ -51,8 +51,9 @@ from localkv.model.session import ModelSession
 from localkv.storage.filehash import FileHasher
 from localkv.storage.formats import q6
 
-# RESTORE, STEPS and prompt_tokens are imported from here too (the tests)
+# COLUMNS, RESTORE, STEPS and prompt_tokens are imported from here too (the tests)
 __all__ = [
+    "COLUMNS",
     "RESTORE",
     "STEPS",
     "BenchConfig",

@@ -21,7 +21,7 @@ import numpy as np
 from localkv.bench import baselines as base
 from localkv.bench import codecs as benchcodecs
 from localkv.bench.disk import cold_call, unread_bytes
-from localkv.bench.results import RESTORE, STEPS, AskResult, BenchConfig, SizeResult
+from localkv.bench.results import COLUMNS, RESTORE, STEPS, AskResult, BenchConfig, SizeResult
 from localkv.bench.stats import ColdStat, PeakMemory, Stat, peak_memory, timed
 from localkv.bench.text import prompt_tokens
 from localkv.cache.identity import Identity
@@ -212,7 +212,7 @@ class _SizeBench:
         for _ in range(self.cfg.repeats):
             loads.append(files.timed_load())
             runs.append(self._restore_once())
-        steps = {s: Stat.of([r.steps.get(s, 0.0) for r in runs]) for s in STEPS}
+        steps = {s: Stat.of([r.steps.get(s, 0.0) for r in runs]) for s in (*STEPS, COLUMNS)}
         # the state restored, before the probe decode: what llama.cpp's load_file does
         restores = [sum(r.steps.get(s, 0.0) for s in STEPS[:3]) for r in runs]
         steps[RESTORE] = Stat.of(restores)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from localkv.bench.codecs import EncodingResult
 from localkv.bench.encodings import ENCODINGS
-from localkv.bench.results import RESTORE, STEPS, BenchResult, SizeResult
+from localkv.bench.results import COLUMNS, RESTORE, STEPS, BenchResult, SizeResult
 from localkv.bench.stats import ColdStat, Stat
 
 __all__ = [
@@ -173,6 +173,7 @@ CELLS: list[tuple[str, Cell]] = [
     ("cold TTFT (prefill + first token)", lambda s: fmt_stat(s.cold_ttft)),
     ("warm TTFT (verified restore + first token)", lambda s: fmt_stat(s.warm_ttft)),
     *[(f"  warm: {k}", _step(k)) for k in STEPS],
+    ("    of read: V into llama.cpp's columns (reader threads, summed)", _step(COLUMNS)),
     ("  warm: restore without the probe (lookup + read + load)", _step(RESTORE)),
     ("warm TTFT, block files not in page cache", lambda s: fmt_cold(s.warm_evicted)),
     ("llama.cpp-file TTFT (load N-1, decode 1)", lambda s: fmt_stat(s.llama_file.ttft)),

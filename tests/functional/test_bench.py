@@ -24,6 +24,7 @@ from localkv.bench import report as benchreport
 from localkv.bench import run as benchrun
 from localkv.bench.baselines import ColdStat, Stat
 from localkv.bench.run import (
+    COLUMNS,
     RESTORE,
     STEPS,
     BenchConfig,
@@ -108,10 +109,10 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             *s.compact_steps.values(),
         ]
         assert all(_positive(st) for st in stats)
-        assert set(s.compact_steps) == {*STEPS, RESTORE}
+        assert set(s.compact_steps) == {*STEPS, COLUMNS, RESTORE}
         # the tiny model's f16 K/V: the compact blocks are smaller than the plain ones
         assert 0 < s.compact_bytes < s.stored_bytes
-        assert set(s.warm_steps) == {*STEPS, RESTORE}
+        assert set(s.warm_steps) == {*STEPS, COLUMNS, RESTORE}
         assert s.warm_verified and s.first_token_agrees
         assert s.blocks == -(-s.tokens // result.config.block_size)
         assert s.stored_bytes > 0 and 0 < s.raw_bytes < s.llama_file.file_bytes + 1024
@@ -244,7 +245,7 @@ def test_json_markdown_and_chart_hold_the_figures(result: BenchResult, tmp_path:
     first = data["sizes"][0]
     assert first["tokens"] == 64
     assert first["cold_ttft_s"]["median"] == result.sizes[0].cold_ttft.median
-    assert set(first["warm_steps_s"]) == {*STEPS, RESTORE}
+    assert set(first["warm_steps_s"]) == {*STEPS, COLUMNS, RESTORE}
     assert first["llama_disk_cache"]["bytes"] == result.sizes[0].disk_cache.disk_bytes
     paired = first["compact"]["restore_over_load_file_paired"]
     assert paired["median"] == result.sizes[0].compact_over_load_file.median
