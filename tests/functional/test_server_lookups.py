@@ -1,0 +1,79 @@
+"""How often a server request looks its prompt up in the disk cache's index.
+
+The first request after a restart (nothing in the live context) is restored
+from the disk with one lookup: the restore's own. Counted in lookups, never timed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from support.tinymodels import TinyModels, tiny_config
+
+from localkv.prompt.template import Message
+from localkv.runtime import Runtime
+from localkv.server.engine import Engine
+from localkv.server.requests import ChatRequest, Outcome, Sampling
+
+
+class Client:
+    """A client that stays for the whole answer."""
+
+    def __init__(self) -> None:
+        self.arrived = time.perf_counter()
+
+    def started(self) -> None:
+        pass
+
+    def text(self, piece: str) -> None:
+        pass
+
+    def reasoning(self, piece: str) -> None:
+        pass
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def _request(system: str, question: str) -> ChatRequest:
+    sampling = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_tokens=4, stop=())
+    messages = (Message("system", system), Message("user", question))
+    return ChatRequest(messages=messages, sampling=sampling, stream=True, include_usage=True)
+
+
+def _counting_lookups(rt: Runtime) -> list[int]:
+    """The length of each prompt ``rt``'s cache plans a restore for (the real lookup runs)."""
+    cache = rt.cache
+    assert cache is not None
+    lookups: list[int] = []
+    plan: Callable[..., Any] = cache.plan
+
+    def counted(tokens: Sequence[int], ends: Sequence[int]) -> Any:
+        lookups.append(len(tokens))
+        return plan(tokens, ends)
+
+    cache.plan = counted  # type: ignore[method-assign]
+    return lookups
+
+
+def _chat(rt: Runtime, request: ChatRequest) -> Outcome:
+    return Engine(rt).chat(request, Client())
+
+
+def test_the_first_request_after_a_restart_looks_its_prompt_up_once(
+    tiny_models: TinyModels, tmp_path: Path, long_text: str
+) -> None:
+    request = _request(long_text[:6000], "Who is tired?")
+    config = tiny_config(tiny_models.base, n_ctx=4096)
+    with Runtime(config, cache_dir=tmp_path) as rt:  # the server before its restart
+        first = _chat(rt, request)
+    assert first.source == "none"
+    with Runtime(config, cache_dir=tmp_path) as rt:  # restarted: the live context is empty
+        lookups = _counting_lookups(rt)
+        after = _chat(rt, request)
+    assert after.source == "disk"
+    assert after.cached_tokens >= after.prompt_tokens - 1
+    assert lookups == [after.prompt_tokens]
