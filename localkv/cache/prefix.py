@@ -233,7 +233,9 @@ class PrefixCache:
             return self._miss(tokens, refusal, t0, plan.common)
         last = plan.chain[-1]
         spent: dict[str, float] = {}
-        probed = self._probed.matched(plan.chain)
+        # probed before: load the final token's rows, unless its logits are the request's
+        # last ones (a request ending where the chain ends), which the probe decodes
+        probed = reuse < len(tokens) and self._probed.matched(plan.chain)
         try:
             stored_tokens, whole = load_chain(
                 self.store, self.root, session, plan.chain, marks, spent=spent, whole=probed

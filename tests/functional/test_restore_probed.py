@@ -94,6 +94,26 @@ def _bits(pair: tuple[bytes, np.ndarray]) -> tuple[bytes, bytes]:
     return pair[0], pair[1].tobytes()
 
 
+def test_a_request_ending_where_the_chain_ends_gets_its_logits_from_the_probe(
+    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK)
+    tokens = _tokens(3 * BLOCK + 4, seed=14)
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        expected = rt.session.last_logits
+        assert rt.cache is not None and expected is not None
+        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
+        ends = rt.session.schedule(len(tokens), [len(tokens)])
+        for _ in range(2):  # the second time, the chain was probed before
+            rt.session.reset()
+            with _counted(monkeypatch) as decodes:
+                result = rt.cache.restore(rt.session, tokens, ends)
+            assert result.reused == len(tokens) and decodes == [1]  # the probe
+            logits = rt.session.last_logits
+            assert logits is not None and np.array_equal(logits, expected)
+
+
 def test_a_new_process_probes_again(
     tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -47,30 +47,26 @@ def load_chain(  # noqa: PLR0913 - to take a value type
     spent: dict[str, float] | None = None,
     whole: bool = False,
 ) -> tuple[np.ndarray, bool]:
-    """Read, check and load the chain minus its final token; return the stored tokens,
-    and whether the final token was loaded too.
-
-    ``whole`` asks to load the final token's rows as well (for a chain whose probe has
-    matched before): done where the chain is plain KV read in pieces, else not.
-    ``marks`` gets the times the reads ended and the state was loaded; where pieces are
-    loaded as they are read, ``spent`` gets the seconds of their loads (``load``) and of
-    V going into llama.cpp's columns (``columns``), which ``marks`` counts as reading.
-    """
+    """Read, check and load the chain minus its final token; the stored tokens, and
+    whether the final token's rows were loaded too (``whole`` asks for it, for a chain
+    whose probe matched before: done for plain KV read in pieces). ``marks`` gets the
+    times the reads ended and the state was loaded; ``spent``, where pieces load as they
+    are read, their loads' seconds (``load``) and V's into columns (``columns``)."""
     opened = store.open_blocks(chain)
     tip_rows = buffer = None
     loaded = False  # read and loaded a piece at a time (``pieces``)
     try:
+        found = _in_pieces(session, opened) if session.memory_kind != "swa" else None
+        whole = whole and found is not None  # else read up to the probe token
         if session.memory_kind == "swa":
-            whole = False
             blocks, window_state = read_window_chain(store, session, opened)
-        elif (found := _in_pieces(session, opened)) is not None:
+        elif found is not None:
             layout, v_trans = found
             blocks = read_in_pieces(
                 store, session, opened, layout, v_trans, parent=root, spent=spent, whole=whole
             )
             loaded = True
         else:
-            whole = False  # read into one buffer: up to the probe token
             blocks, buffer, tip_rows = _read(store, session, opened)
     finally:
         for block_file in opened:
