@@ -84,7 +84,11 @@ def plan_chain(  # noqa: PLR0913 - to take a value type
             common = max(common, n)
             if whole_blocks and (reuse < child.end or not child.end_state):
                 continue
-            if reuse > best_reuse:
+            # of children that reuse as much, the shortest: less to read, and one that
+            # ends where the reuse ends is restored without a token cut off again
+            if reuse > best_reuse or (
+                best is not None and reuse == best_reuse < best.end and child.end < best.end
+            ):
                 best, best_reuse = child, reuse
     if best is not None:
         chain.append(best)

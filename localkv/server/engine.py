@@ -251,7 +251,8 @@ class Engine:
         diverged = common if common < min(len(live), n) else None
         ends = chat.schedule()
         keep = shared_end(session.batch_ends, ends, min(common, n - 1)) if common else 0
-        if keep < n - 1 and self._on_disk(prompt, ends) > keep:
+        # with nothing live to keep, the sync's restore looks the prompt up itself (once)
+        if 0 < keep < n - 1 and self._on_disk(prompt, ends) > keep:
             session.reset()  # the disk holds more of this prompt than the live context
         elif 0 < keep < len(live):
             session.truncate(keep)
