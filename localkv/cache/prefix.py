@@ -34,6 +34,7 @@ from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
 from localkv.cache.restore.ends import snapshot_cut
 from localkv.cache.restore.load import load_chain
+from localkv.cache.restore.pieces import prepare_buffers
 from localkv.cache.restore.probed import ProbedChains
 from localkv.cache.restore.verify import probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
@@ -158,6 +159,12 @@ class PrefixCache:
             namespace=self.namespace,
             block_size=self.block_size,
         )
+
+    def prepare_restores(self, session: ModelSession) -> int:
+        """Make this thread's restore buffers ready now (``pieces.prepare_buffers``), for a
+        process that serves many requests: its first restore then faults in no page of
+        them. The bytes made ready."""
+        return prepare_buffers(session)
 
     # ---------------------------------------------------------------- lookup
     def plan(self, tokens: Sequence[int], ends: Sequence[int]) -> Plan:

@@ -307,7 +307,15 @@ def _worker(
     max_tokens = limits.max_tokens or None
 
     def open_engine() -> Engine:
-        return Engine(open_runtime(opts), max_tokens=max_tokens)
+        runtime = open_runtime(opts)
+        # on the model thread, which restores: the first request after a start then
+        # faults in no page of the restore's buffers
+        ready = runtime.prepare_restores()
+        if ready:
+            logging.getLogger("localkv.server").info(
+                "restore buffers ready: %.1f MiB", ready / (1 << 20)
+            )
+        return Engine(runtime, max_tokens=max_tokens)
 
     wait_s = limits.queue_wait or None
     return ModelWorker(open_engine, limits.queue, on_failure, limits.stop_grace, wait_s)

@@ -126,6 +126,11 @@ class Runtime:
         if self.cache_error:  # info: the faces say it once (the CLI's cache line or warning)
             log.info("%s; continuing without the cache", self.cache_error)
 
+    def prepare_restores(self) -> int:
+        """Make this thread's restore buffers ready (``PrefixCache.prepare_restores``): for
+        a server, on its model thread before it is ready. The bytes made ready."""
+        return self.cache.prepare_restores(self.session) if self.cache is not None else 0
+
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Finish pending saves, then free the store and the model (idempotent)."""

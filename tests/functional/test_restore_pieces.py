@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.tinyarch import build
 from support.tinymodels import TinyModels, tiny_config
 
 from localkv.cache.restore import pieces
@@ -199,3 +200,33 @@ def test_a_restore_in_pieces_tells_its_loads_and_columns_apart(
     # columns is a part of reading: the four steps still add up to the restore
     four = steps["lookup"] + steps["read"] + steps["load"] + steps["probe"]
     assert four <= result.seconds
+
+
+def test_buffers_made_ready_are_the_ones_a_restore_uses(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK, flash_attn="off")
+    tokens = _tokens(12 * BLOCK + 5, seed=6)
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        assert rt.cache is not None
+        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
+        pieces._PIECE.buffer = pieces._PIECE.staged = None  # as in a fresh thread
+        assert rt.prepare_restores() > 0
+        buffer, staged = pieces._PIECE.buffer, pieces._PIECE.staged
+        assert buffer is not None and staged is not None
+        reused, _, _ = _restored(rt, [*tokens, 7], len(tokens))
+        assert reused == len(tokens)
+        # the restore grew neither: it used the pages made ready
+        assert pieces._PIECE.buffer is buffer and pieces._PIECE.staged is staged
+
+
+def test_no_buffers_are_made_for_memory_restored_otherwise(
+    tiny_models: TinyModels, tmp_path: Path, default_model_path: Path
+) -> None:
+    gemma3 = build(tmp_path / "gemma3.gguf", "gemma3", default_model_path)
+    with Runtime(tiny_config(gemma3), cache_dir=tmp_path / "cache") as rt:
+        assert rt.session.memory_kind == "swa"
+        assert rt.prepare_restores() == 0
+    with Runtime(tiny_config(tiny_models.base), use_cache=False) as rt:
+        assert rt.prepare_restores() == 0

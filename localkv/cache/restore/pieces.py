@@ -29,6 +29,7 @@ from localkv.cache.restore.verify import check_chain
 from localkv.kv import codec
 from localkv.kv.columns import to_columns
 from localkv.kv.layout import LayerLayout, state_size
+from localkv.model.loading import kv_bytes_per_token
 from localkv.model.session import ModelSession
 from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
@@ -39,6 +40,7 @@ __all__ = [
     "PIECE_BYTES",
     "fill_targets",
     "groups",
+    "prepare_buffers",
     "read_in_pieces",
     "token_rows",
     "transpose_v",
@@ -77,6 +79,41 @@ def _buffer(nbytes: int) -> np.ndarray:
     if _PIECE.buffer is None or _PIECE.buffer.shape[0] < nbytes:
         _PIECE.buffer = large_buffer(nbytes)
     return _PIECE.buffer
+
+
+def prepare_buffers(session: ModelSession) -> int:
+    """Make this thread's piece buffer and V staging as large as a restore into ``session``
+    needs, and touch every page of them; the bytes made ready (0: it restores otherwise).
+
+    A fresh process's first restore would otherwise fault in every page of them as it
+    copies into them (on a machine whose host backs fresh memory lazily, as here, slower
+    than reading the blocks): a server calls this on its model thread before it says it
+    is ready. The sizes are an upper bound from the model's K/V bytes per token (a
+    restore that needs more grows the buffers as before).
+    """
+    if session.memory_kind != "kv" or not session.in_pieces:
+        return 0
+    per_token = max(1, kv_bytes_per_token(session.config, session.model))
+    block = session.config.block_size
+    tokens = min(session.n_ctx, max(PIECE_BYTES // per_token, block) + block)
+    rows = tokens * per_token
+    # the state's other fields: a cell, and per layer a few header words
+    size = rows + tokens * _CELL_BOUND + _HEADER_BOUND
+    ready = _touch(_buffer(size))
+    if session.flash_attn_setting() != "on":  # V may be transposed: staged on its way
+        ready += _touch(_staging(rows // 2 + _HEADER_BOUND))
+    return ready
+
+
+_CELL_BOUND = 64  # bytes of a cell's fields in a state, at most (``kv.layout``)
+_HEADER_BOUND = 1 << 16
+_PAGE = 4096
+
+
+def _touch(buf: np.ndarray) -> int:
+    """Write to every page of ``buf`` (its first use: the pages are faulted in now)."""
+    buf[::_PAGE] = 0
+    return int(buf.shape[0])
 
 
 def parallel_reads(session: ModelSession) -> bool:
