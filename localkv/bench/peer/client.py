@@ -55,9 +55,11 @@ class Reply:
         if self.timings:  # llama-server: its own prefill and decode, and the tokens it reused
             keys = ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_per_second")
             out["server"] = {k: self.timings[k] for k in keys if k in self.timings}
+            out["server_prefill_s"] = float(self.timings.get("prompt_ms", 0.0)) / 1000
         if self.localkv:
             keys = ("cached_tokens", "source", "verified", "restore_ms", "ttft_ms")
             out["server"] = {k: self.localkv[k] for k in keys if k in self.localkv}
+            out["server_prefill_s"] = float(self.localkv.get("ttft_ms", 0.0)) / 1000
         return out
 
 
@@ -65,6 +67,7 @@ class Reply:
 class _Read:
     ttft_s: float = 0.0
     last_s: float = 0.0
+    chunks: int = 0  # chunks with content
     text: str = ""
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +79,7 @@ class _Read:
             if content:
                 self.ttft_s = self.ttft_s or now
                 self.last_s = now
+                self.chunks += 1
                 self.text += content
         self.usage = chunk.get("usage") or self.usage
         self.timings = chunk.get("timings") or self.timings
@@ -113,7 +117,9 @@ def stream_chat(
     return Reply(
         ttft_s=read.ttft_s,
         last_s=read.last_s,
-        completion_tokens=int(read.usage.get("completion_tokens", 0)),
+        completion_tokens=int(
+            read.usage.get("completion_tokens") or read.timings.get("predicted_n") or read.chunks
+        ),
         prompt_tokens=int(read.usage.get("prompt_tokens", 0)),
         text=read.text,
         timings=read.timings,

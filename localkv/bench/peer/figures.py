@@ -74,6 +74,13 @@ def length_figures(length: Mapping[str, Any]) -> list[Figure]:
     slot_token = _one(disk["slot_file_bytes"] / max(1, disk["slot_tokens"]))
     return [
         _figure("cold: first token", "llama-server", "s", _stat(lk, "ttft_s"), _stat(ls, "ttft_s")),
+        _figure(
+            "cold: prefill, the server's own time",
+            "llama-server",
+            "s",
+            _stat(lk, "server_prefill_s"),
+            _stat(ls, "server_prefill_s"),
+        ),
         _figure("cold: server CPU", "llama-server", "s", _stat(lk, "cpu_s"), _stat(ls, "cpu_s")),
         _figure(
             "cold: decode",

@@ -147,7 +147,9 @@ METHOD = [
     "server stopped; the servers in turn, the first alternating. **server CPU**: the "
     "server process's user and system time over the request (`/proc/PID/stat`), prefill and "
     "the answer's decode. **decode**: the answer's tokens after the first over the seconds "
-    "from the first content chunk to the last, as received.",
+    "from the first content chunk to the last, as received. **prefill, the server's own "
+    "time**: llama-server's `timings.prompt_ms`; localkv's `localkv.ttft_ms` (from the "
+    "start of the request's work to its first token).",
     "- **restart**: each server answers the request once (localkv saves its blocks; "
     "llama-server's slot 0 is saved with `POST /slots/0?action=save`) and stops; then per "
     "run localkv is started again over its cache and the same request sent, and "
