@@ -48,7 +48,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-$(VENV)/.runtime: pyproject.toml setup.py storage/_planes.c localkv/model/_quietlog.c localkv/model/_vocab.c | $(VENV)/bin/python
+$(VENV)/.runtime: pyproject.toml setup.py storage/_planes.c localkv/model/_quietlog.c localkv/model/_vocab.c localkv/kv/_columns.c | $(VENV)/bin/python
 	@echo ">> Installing localkv and llama-cpp-python 0.3.36."
 	@echo ">> The first time, llama.cpp is compiled from source: about 5 minutes on 2 cores."
 	@echo ">> pip caches the wheel, so later installs take seconds."

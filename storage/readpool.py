@@ -17,12 +17,13 @@ from .formats.readinto import HeaderCache, OpenedBlock, Targets, fill_block, ope
 from .paths import CacheLayout
 from .values import Block, BlockCorrupt, BlockRow
 
-__all__ = ["BlockReader", "Drops", "Fills", "Tails"]
+__all__ = ["BlockReader", "Drops", "Fills", "Tails", "Then"]
 
 Fills = Sequence[Targets | None]  # per block, where its tensors go (``fill_block``'s ``targets``)
 # per block, the tensors a read checks or skips but does not keep (``fill_block``'s ``discard``)
 Drops = Sequence[Collection[str]] | None
 Tails = Sequence[int | None] | None  # per block, the first tail row wanted (``tail_from``)
+Then = Callable[[int, Block], None]  # done with block i once read and checked (``fill``)
 
 
 class BlockReader:
@@ -48,7 +49,7 @@ class BlockReader:
     def _read_one(self, row: BlockRow) -> Block:
         opened = self.open([row])[0]
         try:
-            return self._fill(opened, None, (), None)
+            return self._fill(0, opened, None, (), None)
         finally:
             opened.close()
 
@@ -86,14 +87,17 @@ class BlockReader:
         tails: Tails = None,
         *,
         parallel: bool = True,
+        then: Then | None = None,
     ) -> list[Block]:
         """Read opened blocks in parallel (or, with ``parallel`` false, one after another on
         this thread), each one's tensors into its targets.
 
         See ``formats.readinto.fill_block`` (``discard``: per block, the tensors
         read and checked but not kept; ``tails``: per block, the first tail row
-        wanted). Raises ``BlockCorrupt`` naming the first bad block (in order):
-        what the targets hold is then unusable.
+        wanted). ``then(i, block)`` runs on the thread that read block ``i``, once
+        it is read and checked (while its bytes are still in the CPU's cache).
+        Raises ``BlockCorrupt`` naming the first bad block (in order): what the
+        targets hold is then unusable.
         """
         if len(opened) != len(targets):
             raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
@@ -101,11 +105,11 @@ class BlockReader:
         froms = list(tails) if tails is not None else [None] * len(opened)
         if len(drops) != len(opened) or len(froms) != len(opened):
             raise ValueError(f"{len(opened)} blocks but {len(drops)} discard sets")
-        jobs = list(zip(opened, targets, drops, froms, strict=True))
+        jobs = [(i, *job) for i, job in enumerate(zip(opened, targets, drops, froms, strict=True))]
         if len(opened) <= 1 or not parallel:  # in order: the first bad block raises first
-            return [self._fill(*job) for job in jobs]
+            return [self._fill(*job, then=then) for job in jobs]
         pool = self._executor()
-        futures = [pool.submit(self._fill, *job) for job in jobs]
+        futures = [pool.submit(self._fill, *job, then=then) for job in jobs]
         # every read finishes before any error is raised: the caller may then close the
         # files and reuse the targets, and no read may still be writing into them
         wait(futures)
@@ -113,13 +117,19 @@ class BlockReader:
 
     def _fill(
         self,
+        i: int,
         opened: OpenedBlock,
         targets: Targets | None,
         discard: Collection[str],
         tail_from: int | None,
+        *,
+        then: Then | None = None,
     ) -> Block:
         try:
-            return fill_block(opened, targets, discard, tail_from)
+            block = fill_block(opened, targets, discard, tail_from)
+            if then is not None:
+                then(i, block)
+            return block
         except BlockCorrupt as exc:
             raise BlockCorrupt(exc.reason, opened.row.hash) from None
         except (OSError, MemoryError) as exc:

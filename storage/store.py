@@ -35,7 +35,7 @@ from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
-from .readpool import BlockReader, Drops, Fills, Tails
+from .readpool import BlockReader, Drops, Fills, Tails, Then
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .space import Space, space
@@ -269,10 +269,12 @@ class SnapshotStore:
         tails: Tails = None,
         *,
         parallel: bool = True,
+        then: Then | None = None,
     ) -> list[Block]:
         """Read opened blocks into their targets (see ``readinto.fill_block``), in parallel
-        on the reader threads unless ``parallel`` is false (then on this thread)."""
-        return self._reader.fill(opened, targets, discard, tails, parallel=parallel)
+        on the reader threads unless ``parallel`` is false (then on this thread); ``then``
+        (``BlockReader.fill``) runs on a block's reader once it is read and checked."""
+        return self._reader.fill(opened, targets, discard, tails, parallel=parallel, then=then)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from localkv.bench.disk import cold_call
 from localkv.bench.stats import ColdStat, Stat, timed
@@ -162,14 +163,36 @@ def get_data(session: ModelSession, repeats: int) -> Stat:
 class FloorResult:
     read_set: Stat  # readinto a ready buffer + llama_state_seq_set_data
     set_only: Stat  # llama_state_seq_set_data alone
+    read_hash: Stat  # the chain's block files read into a ready buffer and hashed (xxh3-128)
 
 
-def floor(session: ModelSession, raw_path: Path, repeats: int) -> FloorResult:
+def read_and_hash(files: Sequence[Path], repeats: int) -> Stat:
+    """The block files a restore reads, read from the page cache into one ready buffer
+    and hashed with the store's xxh3-128 (a digest per file), one after another: what
+    reading and checking the bytes costs, without placing them anywhere."""
+    sizes = [f.stat().st_size for f in files]
+    buf = np.empty(max(sizes, default=0), dtype=np.uint8)
+
+    def once() -> None:
+        for path, size in zip(files, sizes, strict=True):
+            with path.open("rb", buffering=0) as f:
+                if f.readinto(buf.data[:size]) != size:
+                    raise RuntimeError(f"short read of {path}")
+            xxhash.xxh3_128(buf.data[:size]).digest()
+
+    once()
+    return Stat.of([timed(once) for _ in range(repeats)])
+
+
+def floor(
+    session: ModelSession, raw_path: Path, repeats: int, block_files: Sequence[Path] = ()
+) -> FloorResult:
     """Read the raw state file (page cache) into a ready buffer and set it.
 
     The buffer is allocated and filled once beforehand, so neither page faults
     on fresh memory nor a cold page cache are counted: this is the least a
-    restore from a file can cost here. ``set_only`` times llama.cpp's part.
+    restore from a file can cost here. ``set_only`` times llama.cpp's part;
+    ``read_hash`` reads and hashes the chain's ``block_files`` (``read_and_hash``).
     """
     size = raw_path.stat().st_size
     buf = np.empty(size, dtype=np.uint8)
@@ -196,7 +219,7 @@ def floor(session: ModelSession, raw_path: Path, repeats: int) -> FloorResult:
         session.reset()
         alone.append(timed(set_data))
     session.reset()
-    return FloorResult(Stat.of(both), Stat.of(alone))
+    return FloorResult(Stat.of(both), Stat.of(alone), read_and_hash(block_files, repeats))
 
 
 # ------------------------------------------------------------ LlamaDiskCache

@@ -76,6 +76,7 @@ def _size_json(s: SizeResult) -> dict[str, object]:
         "get_data_s": s.get_data_s.as_json(),
         "floor_s": s.floor.read_set.as_json(),
         "set_data_s": s.floor.set_only.as_json(),
+        "read_hash_s": s.floor.read_hash.as_json(),
         "llama_file": {
             "save_s": f.save.as_json(),
             "load_s": f.load.as_json(),
@@ -248,7 +249,10 @@ METHOD = [
     "- **floor**: the raw `llama_state_seq_get_data` bytes read from a file in the page "
     "cache into a buffer allocated and touched beforehand, then `llama_state_seq_set_data`: "
     "no checks, no decode, no fresh memory. The set_data row is that call alone. "
-    "`llama_state_seq_load_file` reads straight into the KV tensors, so it can beat this.",
+    "`llama_state_seq_load_file` reads straight into the KV tensors, so it can beat this. "
+    "**read + hash floor**: the saved chain's block files, the bytes a restore reads, read "
+    "from the page cache into a ready buffer and hashed with the store's xxh3-128, one "
+    "file after another: reading and checking them, with nothing placed or loaded.",
     "- **bytes on disk**: the saved chain's block files (their format: "
     "`storage/blockfile.py`); raw KV is the size of llama.cpp's sequence state for the N "
     "tokens.",

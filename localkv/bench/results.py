@@ -38,6 +38,7 @@ class BenchConfig:
     lookup_blocks: int = 10_000
     lookup_repeats: int = 200
     n_threads: int | None = None
+    flash_attn: str = "auto"  # as ``SessionConfig.flash_attn``
     block_size: int = 256
     decode_workers: int | None = None  # threads decoding block encodings; None: every core
 
@@ -68,6 +69,7 @@ class BenchConfig:
             model_path=self.model_path,
             n_ctx=self.n_ctx,
             n_threads=self.n_threads,
+            flash_attn=self.flash_attn,
             block_size=self.block_size,
         )
 
@@ -122,6 +124,7 @@ class SizeResult:
             "restore_over_load_file": self.warm_steps[RESTORE].median / self.llama_file.load.median,
             "restore_over_floor": self.warm_steps[RESTORE].median / self.floor.read_set.median,
             "warm_over_floor": warm / self.floor.read_set.median,
+            "restore_over_read_hash": self.warm_steps[RESTORE].median / self.floor.read_hash.median,
             "stored_over_raw": self.stored_bytes / self.raw_bytes,
             "compact_restore_over_load_file": self.compact_steps[RESTORE].median
             / self.llama_file.load.median,

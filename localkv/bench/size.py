@@ -290,7 +290,9 @@ def _baselines(
     cfg, n = sb.cfg, sb.n
     sb.say(f"  llama.cpp state files, physical floor, LlamaDiskCache ({n:,} tokens)")
     llama_file = files.measure(cfg.repeats)
-    floor = base.floor(sb.session, raw_path, cfg.repeats)
+    if sb.tip is None:
+        raise RuntimeError("the floor reads the saved chain's files: nothing was saved")
+    floor = base.floor(sb.session, raw_path, cfg.repeats, sb.block_files(sb.tip))
     disk_cache = llm.measure(sb.tokens, sb.work / f"diskcache-{n}", cfg.repeats)
     return _Baselines(llama_file, floor, disk_cache)
 

@@ -34,6 +34,7 @@ from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
 from localkv.cache.restore.ends import snapshot_cut
 from localkv.cache.restore.load import load_chain
+from localkv.cache.restore.probed import ProbedChains
 from localkv.cache.restore.verify import probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
 from localkv.kv import codec
@@ -117,6 +118,7 @@ class PrefixCache:
         self.damaged: str | None = None  # why the index cannot be used (IndexDamaged's line)
         self._index_id = _file_id(store.layout.index)
         self._writing: set[str] = set()  # prepared blocks whose write is queued
+        self._probed = ProbedChains()  # chains whose probe matched in this process
         if not store.read_only:
             store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
 
@@ -230,8 +232,14 @@ class PrefixCache:
         if refusal is not None:  # memory with a partial part: restore at a snapshot only
             return self._miss(tokens, refusal, t0, plan.common)
         last = plan.chain[-1]
+        spent: dict[str, float] = {}
+        # probed before: load the final token's rows, unless its logits are the request's
+        # last ones (a request ending where the chain ends), which the probe decodes
+        probed = reuse < len(tokens) and self._probed.matched(plan.chain)
         try:
-            stored_tokens = load_chain(self.store, self.root, session, plan.chain, marks)
+            stored_tokens, whole = load_chain(
+                self.store, self.root, session, plan.chain, marks, spent=spent, whole=probed
+            )
         except (BlockCorrupt, codec.StateFormatError) as exc:
             session.reset()
             bad = exc.block_hash if isinstance(exc, BlockCorrupt) else None
@@ -239,13 +247,14 @@ class PrefixCache:
             kind = "corrupt block" if isinstance(exc, BlockCorrupt) else "unreadable state"
             reasons.append(f"{kind}: {getattr(exc, 'reason', exc)}")
             return None
-        if not probe_matches(session, last, stored_tokens):
+        if not whole and not probe_matches(session, last, stored_tokens):
             session.reset()
             self._quarantine(plan.chain[0].hash, "probe mismatch")
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
+        self._probed.add(plan.chain)
         session.truncate(reuse)
         marks.append(time.perf_counter())
-        return self._hit(plan, reuse, marks, t0, list(tokens[:reuse]))
+        return self._hit(plan, reuse, (marks, spent), t0, list(tokens[:reuse]))
 
     def _usable(
         self, plan: Plan, tokens: Sequence[int], n_ctx: int, reasons: list[str]
@@ -271,9 +280,15 @@ class PrefixCache:
         return reuse, None
 
     def _hit(
-        self, plan: Plan, reuse: int, marks: list[float], t0: float, prefix: list[int]
+        self,
+        plan: Plan,
+        reuse: int,
+        timed: tuple[list[float], dict[str, float]],
+        t0: float,
+        prefix: list[int],
     ) -> RestoreResult:
-        """A verified restore of ``reuse`` tokens (``prefix``).
+        """A verified restore of ``reuse`` tokens (``prefix``); ``timed``: ``load_chain``'s
+        marks and the parts of its reading it timed (``_steps``).
 
         The time it saved is what the stored blocks cost to compute (their
         ``prefill_seconds``, pro rata where the reuse ends inside one): one
@@ -291,7 +306,8 @@ class PrefixCache:
             self.store.record_event("hit", None, reuse, saved, self.namespace, snapshot=named)
 
         self.defer(bookkeeping)
-        steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
+        marks = timed[0]
+        steps = _steps(marks, timed[1])
         seconds = marks[-1] - t0
         return RestoreResult(
             reused=reuse,
@@ -408,3 +424,17 @@ def open_prefix_cache(
     except (codec.StateFormatError, sqlite3.Error, OSError) as exc:
         store.close()
         return None, f"cache unavailable: {exc}"
+
+
+def _steps(marks: list[float], spent: dict[str, float]) -> dict[str, float]:
+    """A restore's seconds by step: ``lookup``, ``read`` (and hash), ``load`` (into
+    llama.cpp), ``probe``, from ``marks``; where pieces were loaded as they were read
+    (``spent``), their loads move from ``read`` to ``load``, and ``columns`` (V into
+    llama.cpp's columns, part of ``read``) is told apart."""
+    steps = dict(zip(("lookup", "read", "load", "probe"), np.diff(marks).tolist(), strict=True))
+    loaded = spent.get("load", 0.0)
+    steps["read"] -= loaded
+    steps["load"] += loaded
+    if "columns" in spent:
+        steps["columns"] = spent["columns"]
+    return steps

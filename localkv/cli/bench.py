@@ -92,6 +92,15 @@ def _command_line(ctx: click.Context) -> str:
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
 @click.option(
+    "--flash-attn",
+    type=click.Choice(["on", "off", "auto"]),
+    default="auto",
+    show_default=True,
+    help="Flash attention, as for the other commands. off keeps V transposed in "
+    "llama.cpp's cache, which a restore then transposes; auto may be either (the page "
+    "says which).",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("bench-results"),
@@ -115,6 +124,7 @@ def bench(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
     cold_repeats: int,
     lookup_blocks: int,
     threads: int | None,
+    flash_attn: str,
     out: Path,
     as_json: bool,
     write_docs: Path | None,
@@ -132,7 +142,9 @@ def bench(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
     directory. Every prompt length is prefilled several times over, so a run
     with the defaults takes minutes: run it on an otherwise idle machine.
     """
-    cfg = _config(model, sizes, repeats, cold_repeats, lookup_blocks, threads=threads)
+    cfg = _config(
+        model, sizes, repeats, cold_repeats, lookup_blocks, threads=threads, flash_attn=flash_attn
+    )
     command = _command_line(ctx)
     say = _progress()
     say(f"{command}: model {cfg.model_path.name}, sizes {', '.join(map(str, cfg.sizes))}")
@@ -145,7 +157,7 @@ def bench(  # noqa: PLR0913, PLR0917 - click passes each option by parameter
         _write_docs(result, command, write_docs, say)
 
 
-def _config(
+def _config(  # noqa: PLR0913 - each option of the command
     model: str | None,
     sizes: str,
     repeats: int,
@@ -153,6 +165,7 @@ def _config(
     lookup_blocks: int,
     *,
     threads: int | None,
+    flash_attn: str = "auto",
 ) -> BenchConfig:
     """The run's settings from the options; a model that cannot be found is a usage error."""
     try:
@@ -163,6 +176,7 @@ def _config(
             repeats=repeats,
             lookup_blocks=lookup_blocks,
             n_threads=threads,
+            flash_attn=flash_attn,
         )
     except ModelNotFoundError as exc:
         raise click.ClickException(str(exc)) from None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localkv.kv.columns import to_columns
 from localkv.kv.layout import Assembly, LayerLayout, assembly, scratch_view, state_size
 from localkv.kv.section import ELEMENT_BYTES as _ELEMENT_BYTES
 from localkv.kv.section import (
@@ -297,7 +298,7 @@ def _put_v_transposed(w: _StateWriter, spans: list[_Span], n: int, layer: int) -
     dtype = _elem_dtype(elem)
     dst = w.take(n * x.v_row_bytes).view(dtype).reshape(n_embd_v, n)
     for p, at, rows in spans:
-        dst[:, at : at + rows] = p.layers[layer].v[:rows].view(dtype).reshape(rows, n_embd_v).T
+        to_columns(p.layers[layer].v[:rows].view(dtype).reshape(rows, n_embd_v), dst, at)
 
 
 def assemble(

@@ -28,10 +28,13 @@ class Conversation:
             self.add(template, Message("system", system))
 
     def add(self, template: ChatTemplate, message: Message) -> list[int]:
-        new = template.message_tokens(self.messages, message)
+        """Append ``message``'s tokens; the segment ends inside them, as token counts of
+        the conversation (``ChatTemplate.message_parts``)."""
+        new, inner = template.message_parts(self.messages, message)
         self.messages.append(message)
+        start = len(self.tokens)
         self.tokens.extend(new)
-        return new
+        return [start + end for end in inner]
 
 
 class TokenStream:

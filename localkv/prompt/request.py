@@ -210,10 +210,10 @@ def build_request(
     conv.start(template, system)
     boundaries = [len(conv.tokens)] if conv.tokens else []
     for doc in documents:
-        conv.add(template, Message("user", doc.text))
+        boundaries.extend(conv.add(template, Message("user", doc.text)))
         boundaries.append(len(conv.tokens))
     if question is not None:
-        conv.add(template, Message("user", question))
+        boundaries.extend(conv.add(template, Message("user", question)))
         conv.tokens.extend(template.assistant_start_tokens(conv.messages))
         boundaries.append(len(conv.tokens))
     return Request(conv.tokens, boundaries, conv.messages)

@@ -192,6 +192,31 @@ class ChatTemplate:
         before = window(history, self.renderer.window_size)
         return self.tokens(self.renderer.delta(before or None, [*before, message]))
 
+    def message_parts(
+        self, history: Sequence[Message], message: Message
+    ) -> tuple[list[int], list[int]]:
+        """The tokens that ``message`` adds after ``history``, and the segment ends inside them.
+
+        A format may render a system prompt inside the first user turn (Gemma's does).
+        Where its text ends is a segment end, as it is where the format gives it a turn
+        of its own, so that two requests with the same system prompt share their
+        batches up to its end; only where the tokens of the rendering up to there are
+        the first of the whole message's tokens (the end changes no token). Each end
+        is a count of the message's tokens.
+        """
+        before = window(history, self.renderer.window_size)
+        delta = self.renderer.delta(before or None, [*before, message])
+        tokens = self.tokens(delta)
+        ends = []
+        for i, piece in enumerate(delta[:-1]):
+            source = piece.source
+            if source is None or not 0 <= source < len(before) or before[source].role != "system":
+                continue  # markup, or the text of this message or of one not a system prompt
+            head = self.tokens(delta[: i + 1])
+            if 0 < len(head) < len(tokens) and tokens[: len(head)] == head:
+                ends.append(len(head))
+        return tokens, ends
+
     def assistant_start_tokens(self, history: Sequence[Message]) -> list[int]:
         """The tokens that open the assistant's turn after ``history``."""
         before = window(history, self.renderer.window_size)

@@ -160,6 +160,9 @@ class _Tokens:
         self.group: list[Piece] = []
         self.answer_at: int | None = None  # where an answer tokenized from its text starts
         self.seen = -1  # the highest index of a message whose text was taken so far
+        # an earlier message's text that ends inside the group (a system prompt the
+        # template writes into the first user turn): its tokens alone, and the reach there
+        self.inner: list[tuple[list[int], int]] = []
 
     def boundary(self, at: int, after: int) -> None:
         """A segment end at token ``at``, after message ``after``'s rendering (and the text
@@ -170,8 +173,15 @@ class _Tokens:
 
     def flush(self) -> None:
         tokens = self.out.tokens
-        tokens.extend(self.tokenizer.tokenize(self.group))
+        start = len(tokens)
+        new = self.tokenizer.tokenize(self.group)
+        tokens.extend(new)
         self.group = []
+        for head, reach in self.inner:  # only where the end changes no token
+            if 0 < len(head) < len(new) and new[: len(head)] == head:
+                self.out.boundaries.append(start + len(head))
+                self.out.reach[start + len(head)] = reach
+        self.inner = []
         if self.answer_at is not None:  # an answer's text ends in this group
             self.out.generated.append((self.answer_at, len(tokens)))
             self.answer_at = None
@@ -179,9 +189,14 @@ class _Tokens:
             self.room.after(len(tokens))
 
     def run(self, parts: Sequence[Piece], after: int) -> None:
-        """Tokenize a segment, which ends after message ``after``'s rendering."""
+        """Tokenize a segment, which ends after message ``after``'s rendering.
+
+        A system prompt's text inside it (written into the first user turn, as Gemma's
+        template does) ends a segment where it ends, as a system prompt of its own turn
+        does, where the tokens up to there are the first of the group's.
+        """
         after_text = False
-        for piece in parts:
+        for i, piece in enumerate(parts):
             if piece.content and self._is_answer(piece):
                 self._answer(piece)
                 self._saw(piece)
@@ -193,8 +208,20 @@ class _Tokens:
             if piece.text:
                 self.group.append(piece)
             self._saw(piece)
+            if self._carried(piece, after) and i + 1 < len(parts) and self.answer_at is None:
+                self.inner.append((self.tokenizer.tokenize(self.group), self.seen))
         self.flush()
         self.boundary(len(self.out.tokens), after)
+
+    def _carried(self, piece: Piece, after: int) -> bool:
+        """Whether ``piece`` is the text of a system message before message ``after``."""
+        source = piece.source
+        return (
+            source is not None
+            and 0 <= source < after
+            and bool(piece.text)
+            and self.messages[source].role == "system"
+        )
 
     def _saw(self, piece: Piece) -> None:
         if piece.content and piece.source is not None:

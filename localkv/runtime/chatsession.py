@@ -131,8 +131,10 @@ class ChatSession:
         self.runtime.session.reset()
 
     def _add(self, message: Message) -> int:
-        new = self.runtime.template.message_tokens(self.state.messages, message)
+        new, inner = self.runtime.template.message_parts(self.state.messages, message)
         self.state.messages.append(message)
+        start = len(self.state.tokens)
+        self.state.boundaries.extend(start + end for end in inner)
         self.state.tokens.extend(new)
         self.state.boundaries.append(len(self.state.tokens))
         return len(new)

@@ -95,7 +95,8 @@ class AnswerMemory:
 
 
 class MessageMemory:
-    """The tokens of recent user and system messages, by the messages up to each one.
+    """The tokens of recent user and system messages, and the segment ends inside them
+    (``ChatTemplate.message_parts``), by the messages up to each one.
 
     A key is a running SHA-256 over every message so far (each message's every
     field, length-prefixed): the same message after any other history is another key.
@@ -103,22 +104,23 @@ class MessageMemory:
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        self._tokens: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._tokens: OrderedDict[bytes, tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
 
     def tokens(
         self, template: ChatTemplate, chain: MessageChain, message: Message, history: list[Message]
-    ) -> list[int]:
-        """``message``'s tokens after ``history`` (``chain`` has already taken ``message``)."""
+    ) -> tuple[list[int], list[int]]:
+        """``message``'s tokens after ``history`` and the segment ends inside them
+        (``chain`` has already taken ``message``)."""
         key = chain.key()
         found = self._tokens.get(key)
         if found is not None:
             self._tokens.move_to_end(key)
-            return list(found)
-        new = template.message_tokens(history, message)
-        self._tokens[key] = tuple(new)
+            return list(found[0]), list(found[1])
+        new, ends = template.message_parts(history, message)
+        self._tokens[key] = (tuple(new), tuple(ends))
         while len(self._tokens) > self.capacity:
             self._tokens.popitem(last=False)
-        return new
+        return new, ends
 
 
 class MessageChain:
@@ -186,7 +188,11 @@ def build_prompt(
     budget.before_text(len(state.tokens), last.content)
     chain.add(last)
     known = known or MessageMemory(0)
-    state.tokens.extend(known.tokens(template, chain, last, state.messages))
+    new, inner = known.tokens(template, chain, last, state.messages)
+    for end in inner:  # an earlier message's text this one's turn carries, ending inside it
+        state.boundaries.append(len(state.tokens) + end)
+        reach[len(state.tokens) + end] = len(history) - 1
+    state.tokens.extend(new)
     state.messages.append(last)
     state.tokens.extend(template.assistant_start_tokens(state.messages))
     state.boundaries.append(len(state.tokens))
@@ -231,8 +237,9 @@ def build_history(
             _add_answer(template, state, message.content, memory, (digest, budget))
         else:
             budget.before_text(start, message.content)
-            new = seen.tokens(template, chain, message, state.messages)
+            new, inner = seen.tokens(template, chain, message, state.messages)
             state.messages.append(message)
+            state.boundaries.extend(start + end for end in inner)
             state.tokens.extend(new)
             state.boundaries.append(len(state.tokens))
             digest.extend(new)

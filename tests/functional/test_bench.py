@@ -94,6 +94,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             s.get_data_s,
             s.floor.read_set,
             s.floor.set_only,
+            s.floor.read_hash,
             s.llama_file.save,
             s.llama_file.load,
             s.llama_file.ttft,
@@ -123,6 +124,7 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             "warm_over_floor",
             "restore_over_load_file",
             "restore_over_floor",
+            "restore_over_read_hash",
             "stored_over_raw",
             "compact_restore_over_load_file",
             "compact_over_raw",
@@ -316,7 +318,7 @@ def test_bench_command_writes_results_and_docs(tiny_models: TinyModels, tmp_path
     args = [
         "--model", str(tiny_models.base), "--sizes", "300,64", "--repeats", "1",
         "--cold-repeats", "1", "--lookup-blocks", "10", "--threads", "1",
-        "--out", str(out), "--json", "--write-docs", str(docs),
+        "--flash-attn", "off", "--out", str(out), "--json", "--write-docs", str(docs),
     ]  # fmt: skip
     run = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert run.exit_code == 0, run.output
@@ -324,6 +326,9 @@ def test_bench_command_writes_results_and_docs(tiny_models: TinyModels, tmp_path
     assert [s["tokens"] for s in data["sizes"]] == [64, 300]
     assert data["command"].startswith("localkv bench --model ")
     assert "--sizes 300,64" in data["command"]
+    # flash attention off as asked: V transposed, and the page says so
+    assert data["model"]["flash_attn"] == "off (llama.cpp: off)"
+    assert "flash attention off (llama.cpp: off)" in docs.read_text()
     assert json.loads((out / "results.json").read_text())["sizes"][1]["tokens"] == 300
     page = docs.read_text()
     assert data["command"] in page and "## Machine" in page

@@ -323,7 +323,7 @@ def test_bookkeeping_runs_off_the_restore_path(
         assert seen_texts and min(seen_texts) == len(texts) >= 1
 
 
-def test_a_transposed_v_is_staged_one_layer_at_a_time(
+def test_a_transposed_v_is_staged_a_piece_at_a_time(
     tiny_models: TinyModels, tmp_path: Path, doc: Document
 ) -> None:
     from localkv.cache.restore import pieces
@@ -338,8 +338,10 @@ def test_a_transposed_v_is_staged_one_layer_at_a_time(
         staged = pieces._PIECE.staged
         assert staged is not None
         v_bytes = {layer.v_row_bytes for layer in kv.layers}
-        assert len(v_bytes) == 1 and len(kv.layers) >= 2  # all layers would be twice the rows
-        rows, left = divmod(staged.shape[0], v_bytes.pop())
-        # the restored rows of one layer (the chain's final token is probed, not loaded): the
-        # tiny model's whole chain is one piece (``cache.restore.pieces``)
+        assert len(v_bytes) == 1 and len(kv.layers) >= 2
+        rows, left = divmod(staged.shape[0], v_bytes.pop() * len(kv.layers))
+        # the restored V rows of every layer (the chain's final token is probed, not loaded):
+        # the tiny model's whole chain is one piece (``cache.restore.pieces``), and a piece
+        # holds at most ``PIECE_BYTES`` of rows, so the staging is never the chain's
         assert left == 0 and rows == answer.tokens.reused - 1
+        assert staged.shape[0] <= pieces.PIECE_BYTES

@@ -178,3 +178,24 @@ def test_a_save_after_stored_blocks_reads_only_the_rows_after_them(
         rt.session.prefill(tokens, ends=rt.session.schedule(len(tokens), [turn, len(tokens)]))
         fresh = _after(rt.session, 5)
     assert restored[0] == fresh[0] and np.array_equal(restored[1], fresh[1])
+
+
+def test_a_restore_in_pieces_tells_its_loads_and_columns_apart(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK, flash_attn="off")
+    tokens = _tokens(6 * BLOCK + 5, seed=5)
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        assert rt.cache is not None
+        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
+        ends = rt.session.schedule(len(tokens) + 1, [len(tokens), len(tokens) + 1])
+        result = rt.cache.restore(rt.session, [*tokens, 7], ends)
+    assert result.verified and rt.session.in_pieces
+    steps = result.breakdown
+    assert set(steps) == {"lookup", "read", "columns", "load", "probe"}
+    # the pieces' loads are the load step (not ~0, as when they were counted as reading)
+    assert steps["load"] > 0 and steps["columns"] > 0 and steps["read"] > 0
+    # columns is a part of reading: the four steps still add up to the restore
+    four = steps["lookup"] + steps["read"] + steps["load"] + steps["probe"]
+    assert four <= result.seconds

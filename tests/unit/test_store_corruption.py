@@ -329,6 +329,34 @@ def test_a_failed_parallel_read_has_finished_every_read_when_it_raises(
             o.close()
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_then_runs_for_each_block_read_and_checked_only(
+    store: SnapshotStore, parallel: bool
+) -> None:
+    """``fill_blocks``' ``then`` sees each good block once, with its index; a bad one not."""
+    rows = _stored(store)
+    path = _path(store, rows[1])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # a data byte: the checksum fails after the read
+    path.write_bytes(bytes(data))
+    seen: list[tuple[int, str]] = []
+    opened = store.open_blocks(rows)
+    try:
+        with pytest.raises(BlockCorrupt, match="checksum"):
+            store.fill_blocks(
+                opened,
+                [None] * len(opened),
+                parallel=parallel,
+                then=lambda i, block: seen.append((i, block.hash)),
+            )
+    finally:
+        for o in opened:
+            o.close()
+    expected = [(i, r.hash) for i, r in enumerate(rows) if i != 1]
+    # in order on this thread, the blocks before the bad one; on the readers, every good one
+    assert sorted(seen) == (expected if parallel else expected[:1])
+
+
 @pytest.mark.parametrize(
     ("column", "value"),
     [

@@ -37,23 +37,34 @@ from localkv.storage.values import Block, BlockRow
 __all__ = ["load_chain"]
 
 
-def load_chain(
+def load_chain(  # noqa: PLR0913 - to take a value type
     store: SnapshotStore,
     root: str,
     session: ModelSession,
     chain: list[BlockRow],
     marks: list[float],
-) -> np.ndarray:
-    """Read, check and load the chain minus its final token; return the stored tokens."""
+    *,
+    spent: dict[str, float] | None = None,
+    whole: bool = False,
+) -> tuple[np.ndarray, bool]:
+    """Read, check and load the chain minus its final token; the stored tokens, and
+    whether the final token's rows were loaded too (``whole`` asks for it, for a chain
+    whose probe matched before: done for plain KV read in pieces). ``marks`` gets the
+    times the reads ended and the state was loaded; ``spent``, where pieces load as they
+    are read, their loads' seconds (``load``) and V's into columns (``columns``)."""
     opened = store.open_blocks(chain)
     tip_rows = buffer = None
     loaded = False  # read and loaded a piece at a time (``pieces``)
     try:
+        found = _in_pieces(session, opened) if session.memory_kind != "swa" else None
+        whole = whole and found is not None  # else read up to the probe token
         if session.memory_kind == "swa":
             blocks, window_state = read_window_chain(store, session, opened)
-        elif (found := _in_pieces(session, opened)) is not None:
+        elif found is not None:
             layout, v_trans = found
-            blocks = read_in_pieces(store, session, opened, layout, v_trans, parent=root)
+            blocks = read_in_pieces(
+                store, session, opened, layout, v_trans, parent=root, spent=spent, whole=whole
+            )
             loaded = True
         else:
             blocks, buffer, tip_rows = _read(store, session, opened)
@@ -64,7 +75,7 @@ def load_chain(
     if not loaded:  # (a piece's chain hashes are checked before it goes in)
         check_chain(root, chain, blocks)
     tokens = np.concatenate([b.tokens for b in blocks])
-    n = int(tokens.shape[0]) - 1
+    n = int(tokens.shape[0]) - (0 if whole else 1)
     held = [int(t) for t in tokens[:n]]
     if session.memory_kind == "swa":
         session.load_state(window_state, held)
@@ -83,7 +94,7 @@ def load_chain(
     # where the writer settled, ``schedule.settle_marks``)
     ends = [e for b in blocks for e in (b.start + b.ends).tolist() if e <= n]
     session.batch_ends = ends if ends[-1:] == [n] else [*ends, n]
-    return tokens
+    return tokens, whole
 
 
 def _load_with_partial(

@@ -11,16 +11,23 @@ piece buffer: each piece's checksums are checked as it is read, its chain hashes
 before it is loaded, and it goes in after the pieces before it
 (``ModelSession.load_state(first=...)``, through the context's second
 sequence). The cells, and so the bits, are those a whole restore gives (tested).
+With transposed V (flash attention off) a piece's V rows are read token-major
+into a staging area of their own and go into llama.cpp's columns from there
+(``kv.columns``), a block at a time on the thread that read it, while its rows
+are still in the CPU's cache.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 from localkv.cache.restore.verify import check_chain
 from localkv.kv import codec
+from localkv.kv.columns import to_columns
 from localkv.kv.layout import LayerLayout, state_size
 from localkv.model.session import ModelSession
 from localkv.model.state import large_buffer
@@ -83,7 +90,7 @@ def parallel_reads(session: ModelSession) -> bool:
     return session.threads.current > 1
 
 
-def read_in_pieces(
+def read_in_pieces(  # noqa: PLR0913 - to take a value type
     store: SnapshotStore,
     session: ModelSession,
     opened: list[OpenedBlock],
@@ -91,13 +98,22 @@ def read_in_pieces(
     v_trans: bool,
     *,
     parent: str,
+    spent: dict[str, float] | None = None,
+    whole: bool = False,
 ) -> list[Block]:
-    """Read and load the chain but its final token, a piece at a time; the blocks read.
+    """Read and load the chain but its final token (``whole``: with it), a piece at a
+    time; the blocks read.
 
     ``parent`` is the chain's root. The session holds the tokens loaded so far if a
     piece fails (``BlockCorrupt``, ``StateFormatError``); the caller empties it.
+    ``spent`` gets the seconds of two parts of the work: ``columns`` (V into llama.cpp's
+    columns, on the reader threads: summed over them) and ``load`` (the pieces into
+    llama.cpp).
     """
-    n = opened[-1].row.end - 1
+    spent = {} if spent is None else spent
+    spent.setdefault("columns", 0.0)
+    spent.setdefault("load", 0.0)
+    n = opened[-1].row.end - (0 if whole else 1)
     per_token = sum(x[1] + x[3] for x in layout)
     spill = np.empty(per_token, dtype=np.uint8)
     blocks: list[Block] = []
@@ -113,16 +129,53 @@ def read_in_pieces(
             first=first,
             v_trans=v_trans,
         )
-        v_places = [token_rows(v, stop - first) for v in v_rows] if v_trans else v_rows
+        v_places = _staged(v_rows, stop - first) if v_trans else v_rows
         targets = fill_targets(group, layout, k_rows, v_places, n, spill=spill, first=first)
-        got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel)
-        if v_trans:
-            transpose_v(v_places, v_rows)
+        # a block's V rows go into the columns on its reader, while they are in the cache
+        took: list[float] = []  # appended on each reader: one list.append is atomic
+        then = _into_columns(group, v_places, v_rows, (first, n), took) if v_trans else None
+        got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel, then=then)
+        spent["columns"] += sum(took)
         parent = check_chain(parent, [g.row for g in group], got)
         tokens = np.concatenate([b.tokens for b in got])[: stop - first]
+        t0 = time.perf_counter()
         session.load_state(buf, [int(t) for t in tokens], first=first)
+        spent["load"] += time.perf_counter() - t0
         blocks.extend(got)
     return blocks
+
+
+def _into_columns(
+    group: list[OpenedBlock],
+    v_places: list[np.ndarray],
+    v_rows: list[np.ndarray],
+    span: tuple[int, int],
+    took: list[float],
+) -> Callable[[int, Block], None]:
+    """For ``fill_blocks``' ``then``: block ``i``'s staged V rows (tokens below ``n``) into
+    llama.cpp's columns of a piece starting at token ``first``; each call's seconds are
+    appended to ``took``."""
+    first, n = span
+
+    def then(i: int, _block: Block) -> None:
+        t0 = time.perf_counter()
+        row = group[i].row
+        start, keep = row.start - first, max(0, min(row.end, n) - row.start)
+        for rows, columns in zip(v_places, v_rows, strict=True):
+            to_columns(rows[start : start + keep].view(columns.dtype), columns, start)
+        took.append(time.perf_counter() - t0)
+
+    return then
+
+
+def _staged(v_rows: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """Per layer, ``n`` token-major V rows in this thread's reused staging area."""
+    area = _staging(sum(v.nbytes for v in v_rows))
+    out, at = [], 0
+    for v in v_rows:
+        out.append(area[at : at + v.nbytes].reshape(n, -1))
+        at += v.nbytes
+    return out
 
 
 def fill_targets(  # noqa: PLR0913 - to take a value type
@@ -162,19 +215,21 @@ def token_rows(columns: np.ndarray, n: int) -> np.ndarray:
 
 
 def transpose_v(v_places: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
-    """Each layer's V rows, read token-major as stored, into llama.cpp's columns."""
+    """Each layer's V rows, read token-major as stored into the columns' own bytes
+    (``token_rows``), into llama.cpp's columns, through one layer's staging rows."""
     for rows, columns in zip(v_places, v_rows, strict=True):
         staged = _staging(rows.nbytes)[: rows.nbytes].reshape(rows.shape)
         staged[...] = rows
-        columns[...] = staged.view(columns.dtype).T
+        to_columns(staged.view(columns.dtype), columns)
 
 
 def _staging(nbytes: int) -> np.ndarray:
-    """This thread's reused rows for one layer's V on its way to being transposed.
+    """This thread's reused staging bytes for V rows on their way into columns.
 
-    One layer's, not the chain's: every page a fresh process touches costs a
-    page fault, and one that the host backs lazily (a virtual machine that
-    hands freed memory back, as here) costs more than the extra copy.
+    A piece's (at most ``PIECE_BYTES`` of rows), or one layer's for a whole
+    restore, not the chain's: every page a fresh process touches costs a page
+    fault, and one that the host backs lazily (a virtual machine that hands
+    freed memory back, as here) costs more than a copy.
     """
     if _PIECE.staged is None or _PIECE.staged.shape[0] < nbytes:
         _PIECE.staged = large_buffer(nbytes)

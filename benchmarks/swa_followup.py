@@ -1,0 +1,266 @@
+"""A follow-up question and two alternating documents through ``localkv serve``, beside
+llama.cpp's own server (llama-server), on a sliding-window model (Gemma 3 270M).
+
+    .venv/bin/python benchmarks/swa_followup.py [--model PATH] [--llama-server PATH]
+        [--tokens 2000] [--runs 5] [--threads 2] [--write-json PATH]
+
+Both servers run at once with the same model, context, threads and chat format
+(``gemma``: the model's GGUF has no template, and localkv chooses that format for
+it too; llama-server gets ``--no-jinja``, without which it would render every
+prompt as the word "gemma"), llama-server with its default flags otherwise. Two
+scenes, each request a
+streamed chat completion (greedy, 8 tokens) whose time to first content chunk is
+measured by the client:
+
+- ``followup``: one system prompt of about ``--tokens`` tokens, then a new question
+  after it on every request (the first request, which computes the system prompt, is
+  a warm-up);
+- ``alternate``: two documents of that size as system prompts, each asked a new
+  question in turn (A, B, A, B, ...; the first two are warm-ups).
+
+Each scene starts its own servers (a fresh cache); each run sends one request to each
+server, the servers interleaved, and the load average is read before every run.
+Without ``--llama-server``, the binary at ``LLAMA_SERVER`` runs (none:
+``--localkv-only``). The table prints, beside the median times, each server's prompt
+tokens and cached tokens as its usage says (the same prompts: the same work), and
+where localkv's reused tokens came from.
+
+``measure(...)`` is the function behind the command: it returns the results as a
+dict (what ``--write-json`` writes) for a page generator to call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faces import stop_server, wait_ready  # benchmarks/faces.py, beside this file
+from support.server import free_port
+
+LLAMA_SERVER = Path("/tmp/lsrv/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
+QUESTIONS = [
+    "Who is sitting by her sister?",
+    "What did the Rabbit take out of its pocket?",
+    "Where did Alice go after the Rabbit?",
+    "What was Alice considering in her own mind?",
+    "Why did Alice start to her feet?",
+    "What did the book have no pictures of?",
+    "How did Alice feel on that hot day?",
+    "What colour were the Rabbit's eyes?",
+    "What did the Rabbit say to itself?",
+    "Under what did the rabbit-hole lie?",
+    "What did Alice wonder about afterwards?",
+    "What flashed across Alice's mind?",
+]
+
+
+def documents(model: Path, n_tokens: int, count: int) -> list[str]:
+    """``count`` texts of about ``n_tokens`` tokens each, set apart by their first line."""
+    import llama_cpp
+
+    from localkv.bench.text import bench_text
+
+    vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+    tokens = vocab.tokenize(bench_text(n_tokens // 200 + 2).encode(), add_bos=False)
+    body = vocab.detokenize(tokens[:n_tokens]).decode("utf-8", "replace")
+    return [f"Notes {chr(65 + i)}, kept for the reader.\n\n{body}" for i in range(count)]
+
+
+class Peer:
+    """One running server: localkv's or llama-server, on its own port."""
+
+    def __init__(self, kind: str, command: list[str], work: Path, health: str) -> None:
+        self.kind, self.work = kind, work
+        self.port = free_port()
+        log = (work / f"{kind}.log").open("ab")
+        env = {**os.environ, "LOCALKV_HOME": str(work / f"{kind}-home")}
+        args = [*command, "--port", str(self.port)]
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        wait_ready(self.proc, f"http://127.0.0.1:{self.port}{health}", work / f"{kind}.log")
+
+    def ask(self, system: str, question: str) -> tuple[float, dict[str, Any]]:
+        """Seconds to the first content chunk of a streamed chat completion, and the last
+        ``localkv`` object of the stream (localkv only)."""
+        body = {
+            "model": "m",
+            "temperature": 0,
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+        }
+        url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
+        first, extra = 0.0, {}
+        t0 = time.perf_counter()
+        with httpx.stream("POST", url, json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                if not first and delta.get("content"):
+                    first = time.perf_counter() - t0
+                extra = chunk.get("localkv", extra)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    extra = {**extra, "prompt_tokens": usage["prompt_tokens"], "cached": cached}
+        return first, extra
+
+
+@contextmanager
+def started(kind: str, command: list[str], work: Path, health: str) -> Iterator[Peer]:
+    peer = Peer(kind, command, work, health)
+    try:
+        yield peer
+    finally:
+        stop_server(peer.proc)
+
+
+def commands(model: Path, threads: int, ctx: int, llama_server: Path | None) -> dict[str, Any]:
+    """Each server's command (no port) and its health path."""
+    fmt = ["--chat-template", "gemma"]
+    localkv = [sys.executable, "-m", "localkv", "serve", "--model", str(model), *fmt]
+    out: dict[str, Any] = {
+        "localkv": ([*localkv, "--ctx", str(ctx), "--threads", str(threads)], "/health")
+    }
+    if llama_server is not None:
+        # --no-jinja: the built-in format named; with Jinja on (its default) llama-server
+        # would take "gemma" as a template's text and render every prompt as that word
+        peer = [str(llama_server), "-m", str(model), "--no-jinja", *fmt, "--host", "127.0.0.1"]
+        out["llama-server"] = ([*peer, "-c", str(ctx), "-t", str(threads)], "/health")
+    return out
+
+
+def measure(
+    *,
+    model: Path,
+    threads: int = 2,
+    ctx: int = 4096,
+    n_tokens: int = 2000,
+    runs: int = 5,
+    llama_server: Path | None = None,
+) -> dict[str, Any]:
+    """Run each scene on fresh servers; the times (s), each request's usage and the loads."""
+    system, doc_a, doc_b = documents(model, n_tokens, 3)
+    servers = commands(model, threads, ctx, llama_server)
+    times: dict[str, dict[str, list[float]]] = {kind: {} for kind in servers}
+    requests: dict[str, list[dict[str, Any]]] = {}
+    loads: list[float] = []
+    scenes = {  # the warm-up prompts, then the prompt of each run
+        "followup": ([system], [system] * runs),
+        "alternate": ([doc_a, doc_b], [(doc_a, doc_b)[run % 2] for run in range(runs)]),
+    }
+    for scene, (warm, prompts) in scenes.items():
+        work = Path(tempfile.mkdtemp(prefix="lkv-swafollow-"))
+        requests[scene] = []
+        try:
+            with ExitStack() as stack:
+                peers = [
+                    stack.enter_context(started(kind, cmd, work, health))
+                    for kind, (cmd, health) in servers.items()
+                ]
+                for peer in peers:
+                    for i, text in enumerate(warm):
+                        peer.ask(text, QUESTIONS[-1 - i])
+                    times[peer.kind][scene] = []
+                for run, text in enumerate(prompts):
+                    loads.append(os.getloadavg()[0])
+                    for peer in peers:  # the servers interleaved
+                        t, info = peer.ask(text, QUESTIONS[run % 9])
+                        times[peer.kind][scene].append(t)
+                        requests[scene].append({"server": peer.kind, "run": run, **info})
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return {
+        "model": str(model),
+        "threads": threads,
+        "ctx": ctx,
+        "tokens": n_tokens,
+        "runs": runs,
+        "load_1min": loads,
+        "seconds": times,
+        "requests": requests,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The medians, the ratio to llama-server and localkv's reuse, as text."""
+    times, reuse = result["seconds"], result["requests"]
+    lines = [
+        f"model {Path(result['model']).name}, ~{result['tokens']:,} tokens, n_ctx "
+        f"{result['ctx']}, {result['threads']} threads, {result['runs']} runs; load "
+        + ", ".join(f"{x:.2f}" for x in result["load_1min"]),
+        f"{'scene':<10} {'server':<13} {'median TTFT':>12} {'ratio':>6}  prompt tokens, reused",
+    ]
+    for scene in ("followup", "alternate"):
+        base = times.get("llama-server", {}).get(scene)
+        for kind, by_scene in times.items():
+            med = statistics.median(by_scene[scene])
+            ratio = f"{med / statistics.median(base):.2f}x" if base else ""
+            info = ""
+            mine = [r for r in reuse[scene] if r["server"] == kind]
+            prompt = sorted({r.get("prompt_tokens") for r in mine}, key=str)
+            cached = sorted({r.get("cached") for r in mine}, key=str)
+            info = f"prompt {prompt}, cached {cached}"
+            if kind == "localkv":
+                sources = sorted({str(r.get("source")) for r in mine})
+                restore = statistics.median(float(r.get("restore_ms") or 0) for r in mine)
+                info += f", from {'/'.join(sources)}, restore {restore:.0f}ms"
+            lines.append(f"{scene:<10} {kind:<13} {med * 1000:>10.0f}ms {ratio:>6}  {info}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary")
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--localkv-only", action="store_true", help="no llama-server")
+    parser.add_argument("--write-json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.model is None:
+        from support.gemma import gemma3_270m
+
+        args.model = gemma3_270m()
+    peer = None if args.localkv_only else args.llama_server or LLAMA_SERVER
+    if peer is not None and not peer.exists():
+        raise SystemExit(f"no llama-server at {peer} (--llama-server PATH, or --localkv-only)")
+    result = measure(
+        model=args.model,
+        threads=args.threads,
+        ctx=args.ctx,
+        n_tokens=args.tokens,
+        runs=args.runs,
+        llama_server=peer,
+    )
+    print(table(result))
+    if args.write_json is not None:
+        args.write_json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
