@@ -31,7 +31,7 @@ endif
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF $(LLAMA_CPU_ARGS)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser agents gpu gpu-build gpu-check
+.PHONY: chat serve test check lint typecheck imports pytest bench install clean help pkgtree rebuild-llama browser agents gpu gpu-build gpu-check llama-server
 
 help:
 	@echo "make chat   - set up .venv (first time: builds llama.cpp, ~5 min) and open the chat"
@@ -42,6 +42,7 @@ help:
 	@echo "make gpu    - build llama.cpp for a GPU backend (GPU=vulkan, the default, or GPU=cuda) beside"
 	@echo "              the CPU build and run the gpu test set on it (Vulkan runs on Mesa's lavapipe without a GPU)"
 	@echo "make gpu-check - on a CUDA machine: the CUDA build, the gpu set and the device bench, one command"
+	@echo "make llama-server - build llama.cpp's own server from the pinned llama-cpp-python's sources (the peer bench's)"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -192,6 +193,22 @@ gpu: $(VENV)/.dev $(VENV)/.bytecode $(GPU_DIR)/.built
 
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# llama.cpp's own server, built from the llama.cpp that the pinned llama-cpp-python
+# vendors (its sdist, fetched with pip) with the CPU flags above: the server that
+# `python -m localkv.bench.peer` puts localkv beside. Only the llama-server target
+# is built (about as long as llama-cpp-python's own build), into build/llama-server
+# (sources under src/, the binary and its libraries under bin/).
+LLAMA_SERVER_DIR := build/llama-server
+$(LLAMA_SERVER_DIR)/bin/llama-server: | $(VENV)/bin/python
+	rm -rf $(LLAMA_SERVER_DIR) && mkdir -p $(LLAMA_SERVER_DIR)/src
+	$(PIP) download --quiet --no-deps --no-binary llama-cpp-python -d $(LLAMA_SERVER_DIR)/src "$(LLAMA_PIN)"
+	tar -xzf $(LLAMA_SERVER_DIR)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_DIR)/src
+	cmake -S $(LLAMA_SERVER_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_SERVER_DIR) \
+	  -DCMAKE_BUILD_TYPE=Release $(LLAMA_CPU_ARGS) -DLLAMA_CURL=OFF
+	cmake --build $(LLAMA_SERVER_DIR) --target llama-server -j $(CMAKE_BUILD_PARALLEL_LEVEL)
+
+llama-server: $(LLAMA_SERVER_DIR)/bin/llama-server
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,92 @@
+"""The first token after a restart: localkv over its disk cache, llama-server over its slot file.
+
+Once per length: each server answers the request (localkv saves its blocks;
+llama-server's slot 0 is then saved with ``POST /slots/0?action=save``) and stops;
+the bytes each left on disk are counted. Then per run, in turn: localkv is started
+again and the same request streamed; llama-server is started again, its slot restored
+(``POST /slots/0?action=restore``) and the request streamed. llama-server's figure is
+the restore call's time plus the request's time to first token, and each alone.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from localkv.bench.peer.client import get_json, post_json, stream_chat
+from localkv.bench.peer.documents import ASK, messages
+from localkv.bench.peer.plan import Plan, say
+from localkv.bench.peer.servers import Server, llama_server, localkv_server
+from localkv.storage.paths import BLOCK_SUFFIX
+
+__all__ = ["SLOT_FILE", "restart"]
+
+SLOT_FILE = "document.bin"
+
+
+def _block_bytes(home: Path) -> int:
+    return sum(p.stat().st_size for p in home.rglob(f"*{BLOCK_SUFFIX}"))
+
+
+def _fill(lk: Server, ls: Server, plan: Plan, chat: list[dict[str, str]]) -> dict[str, Any]:
+    """Each server answers once and keeps the prompt on disk; what that took on disk."""
+    with lk:
+        stream_chat(lk.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
+        listed = get_json(lk.port, "/v1/localkv/cache", timeout_s=plan.timeout_s)  # saves done
+    with ls:
+        stream_chat(ls.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
+        saved = post_json(
+            ls.port, "/slots/0?action=save", {"filename": SLOT_FILE}, timeout_s=plan.timeout_s
+        )
+    return {
+        "localkv_tokens": max((int(x["tokens"]) for x in listed["data"]), default=0),
+        "slot_file_bytes": int(saved["n_written"]),
+        "slot_tokens": int(saved["n_saved"]),
+    }
+
+
+def _slot_run(ls: Server, plan: Plan, chat: list[dict[str, str]]) -> dict[str, Any]:
+    with ls:
+        t0 = time.perf_counter()
+        restored = post_json(
+            ls.port, "/slots/0?action=restore", {"filename": SLOT_FILE}, timeout_s=plan.timeout_s
+        )
+        restore_s = time.perf_counter() - t0
+        reply = stream_chat(ls.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
+    return {
+        **reply.as_json(),
+        "restore_s": restore_s,
+        "restore_and_ttft_s": restore_s + reply.ttft_s,
+        "restored_tokens": int(restored["n_restored"]),
+    }
+
+
+def _localkv_run(lk: Server, plan: Plan, chat: list[dict[str, str]]) -> dict[str, Any]:
+    with lk:
+        return stream_chat(
+            lk.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s
+        ).as_json()
+
+
+def restart(plan: Plan, n_tokens: int, document: str) -> dict[str, Any]:
+    """The restart figures of both servers at one length, and their bytes on disk."""
+    where = plan.work / f"restart-{n_tokens}"
+    lk = localkv_server(plan.setting, home=where / "localkv")
+    ls = llama_server(plan.setting, plan.llama_server, work=where / "llama", slots=where / "slots")
+    chat = messages(document, ASK)
+    disk = _fill(lk, ls, plan, chat)
+    disk["block_bytes"] = _block_bytes(where / "localkv")
+    runs: dict[str, list[dict[str, Any]]] = {"localkv": [], "llama-server slot": []}
+    for r in range(plan.repeats):
+        first_localkv = r % 2 == 0
+        for name in ("localkv", "llama-server slot")[:: 1 if first_localkv else -1]:
+            run = _localkv_run(lk, plan, chat) if name == "localkv" else _slot_run(ls, plan, chat)
+            runs[name].append(run)
+            extra = f", restore call {run['restore_s'] * 1000:.0f} ms" if "restore_s" in run else ""
+            say(
+                f"restart {n_tokens:,}",
+                f"{name:17} run {r + 1}/{plan.repeats}: first token "
+                f"{run['ttft_s'] * 1000:.0f} ms{extra}",
+            )
+    return {"runs": runs, "disk": disk}
