@@ -37,6 +37,11 @@ _DTYPES: dict[str, np.dtype[np.generic]] = {
 }
 
 
+# specs already made, shared by the blocks of one geometry (they are immutable)
+_SPECS: dict[tuple[np.dtype[np.generic], tuple[int, ...], int, int], TensorSpec] = {}
+_MAX_SPECS = 4096
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class DecodedBlock:
     """A decoded block file: its metadata and tensors (read-only views)."""
@@ -107,33 +112,44 @@ def parse_header(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise BlockCorrupt("safetensors: metadata must map strings to strings")
-    specs = {name: _tensor_spec(name, info, data_size) for name, info in header.items()}
+    specs: dict[str, TensorSpec] = {}
+    ranges: list[tuple[int, int, int, str]] = []  # in the header's order where ranges tie
+    for name, info in header.items():
+        spec = specs[name] = _tensor_spec(name, info, data_size)
+        ranges.append((spec.begin, spec.end, len(ranges), name))
+    ranges.sort()
     cursor = 0
-    for name, spec in sorted(specs.items(), key=lambda item: (item[1].begin, item[1].end)):
-        if spec.begin != cursor:
+    for begin, end, _, name in ranges:
+        if begin != cursor:
             raise BlockCorrupt(f"safetensors: tensor {name!r} leaves a gap or overlaps")
-        cursor = spec.end
+        cursor = end
     if cursor != data_size:
         raise BlockCorrupt("safetensors: data does not end where the tensors do")
     return metadata, specs
 
 
 def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:
-    if not isinstance(info, dict):
+    # JSON gives exact types: ``type(x) is int`` is an int that is not a bool, and
+    # ``map(type, ...)`` and ``min`` check a whole list without a Python-level loop
+    if type(info) is not dict:
         raise BlockCorrupt(f"safetensors: tensor {name!r} is not described by an object")
-    dtype = _DTYPES.get(str(info.get("dtype")))
+    kind = info.get("dtype")
+    dtype = _DTYPES.get(kind) if type(kind) is str else None
     shape = info.get("shape")
     offsets = info.get("data_offsets")
     if dtype is None:
         raise BlockCorrupt(f"safetensors: tensor {name!r} has unsupported dtype")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    if (
+        type(shape) is not list
+        or list(map(type, shape)).count(int) != len(shape)
+        or min(shape, default=0) < 0
     ):
         raise BlockCorrupt(f"safetensors: tensor {name!r} has a bad shape")
     if (
-        not isinstance(offsets, list)
+        type(offsets) is not list
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or type(offsets[0]) is not int
+        or type(offsets[1]) is not int
     ):
         raise BlockCorrupt(f"safetensors: tensor {name!r} has bad data offsets")
     begin, end = offsets
@@ -142,7 +158,13 @@ def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:
         raise BlockCorrupt(f"safetensors: tensor {name!r} offsets do not match its shape")
     if len(shape) > _MAX_DIMS:
         raise BlockCorrupt(f"safetensors: tensor {name!r} has {len(shape)} dimensions")
-    if math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 62:
-        # numpy refuses such a shape even when another dimension is 0
+    # numpy refuses such a shape even when another dimension is 0
+    if (count or math.prod(filter(None, shape))) * dtype.itemsize >= 1 << 62:
         raise BlockCorrupt(f"safetensors: tensor {name!r} has an impossible shape")
-    return TensorSpec(dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+    key = (dtype, tuple(shape), begin, end)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        spec = _SPECS[key] = TensorSpec(dtype=dtype, shape=key[1], begin=begin, end=end)
+    return spec
