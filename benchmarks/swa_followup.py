@@ -39,20 +39,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faces import stop_server, wait_ready  # benchmarks/faces.py, beside this file
 from support.server import free_port
 
-LLAMA_SERVER = Path("/tmp/lsrv/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
+from localkv.bench.peer.client import stream_chat
+
+# built by `make llama-server` from the llama.cpp that llama-cpp-python vendors
+LLAMA_SERVER = (
+    Path(__file__).resolve().parents[1] / "build" / "llama-server" / "bin" / "llama-server"
+)
 QUESTIONS = [
     "Who is sitting by her sister?",
     "What did the Rabbit take out of its pocket?",
@@ -97,35 +99,18 @@ class Peer:
     def ask(self, system: str, question: str) -> tuple[float, dict[str, Any]]:
         """Seconds to the first content chunk of a streamed chat completion, and the last
         ``localkv`` object of the stream (localkv only)."""
-        body = {
-            "model": "m",
-            "temperature": 0,
-            "max_tokens": 8,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": question},
-            ],
+        reply = stream_chat(
+            self.port,
+            [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=8,
+            timeout_s=600,
+        )
+        cached = reply.localkv.get("cached_tokens", reply.timings.get("cache_n"))
+        return reply.ttft_s, {
+            **reply.localkv,
+            "prompt_tokens": reply.prompt_tokens,
+            "cached": cached,
         }
-        url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
-        first, extra = 0.0, {}
-        t0 = time.perf_counter()
-        with httpx.stream("POST", url, json=body, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
-                if not first and delta.get("content"):
-                    first = time.perf_counter() - t0
-                extra = chunk.get("localkv", extra)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    extra = {**extra, "prompt_tokens": usage["prompt_tokens"], "cached": cached}
-        return first, extra
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from localkv.bench import report as benchreport
 from localkv.bench.run import BenchConfig, BenchResult, run_bench
+from localkv.cli.options import flash_attn_option
 from localkv.model.find import ModelNotFoundError, resolve_model
 from localkv.model.session import ModelLoadError
 
@@ -91,15 +92,7 @@ def _command_line(ctx: click.Context) -> str:
     help="Blocks indexed for the longest-prefix lookup test (0: skip it).",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
-@click.option(
-    "--flash-attn",
-    type=click.Choice(["on", "off", "auto"]),
-    default="auto",
-    show_default=True,
-    help="Flash attention, as for the other commands. off keeps V transposed in "
-    "llama.cpp's cache, which a restore then transposes; auto may be either (the page "
-    "says which).",
-)
+@flash_attn_option
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),

@@ -26,6 +26,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 __all__ = [
     "cache_dir_option",
     "cache_options",
+    "flash_attn_option",
     "grammar_options",
     "model_options",
     "namespace_option",
@@ -40,6 +41,16 @@ __all__ = [
 
 
 _KV_TYPES = click.Choice(sorted(GGML_TYPES), case_sensitive=False)
+flash_attn_option = click.option(
+    "--flash-attn",
+    type=click.Choice(["on", "off", "auto"]),
+    default="auto",
+    show_default=True,
+    help="Flash attention. auto: off on a CPU while its scratch stays under 1 GiB "
+    "(it is faster there), else llama.cpp decides; off keeps V transposed in llama.cpp's "
+    "cache. With it on, the thread count is part of the cache identity.",
+)
+
 _MODEL_OPTIONS = [
     click.option(
         "--model",
@@ -90,15 +101,7 @@ _MODEL_OPTIONS = [
         show_default=True,
         help="KV cache type for values (quantized types need flash attention).",
     ),
-    click.option(
-        "--flash-attn",
-        type=click.Choice(["on", "off", "auto"]),
-        default="auto",
-        show_default=True,
-        help="Flash attention. auto: off on a CPU while its scratch stays under 1 GiB "
-        "(it is faster there), else llama.cpp decides. With it on, the thread count "
-        "is part of the cache identity.",
-    ),
+    flash_attn_option,
     click.option(
         "--lora",
         "loras",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.stored import store_prefill
 from support.tinyarch import build
 from support.tinymodels import TinyModels, tiny_config
 
@@ -79,9 +80,8 @@ def test_a_restore_in_pieces_is_the_whole_restore(
     tokens = _tokens(10 * BLOCK + 5)
     request = [*tokens, 7, 8, 9]
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         rt.session.in_pieces = False
         whole = _restored(rt, request, len(tokens))
         assert rt.session._scratch is not None  # the whole state, assembled in one buffer
@@ -121,9 +121,8 @@ def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
     cfg = tiny_config(tiny_models.base, block_size=BLOCK)
     tokens = _tokens(8 * BLOCK + 3, seed=4)
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         rows = sorted(rt.cache.store.all_blocks(), key=lambda r: r.start)
         bad = next(r for r in rows if r.start == 5 * BLOCK)
         path = tmp_path / bad.file
@@ -187,9 +186,8 @@ def test_a_restore_in_pieces_tells_its_loads_and_columns_apart(
     cfg = tiny_config(tiny_models.base, block_size=BLOCK, flash_attn="off")
     tokens = _tokens(6 * BLOCK + 5, seed=5)
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         ends = rt.session.schedule(len(tokens) + 1, [len(tokens), len(tokens) + 1])
         result = rt.cache.restore(rt.session, [*tokens, 7], ends)
     assert result.verified and rt.session.in_pieces
@@ -208,9 +206,8 @@ def test_buffers_made_ready_are_the_ones_a_restore_uses(
     cfg = tiny_config(tiny_models.base, block_size=BLOCK, flash_attn="off")
     tokens = _tokens(12 * BLOCK + 5, seed=6)
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         pieces._PIECE.buffer = pieces._PIECE.staged = None  # as in a fresh thread
         assert rt.prepare_restores() > 0
         buffer, staged = pieces._PIECE.buffer, pieces._PIECE.staged

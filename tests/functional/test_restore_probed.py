@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.stored import store_prefill
 from support.tinymodels import TinyModels, tiny_config
 
 from localkv.cache.restore.probed import ProbedChains
@@ -69,9 +70,8 @@ def test_a_probed_chain_restores_again_without_a_decode_and_the_same_bits(
     tokens = _tokens(6 * BLOCK + 5)
     request = [*tokens, 7, 8]
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         with _counted(monkeypatch) as decodes:
             first = _restore(rt, request, len(tokens))
             assert decodes == [1, 1]  # the probe, then the next token
@@ -121,9 +121,8 @@ def test_a_new_process_probes_again(
     tokens = _tokens(4 * BLOCK + 3, seed=12)
     request = [*tokens, 7]
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         _restore(rt, request, len(tokens))
     with Runtime(cfg, cache_dir=tmp_path) as rt, _counted(monkeypatch) as decodes:
         reused, _, _ = _restore(rt, request, len(tokens))
@@ -137,9 +136,8 @@ def test_a_block_damaged_after_its_probe_is_not_trusted(
     tokens = _tokens(5 * BLOCK + 2, seed=13)
     request = [*tokens, 7]
     with Runtime(cfg, cache_dir=tmp_path) as rt:
-        rt.session.prefill(tokens, boundaries=[len(tokens)])
+        store_prefill(rt, tokens)
         assert rt.cache is not None
-        rt.cache.write(rt.cache.prepare(rt.session, [len(tokens)], 0.001))
         _restore(rt, request, len(tokens))
         bad = next(r for r in rt.cache.store.all_blocks() if r.start == 3 * BLOCK)
         path = tmp_path / bad.file
