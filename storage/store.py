@@ -18,8 +18,10 @@ and ``verify``, in ``removal/``. ``repair.py`` rebuilds a lost index.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +71,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_THREAD_START_LIMIT_S = 30.0  # ``prepare``: a thread not started by then is started on use
 
 
 class SnapshotStore:
@@ -140,6 +144,19 @@ class SnapshotStore:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="localkv-read")
         return self._pool
+
+    def prepare(self) -> int:
+        """Start every reader thread and load what a save needs, for a process that serves
+        many requests: its first restore then starts no thread, and its first save imports
+        nothing, while other requests run. The reader threads started."""
+        pool = self._executor()
+        # each job waits for all the others: one job a thread, so every thread starts
+        started = threading.Barrier(self._workers, timeout=_THREAD_START_LIMIT_S)
+        with contextlib.suppress(threading.BrokenBarrierError):  # some started: enough
+            list(pool.map(lambda _: started.wait(), range(self._workers)))
+        if not self.read_only:
+            self._index.db  # noqa: B018 - loads the write path's module
+        return self._workers
 
     # ------------------------------------------------------------- identities
     def put_identity(self, digest: str, json_text: str) -> None:

@@ -161,9 +161,11 @@ class PrefixCache:
         )
 
     def prepare_restores(self, session: ModelSession) -> int:
-        """Make this thread's restore buffers ready now (``pieces.prepare_buffers``), for a
-        process that serves many requests: its first restore then faults in no page of
-        them. The bytes made ready."""
+        """Make this thread's restore buffers ready now (``pieces.prepare_buffers``) and the
+        store's readers and writer (``SnapshotStore.prepare``), for a process that serves
+        many requests: its first restore then faults in no page of them and starts no
+        thread. The bytes made ready."""
+        self.store.prepare()
         return prepare_buffers(session)
 
     # ---------------------------------------------------------------- lookup

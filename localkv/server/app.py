@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -38,6 +39,10 @@ def create_app(settings: ServerSettings, worker: ModelWorker) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         worker.start()
+        # anyio loads its event loop's backend on first use: now, not in the first
+        # streamed answer, where it would take the interpreter from the model's thread
+        async with anyio.create_task_group():
+            pass
         try:
             yield
         finally:  # uvicorn has finished the open requests by now

@@ -7,6 +7,7 @@ whole restore gives. A damaged block in a later piece leaves nothing behind.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,23 @@ def test_buffers_made_ready_are_the_ones_a_restore_uses(
         assert reused == len(tokens)
         # the restore grew neither: it used the pages made ready
         assert pieces._PIECE.buffer is buffer and pieces._PIECE.staged is staged
+
+
+def test_a_restore_once_made_ready_starts_no_thread(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK, flash_attn="off", n_threads=2)
+    tokens = _tokens(12 * BLOCK + 5, seed=7)
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        store_prefill(rt, tokens)
+        assert rt.cache is not None and pieces.parallel_reads(rt.session)
+        rt.prepare_restores()
+        before = {t.ident for t in threading.enumerate()}
+        reused, _, _ = _restored(rt, [*tokens, 7], len(tokens))
+        assert reused == len(tokens)
+        # the store's readers were all started by then: the restore started none
+        new = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert not [name for name in new if name.startswith("localkv-read")], new
 
 
 def test_no_buffers_are_made_for_memory_restored_otherwise(
