@@ -11,19 +11,46 @@ the order given.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 from .formats.readinto import HeaderCache, OpenedBlock, Targets, fill_block, open_block
 from .paths import CacheLayout
 from .values import Block, BlockCorrupt, BlockRow
 
-__all__ = ["BlockReader", "Drops", "Fills", "Tails", "Then"]
+__all__ = ["BlockReader", "Drops", "Fills", "PendingFill", "Tails", "Then"]
 
 Fills = Sequence[Targets | None]  # per block, where its tensors go (``fill_block``'s ``targets``)
 # per block, the tensors a read checks or skips but does not keep (``fill_block``'s ``discard``)
 Drops = Sequence[Collection[str]] | None
 Tails = Sequence[int | None] | None  # per block, the first tail row wanted (``tail_from``)
 Then = Callable[[int, Block], None]  # done with block i once read and checked (``fill``)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Job:
+    """One block's read (``BlockReader._fill``)."""
+
+    i: int
+    opened: OpenedBlock
+    targets: Targets | None
+    discard: Collection[str]
+    tail_from: int | None
+
+
+class PendingFill:
+    """Blocks being read on the reader threads (``BlockReader.start_fill``)."""
+
+    def __init__(self, futures: list[Future[Block]]) -> None:
+        self._futures = futures
+
+    def wait(self) -> list[Block]:
+        """The blocks, in order, once every read has finished; ``BlockCorrupt`` naming the
+        first bad block (in order) if one failed: what the targets hold is then unusable."""
+        # every read finishes before any error is raised: the caller may then close the
+        # files and reuse the targets, and no read may still be writing into them
+        wait(self._futures)
+        return [f.result() for f in self._futures]
 
 
 class BlockReader:
@@ -49,7 +76,7 @@ class BlockReader:
     def _read_one(self, row: BlockRow) -> Block:
         opened = self.open([row])[0]
         try:
-            return self._fill(0, opened, None, (), None)
+            return self._fill(_Job(i=0, opened=opened, targets=None, discard=(), tail_from=None))
         finally:
             opened.close()
 
@@ -99,38 +126,56 @@ class BlockReader:
         Raises ``BlockCorrupt`` naming the first bad block (in order): what the
         targets hold is then unusable.
         """
+        jobs = self._jobs(opened, targets, discard, tails)
+        if len(opened) <= 1 or not parallel:  # in order: the first bad block raises first
+            return [self._fill(job, then=then) for job in jobs]
+        return self._start(jobs, then).wait()
+
+    def start_fill(
+        self,
+        opened: Sequence[OpenedBlock],
+        targets: Fills,
+        discard: Drops = None,
+        tails: Tails = None,
+        *,
+        then: Then | None = None,
+    ) -> PendingFill:
+        """``fill`` on the reader threads, returning at once: ``wait()`` for the blocks.
+
+        The caller must ``wait()`` before it uses or reuses the targets or closes
+        the files, however it leaves (an error of its own included).
+        """
+        return self._start(self._jobs(opened, targets, discard, tails), then)
+
+    def _jobs(
+        self, opened: Sequence[OpenedBlock], targets: Fills, discard: Drops, tails: Tails
+    ) -> list[_Job]:
         if len(opened) != len(targets):
             raise ValueError(f"{len(opened)} blocks but {len(targets)} target maps")
         drops = list(discard) if discard is not None else [()] * len(opened)
         froms = list(tails) if tails is not None else [None] * len(opened)
         if len(drops) != len(opened) or len(froms) != len(opened):
             raise ValueError(f"{len(opened)} blocks but {len(drops)} discard sets")
-        jobs = [(i, *job) for i, job in enumerate(zip(opened, targets, drops, froms, strict=True))]
-        if len(opened) <= 1 or not parallel:  # in order: the first bad block raises first
-            return [self._fill(*job, then=then) for job in jobs]
-        pool = self._executor()
-        futures = [pool.submit(self._fill, *job, then=then) for job in jobs]
-        # every read finishes before any error is raised: the caller may then close the
-        # files and reuse the targets, and no read may still be writing into them
-        wait(futures)
-        return [f.result() for f in futures]
+        return [
+            _Job(i=i, opened=o, targets=t, discard=d, tail_from=f)
+            for i, (o, t, d, f) in enumerate(zip(opened, targets, drops, froms, strict=True))
+        ]
 
-    def _fill(
+    def _start(
         self,
-        i: int,
-        opened: OpenedBlock,
-        targets: Targets | None,
-        discard: Collection[str],
-        tail_from: int | None,
-        *,
-        then: Then | None = None,
-    ) -> Block:
+        jobs: list[_Job],
+        then: Then | None,
+    ) -> PendingFill:
+        pool = self._executor()
+        return PendingFill([pool.submit(self._fill, job, then=then) for job in jobs])
+
+    def _fill(self, job: _Job, *, then: Then | None = None) -> Block:
         try:
-            block = fill_block(opened, targets, discard, tail_from)
+            block = fill_block(job.opened, job.targets, job.discard, job.tail_from)
             if then is not None:
-                then(i, block)
+                then(job.i, block)
             return block
         except BlockCorrupt as exc:
-            raise BlockCorrupt(exc.reason, opened.row.hash) from None
+            raise BlockCorrupt(exc.reason, job.opened.row.hash) from None
         except (OSError, MemoryError) as exc:
-            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", opened.row.hash) from None
+            raise BlockCorrupt(f"{type(exc).__name__}: {exc}", job.opened.row.hash) from None

@@ -37,7 +37,7 @@ from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
 from .paths import CacheLayout, default_root
-from .readpool import BlockReader, Drops, Fills, Tails, Then
+from .readpool import BlockReader, Drops, Fills, PendingFill, Tails, Then
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
 from .snapshots import SnapshotCatalogue
 from .space import Space, space
@@ -292,6 +292,13 @@ class SnapshotStore:
         on the reader threads unless ``parallel`` is false (then on this thread); ``then``
         (``BlockReader.fill``) runs on a block's reader once it is read and checked."""
         return self._reader.fill(opened, targets, discard, tails, parallel=parallel, then=then)
+
+    def start_fill_blocks(
+        self, opened: Sequence[OpenedBlock], targets: Fills, *, then: Then | None = None
+    ) -> PendingFill:
+        """``fill_blocks`` on the reader threads, returning at once; ``wait()`` on the result
+        for the blocks before the targets are used or reused (``BlockReader.start_fill``)."""
+        return self._reader.start_fill(opened, targets, then=then)
 
     def quarantine(self, block_hash: str, reason: str) -> list[str]:
         """Drop a bad block and its descendants from the index; move its file aside.

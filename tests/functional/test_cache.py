@@ -331,12 +331,12 @@ def test_a_transposed_v_is_staged_a_piece_at_a_time(
     with _runtime(tiny_models.base, tmp_path) as rt:
         rt.prefill([doc], system=SYSTEM)
         # the staging only grows, per thread: an earlier restore here may have left a longer one
-        pieces._PIECE.staged = None
+        pieces._PIECE.staged = [None, None]
         answer = rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)
         kv = rt.session.capture()
         assert answer.cache.hit and kv.v_trans  # flash attention off: the CPU default here
-        staged = pieces._PIECE.staged
-        assert staged is not None
+        staged, second = pieces._PIECE.staged
+        assert staged is not None and second is None  # one piece: none read ahead
         v_bytes = {layer.v_row_bytes for layer in kv.layers}
         assert len(v_bytes) == 1 and len(kv.layers) >= 2
         rows, left = divmod(staged.shape[0], v_bytes.pop() * len(kv.layers))

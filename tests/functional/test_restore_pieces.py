@@ -91,14 +91,80 @@ def test_a_restore_in_pieces_is_the_whole_restore(
         per_token = len(whole[1]) // whole[0]
         monkeypatch.setattr(pieces, "PIECE_BYTES", 3 * BLOCK * per_token // 2)
         assert len(_groups(rt, request)) == 10  # a block each, the short last one with another
-        pieces._PIECE.buffer = None  # it only grows, per thread
+        pieces._PIECE.buffers = [None, None]  # they only grow, per thread
         each_block = _restored(rt, request, len(tokens))
         assert rt.session._scratch is None  # no buffer of the whole state was made
-        assert pieces._PIECE.buffer is not None
-        assert pieces._PIECE.buffer.shape[0] < len(whole[1])
+        held = [b for b in pieces._PIECE.buffers if b is not None]
+        assert held and sum(b.shape[0] for b in held) < len(whole[1])
     assert whole[0] == len(tokens) and in_one[0] == each_block[0] == whole[0]
     assert in_one[1] == each_block[1] == whole[1]
     assert np.array_equal(in_one[2], whole[2]) and np.array_equal(each_block[2], whole[2])
+
+
+@pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
+def test_pieces_read_ahead_restore_the_whole_restore(
+    tiny_models: TinyModels,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flash_attn: str,
+    kv: str,
+) -> None:
+    cfg = tiny_config(
+        tiny_models.base,
+        block_size=BLOCK,
+        flash_attn=flash_attn,
+        type_k=kv,
+        type_v=kv,
+        n_threads=2,
+    )
+    tokens = _tokens(10 * BLOCK + 5, seed=8)
+    request = [*tokens, 7, 8, 9]
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        store_prefill(rt, tokens)
+        rt.session.in_pieces = False
+        whole = _restored(rt, request, len(tokens))
+        rt.session.in_pieces, rt.session._scratch = True, None
+        per_token = len(whole[1]) // whole[0]
+        monkeypatch.setattr(pieces, "PIECE_BYTES", 2 * BLOCK * per_token + BLOCK)
+        assert pieces.parallel_reads(rt.session) and pieces.read_ahead(per_token, BLOCK)
+        assert [len(g) for g in _groups(rt, request)] == [2] * 5 + [1]
+        pieces._PIECE.__init__()
+        ahead = _restored(rt, request, len(tokens))
+        # the next piece went into the second buffer while one loaded
+        assert all(b is not None for b in pieces._PIECE.buffers)
+    assert ahead[0] == whole[0] == len(tokens)
+    assert ahead[1] == whole[1]
+    assert np.array_equal(ahead[2], whole[2])
+
+
+def test_a_damaged_block_in_a_piece_read_ahead_leaves_the_prefix_before_it(
+    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK, n_threads=2)
+    tokens = _tokens(8 * BLOCK + 3, seed=9)
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        store_prefill(rt, tokens)
+        assert rt.cache is not None
+        rows = sorted(rt.cache.store.all_blocks(), key=lambda r: r.start)
+        bad = next(r for r in rows if r.start == 5 * BLOCK)
+        path = tmp_path / bad.file
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10  # in its rows: the checksum catches it as it is read
+        path.write_bytes(bytes(data))
+        per_token = len(rt.session.capture_state()) // max(1, rt.session.n_tokens)
+        monkeypatch.setattr(pieces, "PIECE_BYTES", 2 * BLOCK * per_token)  # two blocks a piece
+        assert pieces.read_ahead(per_token, BLOCK) and pieces.parallel_reads(rt.session)
+        rt.session.reset()
+        reused, state, logits = _restored(rt, [*tokens, 7], len(tokens))
+        # the piece of blocks 4 and 5 failed while the next one was read: the blocks
+        # before the damaged one are restored again
+        assert reused == 5 * BLOCK
+        assert not rt.cache.store.has_block(bad.hash)  # quarantined
+    with ModelSession(cfg) as fresh:  # the same prefix, computed in the same batches
+        fresh.prefill(tokens[:reused], ends=fresh.schedule(len(tokens), [len(tokens)]))
+        fresh_state, fresh_logits = _after(fresh, tokens[reused])
+    assert fresh_state == state
+    assert np.array_equal(fresh_logits, logits)
 
 
 def _groups(rt: Runtime, request: list[int]) -> list[list[object]]:
@@ -209,14 +275,15 @@ def test_buffers_made_ready_are_the_ones_a_restore_uses(
     with Runtime(cfg, cache_dir=tmp_path) as rt:
         store_prefill(rt, tokens)
         assert rt.cache is not None
-        pieces._PIECE.buffer = pieces._PIECE.staged = None  # as in a fresh thread
+        pieces._PIECE.__init__()  # as in a fresh thread
         assert rt.prepare_restores() > 0
-        buffer, staged = pieces._PIECE.buffer, pieces._PIECE.staged
-        assert buffer is not None and staged is not None
+        buffers, staged = list(pieces._PIECE.buffers), list(pieces._PIECE.staged)
+        assert all(b is not None for b in buffers[:1] + staged[:1])
         reused, _, _ = _restored(rt, [*tokens, 7], len(tokens))
         assert reused == len(tokens)
         # the restore grew neither: it used the pages made ready
-        assert pieces._PIECE.buffer is buffer and pieces._PIECE.staged is staged
+        assert all(a is b for a, b in zip(pieces._PIECE.buffers, buffers, strict=True))
+        assert all(a is b for a, b in zip(pieces._PIECE.staged, staged, strict=True))
 
 
 def test_a_restore_once_made_ready_starts_no_thread(

@@ -6,7 +6,7 @@ a buffer as large as the KV cells it fills: twice the state's memory while it
 loads, kept for the next restore, and on a machine that backs fresh memory
 lazily (a virtual machine handing freed pages back to its host, as here) the
 dearest part of a fresh process's restore. Here consecutive blocks are read,
-up to ``PIECE_BYTES`` of rows at a time (one block at least), into one reused
+up to ``PIECE_BYTES`` of rows at a time (one block at least), into a reused
 piece buffer: each piece's checksums are checked as it is read, its chain hashes
 before it is loaded, and it goes in after the pieces before it
 (``ModelSession.load_state(first=...)``, through the context's second
@@ -14,14 +14,19 @@ sequence). The cells, and so the bits, are those a whole restore gives (tested).
 With transposed V (flash attention off) a piece's V rows are read token-major
 into a staging area of their own and go into llama.cpp's columns from there
 (``kv.columns``), a block at a time on the thread that read it, while its rows
-are still in the CPU's cache.
+are still in the CPU's cache. Where the reader threads read a piece's blocks in
+parallel, the next piece is read into a second buffer while one loads
+(``read_ahead``): the copy into llama.cpp, on the model's thread, then overlaps
+the reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,14 +38,16 @@ from localkv.model.loading import kv_bytes_per_token
 from localkv.model.session import ModelSession
 from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
+from localkv.storage.readpool import PendingFill
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block
+from localkv.storage.values import Block, BlockCorrupt
 
 __all__ = [
     "PIECE_BYTES",
     "fill_targets",
     "groups",
     "prepare_buffers",
+    "read_ahead",
     "read_in_pieces",
     "token_rows",
     "transpose_v",
@@ -67,18 +74,29 @@ def groups(opened: list[OpenedBlock], n: int, per_token: int) -> list[list[Opene
 
 
 class _Piece(threading.local):
-    buffer: np.ndarray | None = None
-    staged: np.ndarray | None = None
+    """This thread's two piece buffers and V staging areas (slot 0 and 1), reused."""
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray | None] = [None, None]
+        self.staged: list[np.ndarray | None] = [None, None]
 
 
 _PIECE = _Piece()
 
 
-def _buffer(nbytes: int) -> np.ndarray:
-    """This thread's reused piece buffer, of ``nbytes`` at least."""
-    if _PIECE.buffer is None or _PIECE.buffer.shape[0] < nbytes:
-        _PIECE.buffer = large_buffer(nbytes)
-    return _PIECE.buffer
+def _buffer(nbytes: int, slot: int = 0) -> np.ndarray:
+    """This thread's reused piece buffer ``slot``, of ``nbytes`` at least."""
+    buf = _PIECE.buffers[slot]
+    if buf is None or buf.shape[0] < nbytes:
+        buf = _PIECE.buffers[slot] = large_buffer(nbytes)
+    return buf
+
+
+def read_ahead(per_token: int, block_size: int) -> bool:
+    """Whether the next piece is read while one loads: where a piece holds two blocks at
+    least, so that the reader threads read in parallel; it then takes a second piece's
+    memory."""
+    return PIECE_BYTES // max(1, per_token) >= 2 * block_size
 
 
 def prepare_buffers(session: ModelSession) -> int:
@@ -99,9 +117,11 @@ def prepare_buffers(session: ModelSession) -> int:
     rows = tokens * per_token
     # the state's other fields: a cell, and per layer a few header words
     size = rows + tokens * _CELL_BOUND + _HEADER_BOUND
-    ready = _touch(_buffer(size))
-    if session.flash_attn_setting() != "on":  # V may be transposed: staged on its way
-        ready += _touch(_staging(rows // 2 + _HEADER_BOUND))
+    ready = 0
+    for slot in range(2 if read_ahead(per_token, block) else 1):
+        ready += _touch(_buffer(size, slot))
+        if session.flash_attn_setting() != "on":  # V may be transposed: staged on its way
+            ready += _touch(_staging(rows // 2 + _HEADER_BOUND, slot))
     return ready
 
 
@@ -152,34 +172,100 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
     spent.setdefault("load", 0.0)
     n = opened[-1].row.end - (0 if whole else 1)
     per_token = sum(x[1] + x[3] for x in layout)
-    spill = np.empty(per_token, dtype=np.uint8)
+    into = _Into(
+        store=store,
+        session=session,
+        layout=layout,
+        v_trans=v_trans,
+        n=n,
+        spill=np.empty(per_token, dtype=np.uint8),
+        parallel=parallel_reads(session),
+    )
+    plan = groups(opened, n, per_token)
+    ahead = into.parallel and read_ahead(per_token, session.config.block_size)
     blocks: list[Block] = []
-    parallel = parallel_reads(session)
-    for group in groups(opened, n, per_token):
+    next_piece: _Reading | None = into.start(plan[0], 0)
+    try:
+        for i in range(len(plan)):
+            piece = next_piece or into.start(plan[i], 0)
+            next_piece = None
+            got = piece.wait(spent)
+            if ahead and i + 1 < len(plan):  # read the next piece while this one loads
+                next_piece = into.start(plan[i + 1], (i + 1) % 2)
+            parent = check_chain(parent, [g.row for g in piece.group], got)
+            tokens = np.concatenate([b.tokens for b in got])[: piece.stop - piece.first]
+            t0 = time.perf_counter()
+            session.load_state(piece.buf, [int(t) for t in tokens], first=piece.first)
+            spent["load"] += time.perf_counter() - t0
+            blocks.extend(got)
+    finally:
+        if next_piece is not None:  # its readers write into a buffer: done before it is reused
+            next_piece.settle()
+    return blocks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Reading:
+    """A piece being read: its blocks' reads, and where its state goes."""
+
+    group: list[OpenedBlock]
+    first: int  # its first token, and the token after its last loaded one
+    stop: int
+    buf: np.ndarray  # the piece's state, once read
+    took: list[float]  # the seconds of its blocks' columns, as each reader finishes one
+    pending: PendingFill | None = None  # on the reader threads, or
+    done: list[Block] | None = None  # read on this thread
+
+    def wait(self, spent: dict[str, float]) -> list[Block]:
+        """Its blocks once read and checked (``BlockCorrupt`` for a bad one)."""
+        got = self.done if self.pending is None else self.pending.wait()
+        assert got is not None
+        spent["columns"] += sum(self.took)
+        return got
+
+    def settle(self) -> None:
+        """Wait for its reads, whatever they found (a restore that failed is leaving)."""
+        with contextlib.suppress(BlockCorrupt):
+            self.wait({"columns": 0.0})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Into:
+    """What a piece is read into: one restore's settings."""
+
+    store: SnapshotStore
+    session: ModelSession
+    layout: tuple[LayerLayout, ...]
+    v_trans: bool
+    n: int  # the tokens loaded: a token at ``n`` or after is read into ``spill``
+    spill: np.ndarray
+    parallel: bool  # read on the reader threads, else on this one
+
+    def start(self, group: list[OpenedBlock], slot: int) -> _Reading:
+        """Start reading ``group`` into piece buffer ``slot`` (read at once, unless parallel)."""
+        session, layout, n = self.session, self.layout, self.n
         first, stop = group[0].row.start, min(group[-1].row.end, n)
-        size = state_size(layout, v_trans, stop - first, session.cell_ext)
+        size = state_size(layout, self.v_trans, stop - first, session.cell_ext)
         buf, k_rows, v_rows = codec.assembly(
             layout,
             stop - first,
-            scratch=_buffer(size),
+            scratch=_buffer(size, slot),
             cell_ext=session.cell_ext,
             first=first,
-            v_trans=v_trans,
+            v_trans=self.v_trans,
         )
-        v_places = _staged(v_rows, stop - first) if v_trans else v_rows
-        targets = fill_targets(group, layout, k_rows, v_places, n, spill=spill, first=first)
+        v_places = _staged(v_rows, stop - first, slot) if self.v_trans else v_rows
+        targets = fill_targets(group, layout, k_rows, v_places, n, spill=self.spill, first=first)
         # a block's V rows go into the columns on its reader, while they are in the cache
         took: list[float] = []  # appended on each reader: one list.append is atomic
-        then = _into_columns(group, v_places, v_rows, (first, n), took) if v_trans else None
-        got = store.fill_blocks(group, targets, [set()] * len(group), parallel=parallel, then=then)
-        spent["columns"] += sum(took)
-        parent = check_chain(parent, [g.row for g in group], got)
-        tokens = np.concatenate([b.tokens for b in got])[: stop - first]
-        t0 = time.perf_counter()
-        session.load_state(buf, [int(t) for t in tokens], first=first)
-        spent["load"] += time.perf_counter() - t0
-        blocks.extend(got)
-    return blocks
+        then = _into_columns(group, v_places, v_rows, (first, n), took) if self.v_trans else None
+        piece = _Reading(group=group, first=first, stop=stop, buf=buf, took=took)
+        if self.parallel and len(group) > 1:
+            return replace(piece, pending=self.store.start_fill_blocks(group, targets, then=then))
+        got = self.store.fill_blocks(
+            group, targets, [set()] * len(group), parallel=False, then=then
+        )
+        return replace(piece, done=got)
 
 
 def _into_columns(
@@ -205,9 +291,9 @@ def _into_columns(
     return then
 
 
-def _staged(v_rows: list[np.ndarray], n: int) -> list[np.ndarray]:
-    """Per layer, ``n`` token-major V rows in this thread's reused staging area."""
-    area = _staging(sum(v.nbytes for v in v_rows))
+def _staged(v_rows: list[np.ndarray], n: int, slot: int) -> list[np.ndarray]:
+    """Per layer, ``n`` token-major V rows in this thread's reused staging area ``slot``."""
+    area = _staging(sum(v.nbytes for v in v_rows), slot)
     out, at = [], 0
     for v in v_rows:
         out.append(area[at : at + v.nbytes].reshape(n, -1))
@@ -260,7 +346,7 @@ def transpose_v(v_places: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
         to_columns(staged.view(columns.dtype), columns)
 
 
-def _staging(nbytes: int) -> np.ndarray:
+def _staging(nbytes: int, slot: int = 0) -> np.ndarray:
     """This thread's reused staging bytes for V rows on their way into columns.
 
     A piece's (at most ``PIECE_BYTES`` of rows), or one layer's for a whole
@@ -268,6 +354,7 @@ def _staging(nbytes: int) -> np.ndarray:
     fault, and one that the host backs lazily (a virtual machine that hands
     freed memory back, as here) costs more than a copy.
     """
-    if _PIECE.staged is None or _PIECE.staged.shape[0] < nbytes:
-        _PIECE.staged = large_buffer(nbytes)
-    return _PIECE.staged
+    area = _PIECE.staged[slot]
+    if area is None or area.shape[0] < nbytes:
+        area = _PIECE.staged[slot] = large_buffer(nbytes)
+    return area
