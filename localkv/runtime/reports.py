@@ -4,7 +4,8 @@ and ``printable``, how every face shows a name it did not write."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 __all__ = ["Answer", "CacheReport", "PrefillReport", "Timing", "TokenCounts", "printable"]
 
@@ -44,6 +45,9 @@ class CacheReport:
     # tokens the stored chain shares with the request; those past ``reused`` were
     # computed there in other batches, so they are recomputed for an exact answer
     common: int = 0
+    # a restore's seconds by step (``RestoreResult.breakdown``: lookup, read, columns,
+    # part of read, load, probe); empty when nothing was restored
+    steps: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def first_run(self) -> bool:

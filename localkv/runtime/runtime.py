@@ -251,6 +251,7 @@ class Runtime:
             restore_s=result.seconds,
             saved_s=result.saved_seconds,
             common=result.common,
+            steps=dict(result.breakdown) if result.reused > 0 else {},
         )
         return result, report
 

@@ -12,7 +12,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,13 @@ from localkv.prompt.template import Message
 from localkv.runtime import Runtime
 from localkv.runtime.callbacks import TextFn
 from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport
-from localkv.server.conversation import AnswerMemory, MessageMemory, build_prompt, common_prefix
+from localkv.server.conversation import (
+    AnswerMemory,
+    MessageMemory,
+    Prompt,
+    build_prompt,
+    common_prefix,
+)
 from localkv.server.errors import ApiError, bad_request
 from localkv.server.limits import Budget
 from localkv.server.prefixes import (
@@ -41,6 +47,7 @@ from localkv.server.prefixes import (
     snapshot_namer,
 )
 from localkv.server.requests import (
+    RESTORE_STEPS,
     Channel,
     ChatRequest,
     CompletionRequest,
@@ -73,6 +80,7 @@ class Engine:
         self.memory = AnswerMemory()
         self.known = MessageMemory()  # tokens of user and system messages seen before
         self._work_at, self._queued = self._work(), 0.0
+        self._prompt_s = 0.0  # the request's prompt building: render and tokenize
         self.model_id = Path(runtime.session.config.model_path).stem
         self.facts = model_facts(runtime, self.model_id)
 
@@ -82,14 +90,7 @@ class Engine:
         self._work_at, self._queued = self._work(), t0 - channel.arrived
         template = self.runtime.template
         self._check_grammar(request.sampling)
-        work = template.work()
-        budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
-        try:
-            built = build_prompt(
-                template, request.messages, self.memory, budget, request.tools, known=self.known
-            )
-        finally:
-            _log_work(template.work(), work, len(request.messages))
+        built = self._build(request, channel)
         state, prompt = built.state, list(built.state.tokens)
         pins = pin_ends(built, request.messages, request.breakpoints)
         chat = ChatSession(self.runtime, state)  # state.tokens is never empty here
@@ -137,6 +138,20 @@ class Engine:
             thought = len(self.runtime.template.text_tokens(outcome.reasoning))
             outcome = replace(outcome, reasoning_tokens=min(thought, outcome.generated))
         return outcome
+
+    def _build(self, request: ChatRequest, channel: Channel) -> Prompt:
+        """The request's prompt: the template's render and the tokenizing, timed."""
+        t0, template = time.perf_counter(), self.runtime.template
+        work = template.work()
+        budget = Budget(self.runtime.session.n_ctx, channel.cancelled)
+        try:
+            built = build_prompt(
+                template, request.messages, self.memory, budget, request.tools, known=self.known
+            )
+        finally:
+            _log_work(template.work(), work, len(request.messages))
+        self._prompt_s = time.perf_counter() - t0
+        return built
 
     def _close_turn(
         self,
@@ -187,6 +202,7 @@ class Engine:
         self._work_at, self._queued = self._work(), t0 - channel.arrived
         session, template = self.runtime.session, self.runtime.template
         self._check_grammar(request.sampling)
+        tokenizing = time.perf_counter()
         budget = Budget(session.n_ctx, channel.cancelled, param="prompt")
         if isinstance(request.prompt, str):
             prompt = template.prompt_start_tokens()
@@ -199,6 +215,7 @@ class Engine:
         if not prompt:
             raise bad_request("the prompt has no tokens", "prompt")
         budget.after(len(prompt))
+        self._prompt_s = time.perf_counter() - tokenizing
         state = ChatState(tokens=list(prompt), boundaries=[len(prompt)])
         chat = ChatSession(self.runtime, state)
         sync, diverged = self._sync(chat, state, channel)
@@ -351,6 +368,8 @@ class Engine:
             work=self._work_since(),
             queued_s=self._queued,
             stop_sequence=stops.matched,
+            restore_steps=_in_order(report.steps) if report is not None else (),
+            prompt_s=self._prompt_s,
         )
 
     def _work(self) -> tuple[int, ...]:
@@ -417,6 +436,12 @@ def model_facts(runtime: Runtime, model_id: str) -> ModelFacts:
         template=template,
         metadata=metadata,
     )
+
+
+def _in_order(steps: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """A restore's steps in the order they run (``RESTORE_STEPS``), any other after them."""
+    known = [(name, steps[name]) for name in RESTORE_STEPS if name in steps]
+    return (*known, *((k, v) for k, v in steps.items() if k not in RESTORE_STEPS))
 
 
 def _sender(stops: StopText, emit: TextFn) -> TextFn:

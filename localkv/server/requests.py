@@ -28,6 +28,10 @@ __all__ = [
 
 # ``Outcome.work``
 WORK = ("state_captures", "tokenize_calls", "tokenized_chars", "renders", "rendered_chars")
+# a disk restore's steps, in the order they run: the index lookup, the block files read
+# (and checked) into the state, V into llama.cpp's columns (part of the read, summed over
+# the reader threads; only with transposed V), the state's load into llama.cpp, the probe
+RESTORE_STEPS = ("lookup", "read", "columns", "load", "probe")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +114,9 @@ class Outcome:
     # prompt tokens up to the request's last kept breakpoint not read from the cache
     pinned_new: int = 0
     breakpoints: tuple[int, int] = (0, 0)  # the request's cache breakpoints, and those kept
+    # the disk restore's seconds by step (``RESTORE_STEPS``); empty when nothing came from disk
+    restore_steps: tuple[tuple[str, float], ...] = ()
+    prompt_s: float = 0.0  # building the prompt: the template's render and the tokenizing
 
     def localkv(self) -> dict[str, object]:
         """The ``localkv`` object of a response."""
@@ -126,8 +133,15 @@ class Outcome:
             if self.generated
             else None,
             "work": dict(zip(WORK, self.work, strict=True)),
+            "prompt_ms": round(self.prompt_s * 1000, 3),
+            **self._restore_steps(),
             **self._breakpoints(),
         }
+
+    def _restore_steps(self) -> dict[str, object]:
+        if self.source != "disk" or not self.restore_steps:
+            return {}
+        return {"restore_steps": {k: round(v * 1000, 3) for k, v in self.restore_steps}}
 
     def _breakpoints(self) -> dict[str, object]:
         asked, kept = self.breakpoints

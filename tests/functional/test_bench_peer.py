@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from localkv.bench.peer.figures import PART_LABELS
+from localkv.bench.peer.restart import PARTS
 from localkv.bench.peer.run import LLAMA_SERVER, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,9 +46,12 @@ def test_the_quick_run_writes_the_page_and_every_figure(
     for run in length["cold"]["llama-server"]:
         assert run["server"]["prompt_n"] == run["prompt_tokens"] > 300  # all of it prefilled
     restart = length["restart"]["runs"]
-    for run in restart["localkv"]:  # from its disk cache, verified
+    for run in restart["localkv"]:  # from its disk cache, verified, step by step
         assert run["server"]["source"] == "disk" and run["server"]["verified"] is True
         assert run["server"]["cached_tokens"] >= 256
+        assert {"lookup", "read", "load", "probe"} <= set(run["server"]["restore_steps"])
+        assert list(run["parts_s"]) == list(PARTS)
+        assert sum(run["parts_s"].values()) == pytest.approx(run["ttft_s"])
     for run in restart["llama-server slot"]:  # the restored slot serves the prompt
         assert run["restored_tokens"] > 300 and run["server"]["cache_n"] >= 300
     disk = length["restart"]["disk"]
@@ -62,3 +67,8 @@ def test_the_quick_run_writes_the_page_and_every_figure(
     text = page.read_text()
     assert "### A document of 300 tokens" in text and "## Targets" in text
     assert "load average" in text
+    assert "## Where localkv's restart time goes" in text
+    section = text.split("## Where localkv's restart time goes")[1].split("## Targets")[0]
+    rows = [line.split(" | ")[0].lstrip("| ") for line in section.splitlines() if "|" in line]
+    assert set(PART_LABELS.values()) <= set(rows)  # a row per part, and llama-server's beside
+    assert "restore, all its steps" in rows

@@ -11,8 +11,15 @@ from typing import Any
 
 import pytest
 
-from localkv.bench.peer.figures import Target, alternate_figures, length_figures, targets
+from localkv.bench.peer.figures import (
+    Target,
+    alternate_figures,
+    length_figures,
+    restart_parts,
+    targets,
+)
 from localkv.bench.peer.report import cell, markdown
+from localkv.bench.peer.restart import parts
 from localkv.bench.peer.run import main
 from localkv.bench.stats import Stat
 
@@ -28,6 +35,18 @@ def _cold(ttft: list[float], cpu: list[float], rate: list[float]) -> list[dict[s
     ]
 
 
+# a restart's parts, in seconds, as ``restart.parts`` writes them
+_PARTS = {
+    "prompt": 0.005,
+    "lookup": 0.002,
+    "read": 0.02,
+    "columns": 0.004,
+    "load": 0.008,
+    "probe": 0.006,
+    "rest": 0.055,
+}
+
+
 def _length(tokens: int, *, restart: float, slot: float) -> dict[str, Any]:
     return {
         "tokens": tokens,
@@ -37,7 +56,9 @@ def _length(tokens: int, *, restart: float, slot: float) -> dict[str, Any]:
         },
         "restart": {
             "runs": {
-                "localkv": _runs("ttft_s", [restart, restart, restart]),
+                "localkv": _runs(
+                    "ttft_s", [restart] * 3, server={"restore_ms": 40.0}, parts_s=_PARTS
+                ),
                 "llama-server slot": [
                     {"ttft_s": slot / 2, "restore_and_ttft_s": slot, "restore_s": slot / 2}
                 ]
@@ -118,6 +139,27 @@ def test_the_page_names_the_command_the_load_and_every_table() -> None:
     assert "6,000: restart first token / slot restore: 2x (<= 1.15): NOT met" in page
     assert "2,000: decode rate / llama-server's: 1.02x (>= 0.95): met" in page
     assert "| bytes on disk per token | slot file | 1 kB/token | 2 kB/token | 0.5x |" in page
+
+
+def test_a_restart_is_split_into_the_parts_the_server_reports() -> None:
+    steps = {"lookup": 2.0, "read": 24.0, "columns": 4.0, "load": 8.0, "probe": 6.0}
+    server = {"prompt_ms": 5.0, "restore_ms": 40.0, "restore_steps": steps}
+    found = parts({"ttft_s": 0.1, "server": server})  # milliseconds in, seconds out
+    assert found == pytest.approx(_PARTS)
+    assert sum(found.values()) == pytest.approx(0.1)  # the client's first token, whole
+    assert parts({"ttft_s": 0.1, "server": {"prompt_ms": 5.0, "source": "live"}}) == {}
+    rows = {p.label: p for p in restart_parts(_data()["lengths"][1])}
+    assert rows["restore: read, columns excluded"].localkv.median == pytest.approx(0.02)
+    assert rows["restore: probe"].peer.n == 0  # llama-server names no such step
+    assert rows["restore, all its steps"].localkv.median == pytest.approx(0.04)
+    assert rows["restore, all its steps"].peer.median == pytest.approx(0.1)  # the slot call
+    assert rows["the rest of the first token"].peer.median == pytest.approx(0.1)
+    assert rows["first token, as the client saw it"].localkv.median == pytest.approx(0.4)
+    page = markdown(_data())
+    assert "## Where localkv's restart time goes" in page
+    assert "### A document of 6,000 tokens, after a restart" in page
+    assert "| restore: V into columns | 4 ms (4-4) | - |" in page
+    assert "**the rest of the first token**" in page
 
 
 def test_a_cell_prints_the_median_and_range_in_its_unit() -> None:

@@ -23,6 +23,20 @@ class PeerHTTPError(RuntimeError):
     """A server answered with an error status, or its stream carried no content."""
 
 
+# what a run keeps of each server's own report: llama-server's ``timings``; localkv's
+# ``localkv`` object, the restore's steps and the prompt's building among it
+_TIMINGS = ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_per_second")
+_LOCALKV = (
+    "cached_tokens",
+    "source",
+    "verified",
+    "restore_ms",
+    "ttft_ms",
+    "prompt_ms",
+    "restore_steps",
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reply:
     """A streamed answer, timed from sending the request."""
@@ -53,12 +67,10 @@ class Reply:
             "decode_tok_s": self.decode_tok_s,
         }
         if self.timings:  # llama-server: its own prefill and decode, and the tokens it reused
-            keys = ("cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_per_second")
-            out["server"] = {k: self.timings[k] for k in keys if k in self.timings}
+            out["server"] = {k: self.timings[k] for k in _TIMINGS if k in self.timings}
             out["server_prefill_s"] = float(self.timings.get("prompt_ms", 0.0)) / 1000
         if self.localkv:
-            keys = ("cached_tokens", "source", "verified", "restore_ms", "ttft_ms")
-            out["server"] = {k: self.localkv[k] for k in keys if k in self.localkv}
+            out["server"] = {k: self.localkv[k] for k in _LOCALKV if k in self.localkv}
             out["server_prefill_s"] = float(self.localkv.get("ttft_ms", 0.0)) / 1000
         return out
 

@@ -4,6 +4,8 @@
 to print them, and the ratio of the medians localkv / other. ``length_figures`` and
 ``alternate_figures`` read them from the runs as the bench wrote them; ``targets``
 says, for each ratio the project holds itself to, the bound and whether the run met it.
+``restart_parts`` splits localkv's first token after a restart into the parts its
+server reports, beside llama-server's slot restore call and its request.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from typing import Any
 
 from localkv.bench.stats import Stat
 
-__all__ = ["Figure", "Target", "alternate_figures", "length_figures", "targets"]
+__all__ = [
+    "PART_LABELS",
+    "Figure",
+    "Part",
+    "Target",
+    "alternate_figures",
+    "length_figures",
+    "restart_parts",
+    "targets",
+]
 
 Runs = Sequence[Mapping[str, Any]]
 
@@ -51,9 +62,33 @@ class Target:
         return self.ratio >= self.bound if self.higher_is_better else self.ratio <= self.bound
 
 
-def _stat(runs: Runs, key: str) -> Stat:
-    values = [float(r[key]) for r in runs if r.get(key) is not None]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Part:
+    """A part of the first token after a restart: localkv's runs, llama-server's (n 0: none)."""
+
+    label: str
+    localkv: Stat
+    peer: Stat
+
+
+# the parts of localkv's first token after a restart (``restart.PARTS``), as the page names them
+PART_LABELS = {
+    "prompt": "prompt build (render, tokenize)",
+    "lookup": "restore: lookup",
+    "read": "restore: read, columns excluded",
+    "columns": "restore: V into columns",
+    "load": "restore: load into llama.cpp",
+    "probe": "restore: probe",
+    "rest": "the rest of the first token",
+}
+
+
+def _of(values: Sequence[float]) -> Stat:
     return Stat.of(values) if values else Stat(median=0.0, min=0.0, max=0.0, n=0)
+
+
+def _stat(runs: Runs, key: str) -> Stat:
+    return _of([float(r[key]) for r in runs if r.get(key) is not None])
 
 
 def _one(value: float) -> Stat:
@@ -111,6 +146,37 @@ def length_figures(length: Mapping[str, Any]) -> list[Figure]:
             _stat(ls, "ttft_s"),
         ),
         _figure("bytes on disk per token", "slot file", "B/token", per_token, slot_token),
+    ]
+
+
+def restart_parts(length: Mapping[str, Any]) -> list[Part]:
+    """localkv's restart, part by part (``parts_s``), its whole restore (``restore_ms``) and
+    its first token, beside llama-server's slot restore call, its request alone and both."""
+    back, slot = (
+        length["restart"]["runs"]["localkv"],
+        length["restart"]["runs"]["llama-server slot"],
+    )
+    split = [r["parts_s"] for r in back if r.get("parts_s")]
+    none = _of([])
+    rows = [
+        Part(label=label, localkv=_of([p[name] for p in split]), peer=none)
+        for name, label in PART_LABELS.items()
+        if name != "rest"
+    ]
+    restore = [float(r["server"]["restore_ms"]) / 1000 for r in back if r.get("parts_s")]
+    return [
+        *rows,
+        Part(label="restore, all its steps", localkv=_of(restore), peer=_stat(slot, "restore_s")),
+        Part(
+            label=PART_LABELS["rest"],
+            localkv=_of([p["rest"] for p in split]),
+            peer=_stat(slot, "ttft_s"),
+        ),
+        Part(
+            label="first token, as the client saw it",
+            localkv=_of([float(r["ttft_s"]) for r in back if r.get("parts_s")]),
+            peer=_stat(slot, "restore_and_ttft_s"),
+        ),
     ]
 
 

@@ -3,7 +3,8 @@
 ``markdown(data)`` returns the whole page (``docs/performance/peer.md``): the command,
 the machine, model and setting, the load average before and after, a table per
 prompt length and one for two documents in turn (medians, min-max, the ratio
-localkv / llama-server), the targets met and missed, and how each figure is taken.
+localkv / llama-server), where localkv's restart time goes (per length, the parts its
+server reports), the targets met and missed, and how each figure is taken.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from localkv.bench.peer.figures import Figure, alternate_figures, length_figures, targets
+from localkv.bench.peer.figures import (
+    Figure,
+    alternate_figures,
+    length_figures,
+    restart_parts,
+    targets,
+)
 from localkv.bench.stats import Stat
 from localkv.bench.table import fmt_bytes, fmt_ratio, fmt_stat
 
@@ -92,6 +99,32 @@ def _lengths(data: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _restart_parts(data: Mapping[str, Any]) -> list[str]:
+    """Per length, localkv's restart part by part beside llama-server's slot restore."""
+    out = [
+        "## Where localkv's restart time goes",
+        "",
+        "The first token after a restart, split into the parts localkv's server reports for "
+        "each run (`localkv.prompt_ms`, `localkv.restore_steps`), beside llama-server's slot "
+        "restore call and its request; medians over the runs (min-max), each part's median "
+        "on its own, so they need not add up to the median first token.",
+        "",
+    ]
+    for length in data["lengths"]:
+        out += [
+            f"### A document of {length['tokens']:,} tokens, after a restart",
+            "",
+            "| part | localkv | llama-server |",
+            "|---|---:|---:|",
+            *(
+                f"| {p.label} | {cell(p.localkv, 's')} | {cell(p.peer, 's')} |"
+                for p in restart_parts(length)
+            ),
+            "",
+        ]
+    return out
+
+
 def _alternate(data: Mapping[str, Any]) -> list[str]:
     alt = data.get("alternate")
     if not alt:
@@ -125,6 +158,7 @@ def markdown(data: Mapping[str, Any]) -> str:
         "",
         *_lengths(data),
         *_alternate(data),
+        *_restart_parts(data),
         "## Targets",
         "",
         *_targets(data),
@@ -157,6 +191,22 @@ METHOD = [
     "`POST /slots/0?action=restore` (timed) and the same request sent. "
     "**--cache-ram (re-prefill)** is llama-server's cold runs: a restart empties its RAM "
     "cache, so the same request after a restart is a cold prefill.",
+    "- **where localkv's restart time goes**: each restart run's own `localkv` object, from "
+    "the response that answered the request. **prompt build**: `prompt_ms`, the template's "
+    "render and the tokenizing. The restore's steps (`restore_steps`), one after another: "
+    "**lookup**, the index lookup of the stored chain; **read, columns excluded**, the block "
+    "files read and their checksums and chain hashes checked, less the columns; **V into "
+    "columns**, V's rows copied into llama.cpp's transposed layout (flash attention off) on "
+    "the reader threads, their seconds summed over the threads (where they overlap, the "
+    "read's row is what is left of its wall time); **load into llama.cpp**, "
+    "`llama_state_seq_set_data` of each piece; **probe**, the one-token decode that "
+    "verifies the restored state. **restore, all its steps**: `restore_ms`, lookup to "
+    "probe. **the rest of the first token**: the client's first token less the parts "
+    "named above: the request's HTTP, parse and queue, the prefill of the prompt's tail "
+    "after the restored prefix, the first token's sampling and its chunk's trip back. "
+    "llama-server's column: its slot restore call (`POST /slots/0?action=restore`, as the "
+    "client timed it) beside localkv's whole restore, its request alone beside localkv's "
+    "rest, and both beside localkv's first token.",
     "- **bytes on disk per token**: localkv's block files (`*.lkv`) after the first request "
     "over the tokens its longest snapshot holds (`GET /v1/localkv/cache`); the slot file's "
     "bytes over the tokens llama-server saved in it (`n_written` / `n_saved`); both hold the "

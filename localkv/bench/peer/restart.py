@@ -6,6 +6,7 @@ the bytes each left on disk are counted. Then per run, in turn: localkv is start
 again and the same request streamed; llama-server is started again, its slot restored
 (``POST /slots/0?action=restore``) and the request streamed. llama-server's figure is
 the restore call's time plus the request's time to first token, and each alone.
+localkv's first token is split into the parts its server reports (``parts``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,27 @@ from localkv.bench.peer.plan import Plan, say
 from localkv.bench.peer.servers import Server, llama_server, localkv_server
 from localkv.storage.paths import BLOCK_SUFFIX
 
-__all__ = ["SLOT_FILE", "restart"]
+__all__ = ["PARTS", "SLOT_FILE", "parts", "restart"]
 
 SLOT_FILE = "document.bin"
+# localkv's first token after a restart, in the order its parts run: the prompt built
+# (render, tokenize), the restore's steps (``localkv.restore_steps``; ``read`` without
+# ``columns``), and the rest of the first token as the client saw it
+PARTS = ("prompt", "lookup", "read", "columns", "load", "probe", "rest")
+
+
+def parts(reply: dict[str, Any]) -> dict[str, float]:
+    """The seconds of each of ``PARTS`` in a reply's JSON (``Reply.as_json``); empty when
+    the server named no restore step (nothing came from disk). The parts add up to the
+    client's first token."""
+    server = reply.get("server") or {}
+    steps = server.get("restore_steps")
+    if not steps or "prompt_ms" not in server:
+        return {}
+    ms = {"prompt": server["prompt_ms"], **{name: steps.get(name, 0.0) for name in PARTS[1:-1]}}
+    ms["read"] -= ms["columns"]  # the reader threads' time on V's columns is part of read
+    named = {name: value / 1000 for name, value in ms.items()}
+    return {**named, "rest": reply["ttft_s"] - sum(named.values())}
 
 
 def _block_bytes(home: Path) -> int:
@@ -64,9 +83,9 @@ def _slot_run(ls: Server, plan: Plan, chat: list[dict[str, str]]) -> dict[str, A
 
 def _localkv_run(lk: Server, plan: Plan, chat: list[dict[str, str]]) -> dict[str, Any]:
     with lk:
-        return stream_chat(
-            lk.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s
-        ).as_json()
+        run = stream_chat(lk.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
+    out = run.as_json()
+    return {**out, "parts_s": parts(out)}
 
 
 def restart(plan: Plan, n_tokens: int, document: str) -> dict[str, Any]:
