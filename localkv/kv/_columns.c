@@ -20,6 +20,9 @@
 #endif
 
 #define TILE 32
+/* the SSE2 copy's run of rows: each group of 8 columns gets this many rows in a
+ * row (a few whole cache lines of each column) before the next group */
+#define RUN 256
 
 #define TRANSPOSE(T)                                                                    \
     static void to_columns_##T(const T *src, T *dst, Py_ssize_t rows, Py_ssize_t width, \
@@ -49,8 +52,8 @@ static void to_columns_2(const uint16_t *src, uint16_t *dst, Py_ssize_t rows, Py
                          Py_ssize_t stride)
 {
     Py_ssize_t rows8 = rows & ~(Py_ssize_t)7, width8 = width & ~(Py_ssize_t)7;
-    for (Py_ssize_t r0 = 0; r0 < rows8; r0 += TILE) {
-        Py_ssize_t r1 = r0 + TILE < rows8 ? r0 + TILE : rows8;
+    for (Py_ssize_t r0 = 0; r0 < rows8; r0 += RUN) {
+        Py_ssize_t r1 = r0 + RUN < rows8 ? r0 + RUN : rows8;
         for (Py_ssize_t c = 0; c < width8; c += 8) {
             for (Py_ssize_t r = r0; r < r1; r += 8) {
                 const uint16_t *s = src + r * width + c;

@@ -13,7 +13,8 @@ COMPILED = pytest.mark.skipif(not columns.COMPILED, reason="the _columns extensi
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
 @pytest.mark.parametrize(
-    ("n", "at", "t", "width"), [(300, 0, 256, 64), (1000, 37, 77, 13), (9, 1, 8, 8), (17, 16, 1, 1)]
+    ("n", "at", "t", "width"),
+    [(300, 0, 256, 64), (1000, 37, 77, 13), (9, 1, 8, 8), (17, 16, 1, 1), (1300, 5, 600, 24)],
 )
 @pytest.mark.parametrize("compiled", [pytest.param(True, marks=COMPILED), False])
 def test_rows_land_in_their_columns_only(
