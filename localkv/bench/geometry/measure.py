@@ -36,7 +36,7 @@ from localkv.model.session import SessionConfig
 from localkv.prompt.request import Document, Request
 from localkv.runtime import Runtime
 
-__all__ = ["Figures", "document_for", "measure"]
+__all__ = ["Figures", "document_for", "measure", "session_config"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +71,7 @@ def document_for(rt: Runtime, n: int) -> Document:
     return Document.from_text(rt.session.detokenize(prompt_tokens(rt.session, n)), f"doc-{n}.txt")
 
 
-def _config(model: Path, n: int) -> SessionConfig:
+def session_config(model: Path, n: int) -> SessionConfig:
     # one thread: on a machine whose cores are shared, spinning threads are much slower
     # than one (llama.cpp waits for every thread at each step;
     # docs/performance/geometry.md says by how much)
@@ -79,7 +79,7 @@ def _config(model: Path, n: int) -> SessionConfig:
 
 
 def _uncached(model: Path, n: int) -> tuple[float, Request]:
-    with Runtime(_config(model, n), use_cache=False) as rt:
+    with Runtime(session_config(model, n), use_cache=False) as rt:
         request = rt.build([document_for(rt, n)], system=None)
         ends = rt.schedule(request)
         t0 = time.perf_counter()
@@ -98,7 +98,7 @@ class _Prefill:
 
 
 def _cached(model: Path, n: int, store: Path, state_file: Path | None) -> _Prefill:
-    with Runtime(_config(model, n), cache_dir=store) as rt:
+    with Runtime(session_config(model, n), cache_dir=store) as rt:
         if rt.cache is None:
             raise RuntimeError(f"no cache: {rt.cache_error}")
         timer = MethodTimer(rt.cache, "prepare", "write")
@@ -144,7 +144,7 @@ class _Restore:
 
 def _restores(model: Path, n: int, store: Path, request: Request, repeats: int) -> list[_Restore]:
     out = []
-    with Runtime(_config(model, n), cache_dir=store) as rt:
+    with Runtime(session_config(model, n), cache_dir=store) as rt:
         ends = rt.schedule(request)
         for _ in range(repeats):
             before = io_now()

@@ -5,6 +5,12 @@ builds the synthetic models (``models``) in a temporary directory beside the
 stores, measures each (``measure``) and writes ``geometry.json`` and
 ``geometry.md`` into ``DIR``. The machine's load average is taken before and
 after each measurement, since other work slows and scatters the timings.
+
+``python benchmarks/geometry.py --synthetic 32768 --out DIR`` measures instead
+the restore of a synthetic chain (``synthetic``: random rows, no prefill) of
+each length at the Llama 3.1 8B geometry (``--models`` for others) and writes
+its section of ``DIR/geometry.md`` and its key of ``DIR/geometry.json``
+(``synthetic_page``).
 """
 
 from __future__ import annotations
@@ -22,12 +28,18 @@ from localkv.bench.geometry.measure import measure
 from localkv.bench.geometry.models import N_EMBD, build
 from localkv.bench.geometry.report import derived, markdown
 from localkv.bench.geometry.shapes import GEOMETRIES, Geometry, by_name
+from localkv.bench.geometry.synthetic import measure_synthetic
+from localkv.bench.geometry.synthetic_page import derived as synthetic_derived
+from localkv.bench.geometry.synthetic_page import section
+from localkv.bench.geometry.synthetic_page import write as write_synthetic
 from localkv.bench.run import describe_machine
 from localkv.bench.size import Say
 from localkv.model.find import resolve_model
 from localkv.model.partial_state import snapshot_interval
 
-__all__ = ["main", "run_geometry"]
+__all__ = ["main", "run_geometry", "run_synthetic"]
+
+SYNTHETIC_DEFAULT = "llama-3.1-8b"
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +117,45 @@ def run_geometry(
     return doc
 
 
+def run_synthetic(
+    sizes: Sequence[int],
+    repeats: int,
+    out: Path,
+    names: Sequence[str] = (),
+    say: Say = log.info,
+    *,
+    work_dir: Path | None = None,
+) -> dict[str, object]:
+    """Measure synthetic chains (``synthetic``), write their section into ``out``; the run."""
+    geometries = [by_name(n) for n in names or [SYNTHETIC_DEFAULT]]
+    tokenizer = resolve_model(None)
+    results: list[dict[str, object]] = []
+    started, t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
+    run: dict[str, object] = {
+        "command": f"python benchmarks/geometry.py --synthetic {','.join(map(str, sizes))} "
+        f"--repeats {repeats} --models {','.join(g.name for g in geometries)} --out {out}",
+        "started": started,
+        "machine": describe_machine(),
+        "results": results,
+    }
+    with tempfile.TemporaryDirectory(prefix="localkv-synthetic-", dir=work_dir) as tmp:
+        work = Path(tmp)
+        for g in geometries:
+            model = build(g, work / f"{g.name}.gguf", tokenizer)
+            for n in sizes:
+                before = load()
+                say(f"{g.label}, synthetic chain of {n:,} tokens, {repeats} repeats")
+                figures = measure_synthetic(model, n, repeats, work)
+                row = {"model": g.name, "label": g.label, "size": n, "repeats": repeats}
+                row |= {"geometry": _describe(g, 256), "figures": figures}
+                row |= {"derived": synthetic_derived(figures), "load_before": before}
+                results.append({**row, "load_after": load()})
+                say(f"  {json.dumps(results[-1]['derived'])}")
+                run["seconds"] = round(time.perf_counter() - t0, 1)
+                write_synthetic(out, run)
+    return run
+
+
 def _write(
     out: Path,
     sizes: Sequence[int],
@@ -163,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="geometries (default: all): " + ", ".join(g.name for g in GEOMETRIES),
     )
+    parser.add_argument(
+        "--synthetic",
+        default="",
+        help="document lengths in tokens: restore a synthetic chain of each instead",
+    )
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -182,7 +238,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
     logging.basicConfig(level=logging.WARNING)
     print(f"load average at the start: {load()}", flush=True)
+    if args.synthetic:
+        return _synthetic(args.synthetic, repeats[0], args.out, names, parser)
     doc = run_geometry(sizes, repeats, args.out, names, say=lambda s: print(s, flush=True))
     print(f"load average at the end: {load()}")
     print((args.out / "geometry.md").read_text())
     return 0 if doc["results"] else 1
+
+
+def _synthetic(
+    sizes: str, repeats: int, out: Path, names: list[str], parser: argparse.ArgumentParser
+) -> int:
+    try:
+        lengths = [int(s) for s in sizes.split(",") if s.strip()]
+    except ValueError:
+        parser.error("--synthetic must be comma-separated integers")
+    if not lengths or min(lengths) < 64:
+        parser.error("--synthetic lengths must each be at least 64")
+    run = run_synthetic(lengths, repeats, out, names, say=lambda s: print(s, flush=True))
+    print(f"load average at the end: {load()}")
+    print(section(run))
+    return 0 if run["results"] else 1

@@ -1,0 +1,159 @@
+"""A restore at a length no prefill here reaches: a chain of random rows (``chain``), measured.
+
+``measure_synthetic(model, n, repeats, work)`` stores the request of ``n``
+tokens of the bench text as a synthetic chain (``chain.synthetic_prefill``,
+then ``Runtime.save_prefix``), then in a fresh ``Runtime`` on that store:
+
+1. restores it (``Runtime.restore``, verified) with the block files in the page
+   cache: the first restore of the process, then ``repeats`` more;
+2. ``repeats`` times, drops every file of the store from the page cache
+   (``floors.drop``) and restores it again;
+
+then, with the runtime closed, measures the floors: a copy of as many bytes as
+the restored state (``llama_state_seq_get_size``), and a sequential read of the
+store's files, dropped and in the page cache. Every restore's seconds are
+``RestoreResult.breakdown``'s steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localkv.bench.geometry.chain import synthetic_prefill
+from localkv.bench.geometry.counters import tree_bytes
+from localkv.bench.geometry.floors import (
+    cached_bytes,
+    drop,
+    files_under,
+    memcpy_seconds,
+    read_seconds,
+)
+from localkv.bench.geometry.measure import document_for, session_config
+from localkv.model.native import llama_cpp
+from localkv.prompt.request import Request
+from localkv.runtime import Runtime
+
+__all__ = ["Stored", "measure_synthetic", "store_synthetic"]
+
+PROBE = "probe"
+STEPS = ("lookup", "read", "columns", "load", PROBE)  # in the order a restore takes them
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stored:
+    """A synthetic chain in a store: its request, schedule and what making it took."""
+
+    request: Request
+    ends: list[int]
+    build_s: float  # synthetic_prefill
+    save_s: float  # save_prefix, the write waited for
+
+
+def store_synthetic(model: Path, n: int, store: Path) -> Stored:
+    """The request of ``n`` tokens of the bench text, stored in ``store`` as a synthetic chain."""
+    with Runtime(session_config(model, n), cache_dir=store) as rt:
+        request = rt.build([document_for(rt, n)], system=None)
+        ends = rt.schedule(request)
+        t0 = time.perf_counter()
+        synthetic_prefill(rt.session, request.tokens, ends)
+        t1 = time.perf_counter()
+        rt.save_prefix(request.boundaries)
+        rt.wait_for_saves()
+        t2 = time.perf_counter()
+    return Stored(request=request, ends=ends, build_s=t1 - t0, save_s=t2 - t1)
+
+
+def _one(rt: Runtime, stored: Stored) -> dict[str, Any]:
+    result, report = rt.restore(stored.request.tokens, stored.ends)
+    steps = dict(result.breakdown) if result is not None else {}
+    return {
+        "steps": steps,
+        "restore_s": sum(s for k, s in steps.items() if k != PROBE),
+        "with_probe_s": sum(steps.values()),
+        "reused": report.reused,
+        "verified": bool(report.verified),
+        "needed": int(llama_cpp.llama_state_seq_get_size(rt.session.ctx, 0)),
+    }
+
+
+def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[str, Any]:
+    n = len(stored.request.tokens)
+    files = files_under(store)
+    with Runtime(session_config(model, n), cache_dir=store) as rt:
+        warm = [_one(rt, stored) for _ in range(repeats + 1)]
+        dropped, drops = [], []
+        for _ in range(repeats):
+            rt.session.reset()
+            before = cached_bytes()
+            drop(files)
+            drops.append(before - cached_bytes())
+            dropped.append(_one(rt, stored))
+    return {"first": warm[0], "warm": warm[1:], "dropped": dropped, "dropped_bytes": drops}
+
+
+def _floors(store: Path, needed: int, repeats: int) -> dict[str, Any]:
+    files = files_under(store)
+    size = sum(p.stat().st_size for p in files)
+    into = np.empty(size, dtype=np.uint8)
+    into.fill(0)  # every page faulted in before the clock starts
+    cold, warm = [], []
+    for _ in range(repeats):
+        drop(files)
+        cold.append(read_seconds(files, into))
+        warm.append(read_seconds(files, into))
+    del into
+    gc.collect()
+    return {
+        "file_bytes": size,
+        "read_dropped_s": statistics.median(cold),
+        "read_warm_s": statistics.median(warm),
+        "memcpy_s": memcpy_seconds(needed, repeats),
+    }
+
+
+def _median_steps(runs: list[dict[str, Any]]) -> dict[str, float]:
+    seen = {k for r in runs for k in r["steps"]}
+    keys = [k for k in STEPS if k in seen] + sorted(seen - set(STEPS))
+    out = {k: statistics.median(r["steps"].get(k, 0.0) for r in runs) for k in keys}
+    out["restore_s"] = statistics.median(r["restore_s"] for r in runs)
+    out["with_probe_s"] = statistics.median(r["with_probe_s"] for r in runs)
+    return out
+
+
+def measure_synthetic(model: Path, n: int, repeats: int, work: Path) -> dict[str, Any]:
+    """Every figure of a synthetic chain of ``n`` bench tokens on ``model`` (see the module)."""
+    store = work / f"synthetic-{n}"
+    shutil.rmtree(store, ignore_errors=True)
+    try:
+        stored = store_synthetic(model, n, store)
+        gc.collect()
+        runs = _restores(model, store, stored, repeats)
+        gc.collect()
+        every = [runs["first"], *runs["warm"], *runs["dropped"]]
+        needed = int(statistics.median(r["needed"] for r in every))
+        floors = _floors(store, needed, repeats)
+        disk = tree_bytes(store)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    return {
+        "tokens": len(stored.request.tokens),
+        "reused": min(r["reused"] for r in every),
+        "verified": all(r["verified"] for r in every),
+        "needed": needed,
+        "disk": disk,
+        "build_s": stored.build_s,
+        "save_s": stored.save_s,
+        "first": _median_steps([runs["first"]]),
+        "warm": _median_steps(runs["warm"]),
+        "dropped": _median_steps(runs["dropped"]),
+        "dropped_from_page_cache": min(runs["dropped_bytes"]),
+        **floors,
+    }

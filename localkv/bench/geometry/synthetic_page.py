@@ -1,0 +1,135 @@
+"""The synthetic restore's figures: ratios, and their own section of the geometry page and JSON.
+
+``write(out, run)`` puts ``run`` (``synthetic.measure_synthetic``'s figures with
+the command, machine and load) under the key ``synthetic`` of
+``out/geometry.json`` and between this section's markers in ``out/geometry.md``
+(at the end when they are not there yet), leaving the rest of both files as
+they are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BEGIN", "END", "TARGET", "derived", "section", "write"]
+
+BEGIN = "<!-- synthetic restore: written by benchmarks/geometry.py --synthetic -->"
+END = "<!-- end of synthetic restore -->"
+TARGET = 0.6  # of each floor
+
+
+def derived(f: Mapping[str, Any]) -> dict[str, float]:
+    """Throughputs (GB/s) and each restore's ratio to its floor (floor seconds over its)."""
+    needed, size = float(f["needed"]), float(f["file_bytes"])
+    out: dict[str, float] = {
+        "memcpy_gb_s": needed / f["memcpy_s"] / 1e9,
+        "read_dropped_gb_s": size / f["read_dropped_s"] / 1e9,
+        "read_warm_gb_s": size / f["read_warm_s"] / 1e9,
+    }
+    for case in ("first", "warm", "dropped"):
+        out[f"{case}_gb_s"] = needed / f[case]["restore_s"] / 1e9
+        out[f"{case}_with_probe_gb_s"] = needed / f[case]["with_probe_s"] / 1e9
+    for case, floor in (("first", "memcpy_s"), ("warm", "memcpy_s"), ("dropped", "read_dropped_s")):
+        out[f"{case}_over_floor"] = f[floor] / f[case]["restore_s"]
+        out[f"{case}_with_probe_over_floor"] = f[floor] / f[case]["with_probe_s"]
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.0f} ms"
+
+
+def _row(label: str, name: str, f: Mapping[str, Any], d: Mapping[str, float]) -> str:
+    steps = f[name]
+    parts = ", ".join(
+        f"{k} {_ms(v)}" for k, v in steps.items() if k not in ("restore_s", "with_probe_s")
+    )
+    floor = "memcpy" if name != "dropped" else "sequential read, dropped"
+    met = "met" if d[f"{name}_over_floor"] >= TARGET else "not met"
+    return (
+        f"| {label} | {_ms(steps['restore_s'])} ({d[f'{name}_gb_s']:.2f} GB/s) "
+        f"| {_ms(steps['with_probe_s'])} ({d[f'{name}_with_probe_gb_s']:.2f} GB/s) | {parts} "
+        f"| {d[f'{name}_over_floor']:.2f} / {d[f'{name}_with_probe_over_floor']:.2f} of {floor} "
+        f"({met}) |"
+    )
+
+
+def _table(r: Mapping[str, Any]) -> list[str]:
+    f, d = r["figures"], r["derived"]
+    return [
+        f"**{r['label']}, {f['tokens']:,} tokens**: state {f['needed'] / 2**30:.2f} GiB "
+        f"({f['needed']:,} bytes), store {f['disk']:,} bytes; {f['reused']:,} tokens "
+        f"restored, {'every restore verified' if f['verified'] else 'NOT VERIFIED'}; "
+        f"chain made in {f['build_s']:.1f} s, saved in {f['save_s']:.1f} s; "
+        f"load average before / after {r['load_before']} / {r['load_after']}.",
+        "",
+        "| restore | without the probe | with it | steps (median) | over its floor "
+        "(without / with the probe) |",
+        "|---|---|---|---|---|",
+        _row("first in the process, warm", "first", f, d),
+        _row(f"warm, median of {r['repeats']}", "warm", f, d),
+        _row(f"dropped, median of {r['repeats']}", "dropped", f, d),
+        "",
+        f"Floors: memcpy of the state's bytes {_ms(f['memcpy_s'])} "
+        f"({d['memcpy_gb_s']:.2f} GB/s); sequential read of the store's files, dropped "
+        f"{_ms(f['read_dropped_s'])} ({d['read_dropped_gb_s']:.2f} GB/s), in the page cache "
+        f"{_ms(f['read_warm_s'])} ({d['read_warm_gb_s']:.2f} GB/s). Dropping took "
+        f"{f['dropped_from_page_cache'] / 2**30:.2f} GiB out of the page cache (`Cached`).",
+        "",
+    ]
+
+
+NOTES = (
+    "The chain is synthetic (`localkv/bench/geometry/chain.py`): the request of N tokens "
+    "of the bench text is put into llama.cpp in its canonical batches, but each batch of "
+    "two or more tokens is loaded as a sequence state (`codec.assembly`, "
+    "`ModelSession.load_state`) whose K and V rows are random f16 values (standard normal), "
+    "not computed; each token the schedule decodes alone (every block's last, the "
+    "request's last) is decoded by llama.cpp over those rows, so every block has its real "
+    "probe. It is then saved by `Runtime.save_prefix` and restored by `Runtime.restore` "
+    "as any prefill's chain. The values are random: a restore's time does not depend on "
+    "them, and the probe verifies the same way.",
+    "Restore: `RestoreResult.breakdown`, lookup + read + columns + load (without the "
+    "probe) and the probe decode; throughput is the restored state's bytes "
+    "(`llama_state_seq_get_size`) over those seconds. A fresh `Runtime` on the store "
+    "restores first with the files in the page cache, then the repeats; then, each "
+    "repeat, every file of the store is written back and dropped from the page cache "
+    "(`posix_fadvise(DONTNEED)`) and restored again.",
+    f"Floors, with the runtime closed: a numpy copy of as many bytes as the state between "
+    f"two ready buffers; the store's files read one after another in 64 MiB chunks into "
+    f"one ready buffer, after the same drop, and again from the page cache. Targets: "
+    f"warm restore >= {TARGET:.0%} of memcpy, dropped >= {TARGET:.0%} of the dropped read.",
+)
+
+
+def section(run: Mapping[str, Any]) -> str:
+    """This section of the page, markers included."""
+    lines = [BEGIN, "", "## Restore of a long prefix, from a synthetic chain", ""]
+    lines += [f"Command: `{run['command']}` (started {run['started']}, {run['seconds']} s).", ""]
+    m = run["machine"]
+    lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB.", ""]
+    for r in run["results"]:
+        lines += _table(r)
+    lines += [f"- {n}" for n in NOTES]
+    return "\n".join([*lines, "", END])
+
+
+def _spliced(page: str, text: str) -> str:
+    if BEGIN in page and END in page:
+        head, rest = page.split(BEGIN, 1)
+        return head + text + rest.split(END, 1)[1]
+    return page.rstrip("\n") + "\n\n" + text + "\n"
+
+
+def write(out: Path, run: Mapping[str, Any]) -> None:
+    """``run`` into ``out/geometry.json`` (key ``synthetic``) and its section of ``geometry.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    data_path, page_path = out / "geometry.json", out / "geometry.md"
+    data = json.loads(data_path.read_text()) if data_path.exists() else {}
+    data["synthetic"] = run
+    data_path.write_text(json.dumps(data, indent=2) + "\n")
+    page = page_path.read_text() if page_path.exists() else "# Cache at real model geometry\n"
+    page_path.write_text(_spliced(page, section(run)))
