@@ -60,14 +60,22 @@ class Stored:
 def store_synthetic(model: Path, n: int, store: Path) -> Stored:
     """The request of ``n`` tokens of the bench text, stored in ``store`` as a synthetic chain."""
     with Runtime(session_config(model, n), cache_dir=store) as rt:
+        if rt.cache is None:
+            raise RuntimeError(f"no cache: {rt.cache_error}")
         request = rt.build([document_for(rt, n)], system=None)
         ends = rt.schedule(request)
         t0 = time.perf_counter()
         synthetic_prefill(rt.session, request.tokens, ends)
         t1 = time.perf_counter()
+        # room for the whole chain, whatever the default budget (a share of the free disk)
+        state = int(llama_cpp.llama_state_seq_get_size(rt.session.ctx, 0))
+        rt.cache.budget_bytes = max(rt.cache.store.default_budget(), 2 * state)
         rt.save_prefix(request.boundaries)
-        rt.wait_for_saves()
+        saved = rt.wait_for_saves()
         t2 = time.perf_counter()
+    n_tokens = len(request.tokens)
+    if not any(s.end == n_tokens and s.not_kept is None and s.error is None for s in saved):
+        raise RuntimeError(f"the chain of {n_tokens} tokens was not stored whole: {saved}")
     return Stored(request=request, ends=ends, build_s=t1 - t0, save_s=t2 - t1)
 
 

@@ -97,7 +97,10 @@ NOTES = (
     "(`llama_state_seq_get_size`) over those seconds. A fresh `Runtime` on the store "
     "restores first with the files in the page cache, then the repeats; then, each "
     "repeat, every file of the store is written back and dropped from the page cache "
-    "(`posix_fadvise(DONTNEED)`) and restored again.",
+    "(`posix_fadvise(DONTNEED)`) and restored again. Only a process's first restore of a "
+    "chain must decode its probe (`localkv/cache/restore/probed.py`): a later one of the "
+    "same chain decodes the request's last token only where the chain ends with the "
+    "request, as here.",
     f"Floors, with the runtime closed: a numpy copy of as many bytes as the state between "
     f"two ready buffers; the store's files read one after another in 64 MiB chunks into "
     f"one ready buffer, after the same drop, and again from the page cache. Targets: "
