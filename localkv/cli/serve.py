@@ -19,6 +19,7 @@ import click
 import uvicorn
 
 from localkv.cli.options import cache_options, model_options, open_runtime, session_config
+from localkv.model.native import openmp_settings
 from localkv.prompt.templatechoice import ChatTemplateError
 from localkv.server.app import ServerSettings, create_app
 from localkv.server.boundary import normal_origin
@@ -311,10 +312,16 @@ def _worker(
         # on the model thread, which restores: the first request after a start then
         # faults in no page of the restore's buffers
         ready = runtime.prepare_restores()
+        logger = logging.getLogger("localkv.server")
         if ready:
-            logging.getLogger("localkv.server").info(
-                "restore buffers ready: %.1f MiB", ready / (1 << 20)
-            )
+            logger.info("restore buffers ready: %.1f MiB", ready / (1 << 20))
+        wait = openmp_settings()
+        logger.info(
+            "llama.cpp threads: %d; OpenMP wait: %s (%s)",
+            runtime.session.threads.current,
+            wait.pop("chosen"),
+            ", ".join(f"{k}={v}" for k, v in wait.items() if v is not None) or "libgomp's default",
+        )
         return Engine(runtime, max_tokens=max_tokens)
 
     wait_s = limits.queue_wait or None

@@ -40,6 +40,11 @@ _DTYPES: dict[str, np.dtype[np.generic]] = {
 # specs already made, shared by the blocks of one geometry (they are immutable)
 _SPECS: dict[tuple[np.dtype[np.generic], tuple[int, ...], int, int], TensorSpec] = {}
 _MAX_SPECS = 4096
+# whole tensor tables already checked, by their ``repr`` (exact for JSON values: an int,
+# a float and a bool of equal value differ) and data size: the blocks of one chain
+# describe their tensors alike, whatever their metadata
+_TABLES: dict[tuple[str, int], dict[str, TensorSpec]] = {}
+_MAX_TABLES = 64
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -112,6 +117,24 @@ def parse_header(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise BlockCorrupt("safetensors: metadata must map strings to strings")
+    return metadata, _specs(header, data_size)
+
+
+def _specs(header: dict[str, object], data_size: int) -> dict[str, TensorSpec]:
+    """The tensor table's specs, checked; a table written as one checked before (the same
+    JSON values of the same types, in the same order, the same data size) gets its specs
+    (a copy)."""
+    key = (repr(header), data_size)
+    known = _TABLES.get(key)
+    if known is None:
+        known = _check_table(header, data_size)
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[key] = known
+    return dict(known)
+
+
+def _check_table(header: dict[str, object], data_size: int) -> dict[str, TensorSpec]:
     specs: dict[str, TensorSpec] = {}
     ranges: list[tuple[int, int, int, str]] = []  # in the header's order where ranges tie
     for name, info in header.items():
@@ -125,7 +148,7 @@ def parse_header(
         cursor = end
     if cursor != data_size:
         raise BlockCorrupt("safetensors: data does not end where the tensors do")
-    return metadata, specs
+    return specs
 
 
 def _tensor_spec(name: str, info: object, data_size: int) -> TensorSpec:

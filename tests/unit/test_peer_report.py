@@ -175,3 +175,18 @@ def test_a_missing_llama_server_is_a_usage_error(
         main(["--quick", "--llama-server", str(tmp_path / "none")])
     assert exit_.value.code == 2
     assert "make llama-server" in capsys.readouterr().err
+
+
+def test_the_servers_get_no_openmp_wait_the_bench_chose_for_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from localkv.bench.peer import servers
+    from localkv.model.native import CHOSEN_MARK
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv(CHOSEN_MARK, "OMP_WAIT_POLICY= GOMP_SPINCOUNT=3000")
+    env = servers._environ()
+    assert "GOMP_SPINCOUNT" not in env and CHOSEN_MARK not in env
+    monkeypatch.delenv(CHOSEN_MARK)  # the user's own: both servers keep it
+    assert servers._environ()["GOMP_SPINCOUNT"] == "3000"

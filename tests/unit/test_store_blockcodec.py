@@ -153,3 +153,35 @@ def test_safetensors_header_length_out_of_range() -> None:
         parse_safetensors(struct.pack("<Q", 1 << 62) + b"{}")
     with pytest.raises(BlockCorrupt, match="shorter"):
         parse_safetensors(b"\1\2")
+
+
+def _with_table(table: bytes, metadata: bytes = b"") -> bytes:
+    header = b"{" + (b'"__metadata__": {"k": "' + metadata + b'"}, ' if metadata else b"")
+    header += table + b"}"
+    return struct.pack("<Q", len(header)) + header + bytes(8)
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        b'"a": {"dtype": "U8", "shape": [8.0], "data_offsets": [0, 8]}',
+        b'"a": {"dtype": "U8", "shape": [8], "data_offsets": [0.0, 8.0]}',
+        b'"a": {"dtype": "U8", "shape": [2, 4], "data_offsets": [0, 8]}, "b": {"dtype": "U8", '
+        b'"shape": [true, 0], "data_offsets": [8, 8]}',
+    ],
+)
+def test_a_table_checked_before_is_reused_only_when_written_alike(hostile: bytes) -> None:
+    # valid twins of each hostile table (equal to it under ==), parsed first
+    for good in (
+        b'"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}',
+        b'"a": {"dtype": "U8", "shape": [2, 4], "data_offsets": [0, 8]}, "b": {"dtype": "U8", '
+        b'"shape": [1, 0], "data_offsets": [8, 8]}',
+    ):
+        first = parse_safetensors(_with_table(good, b"one"))
+        again = parse_safetensors(_with_table(good, b"two"))  # other metadata, same table
+        assert again.metadata == {"k": "two"} and first.metadata == {"k": "one"}
+        assert {n: t.shape for n, t in again.tensors.items()} == {
+            n: t.shape for n, t in first.tensors.items()
+        }
+    with pytest.raises(BlockCorrupt, match="safetensors"):
+        parse_safetensors(_with_table(hostile, b"one"))

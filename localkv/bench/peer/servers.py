@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from localkv.model.native import CHOSEN_MARK, WAIT_SETTINGS
+
 __all__ = ["Server", "Setting", "llama_server", "localkv_server", "stop_all"]
 
 START_LIMIT_S = 300.0  # a model load on a shared machine
@@ -40,6 +42,18 @@ class Setting:
     model: Path
     n_ctx: int
     threads: int
+
+
+def _environ() -> dict[str, str]:
+    """This process's environment without the OpenMP wait localkv chose for it when it
+    loaded llama.cpp (``native.CHOSEN_MARK``): each server waits as it would when a user
+    starts it (localkv choosing its own, llama-server libgomp's default). A wait the user
+    set stays, for both."""
+    env = dict(os.environ)
+    if env.get(CHOSEN_MARK) == " ".join(f"{n}={env.get(n, '')}" for n in WAIT_SETTINGS):
+        for name in (*WAIT_SETTINGS, CHOSEN_MARK):
+            env.pop(name, None)
+    return env
 
 
 def _free_port() -> int:
@@ -133,7 +147,7 @@ def localkv_server(setting: Setting, *, home: Path, cache: bool = True) -> Serve
     command = [sys.executable, "-m", "localkv", "serve", "--model", str(setting.model)]
     command += ["--ctx", str(setting.n_ctx), "--threads", str(setting.threads)]
     command += ["--flash-attn", "off", *([] if cache else ["--no-cache"])]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALKV_")}
+    env = {k: v for k, v in _environ().items() if not k.startswith("LOCALKV_")}
     env["LOCALKV_HOME"] = str(home)
     name = "localkv" if cache else "localkv --no-cache"
     return Server(name=name, command=command, env=env, log=home / "server.log")
@@ -154,5 +168,5 @@ def llama_server(
         slots.mkdir(parents=True, exist_ok=True)
         command += ["--slot-save-path", str(slots)]
         name += " --slot-save-path"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    env = {k: v for k, v in _environ().items() if not k.startswith("LLAMA_ARG_")}
     return Server(name=name, command=command, env=env, log=work / "server.log")
