@@ -69,3 +69,11 @@ def test_the_command_writes_its_own_section_and_key(llama_8b: Path, tmp_path: Pa
     assert row["figures"]["reused"] == row["figures"]["tokens"] > 300
     assert row["figures"]["verified"] is True
     assert row["figures"]["dropped_from_page_cache"] > 0
+
+
+@pytest.mark.parametrize("lengths", ["10", "x", ","])
+def test_bad_synthetic_lengths_are_usage_errors(lengths: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--synthetic", lengths, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert not (tmp_path / "geometry.md").exists()
