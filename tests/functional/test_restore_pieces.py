@@ -137,36 +137,6 @@ def test_pieces_read_ahead_restore_the_whole_restore(
     assert np.array_equal(ahead[2], whole[2])
 
 
-def test_a_damaged_block_in_a_piece_read_ahead_leaves_the_prefix_before_it(
-    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cfg = tiny_config(tiny_models.base, block_size=BLOCK, n_threads=2)
-    tokens = _tokens(8 * BLOCK + 3, seed=9)
-    with Runtime(cfg, cache_dir=tmp_path) as rt:
-        store_prefill(rt, tokens)
-        assert rt.cache is not None
-        rows = sorted(rt.cache.store.all_blocks(), key=lambda r: r.start)
-        bad = next(r for r in rows if r.start == 5 * BLOCK)
-        path = tmp_path / bad.file
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x10  # in its rows: the checksum catches it as it is read
-        path.write_bytes(bytes(data))
-        per_token = len(rt.session.capture_state()) // max(1, rt.session.n_tokens)
-        monkeypatch.setattr(pieces, "PIECE_BYTES", 2 * BLOCK * per_token)  # two blocks a piece
-        assert pieces.read_ahead(per_token, BLOCK) and pieces.parallel_reads(rt.session)
-        rt.session.reset()
-        reused, state, logits = _restored(rt, [*tokens, 7], len(tokens))
-        # the piece of blocks 4 and 5 failed while the next one was read: the blocks
-        # before the damaged one are restored again
-        assert reused == 5 * BLOCK
-        assert not rt.cache.store.has_block(bad.hash)  # quarantined
-    with ModelSession(cfg) as fresh:  # the same prefix, computed in the same batches
-        fresh.prefill(tokens[:reused], ends=fresh.schedule(len(tokens), [len(tokens)]))
-        fresh_state, fresh_logits = _after(fresh, tokens[reused])
-    assert fresh_state == state
-    assert np.array_equal(fresh_logits, logits)
-
-
 def _groups(rt: Runtime, request: list[int]) -> list[list[object]]:
     """How the chain ``request`` restores is read in pieces."""
     assert rt.cache is not None
@@ -182,10 +152,12 @@ def _groups(rt: Runtime, request: list[int]) -> list[list[object]]:
             block_file.close()
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
-    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: bool
 ) -> None:
-    cfg = tiny_config(tiny_models.base, block_size=BLOCK)
+    # ahead: two blocks a piece on two reader threads, the next piece read while one loads
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK, n_threads=2 if ahead else 1)
     tokens = _tokens(8 * BLOCK + 3, seed=4)
     with Runtime(cfg, cache_dir=tmp_path) as rt:
         store_prefill(rt, tokens)
@@ -196,7 +168,10 @@ def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10  # in its rows: the checksum catches it as it is read
         path.write_bytes(bytes(data))
-        monkeypatch.setattr(pieces, "PIECE_BYTES", 1)  # a piece for each block
+        per_token = len(rt.session.capture_state()) // max(1, rt.session.n_tokens)
+        piece = 2 * BLOCK * per_token if ahead else 1  # two blocks a piece, or one
+        monkeypatch.setattr(pieces, "PIECE_BYTES", piece)
+        assert pieces.read_ahead(per_token, BLOCK) == pieces.parallel_reads(rt.session) == ahead
         reused, state, logits = _restored(rt, [*tokens, 7], len(tokens))
         assert reused == 5 * BLOCK  # the blocks before the damaged one, verified again
         assert not rt.cache.store.has_block(bad.hash)  # quarantined
