@@ -1,4 +1,4 @@
-"""A restore at a length no prefill here reaches: a chain of random rows (``chain``), measured.
+"""A restore at a length no prefill here reaches: a chain of random rows (``chain``), timed.
 
 ``measure_synthetic(model, n, repeats, work)`` stores the request of ``n``
 tokens of the bench text as a synthetic chain (``chain.synthetic_prefill``,
