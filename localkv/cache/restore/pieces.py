@@ -40,7 +40,7 @@ from localkv.model.state import large_buffer
 from localkv.storage.formats.readinto import OpenedBlock
 from localkv.storage.readpool import PendingFill
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block, BlockCorrupt
+from localkv.storage.values import Block
 
 __all__ = [
     "PIECE_BYTES",
@@ -224,8 +224,9 @@ class _Reading:
         return got
 
     def settle(self) -> None:
-        """Wait for its reads, whatever they found (a restore that failed is leaving)."""
-        with contextlib.suppress(BlockCorrupt):
+        """Wait for its reads, whatever they found (a restore that failed is leaving with
+        its own error, which this must not replace)."""
+        with contextlib.suppress(Exception):
             self.wait({"columns": 0.0})
 
 
