@@ -145,6 +145,11 @@ class SnapshotStore:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="localkv-read")
         return self._pool
 
+    @property
+    def readers(self) -> int:
+        """How many threads read block files in parallel."""
+        return self._workers
+
     def prepare(self) -> int:
         """Start every reader thread and load what a save needs, for a process that serves
         many requests: its first restore then starts no thread, and its first save imports

@@ -166,7 +166,7 @@ class PrefixCache:
         many requests: its first restore then faults in no page of them and starts no
         thread. The bytes made ready."""
         self.store.prepare()
-        return prepare_buffers(session)
+        return prepare_buffers(session, self.store.readers)
 
     # ---------------------------------------------------------------- lookup
     def plan(self, tokens: Sequence[int], ends: Sequence[int]) -> Plan:

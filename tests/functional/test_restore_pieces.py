@@ -91,7 +91,7 @@ def test_a_restore_in_pieces_is_the_whole_restore(
         per_token = len(whole[1]) // whole[0]
         monkeypatch.setattr(pieces, "PIECE_BYTES", 3 * BLOCK * per_token // 2)
         assert len(_groups(rt, request)) == 10  # a block each, the short last one with another
-        pieces._PIECE.buffers = [None, None]  # they only grow, per thread
+        pieces._PIECE.__init__()  # they only grow, per thread
         each_block = _restored(rt, request, len(tokens))
         assert rt.session._scratch is None  # no buffer of the whole state was made
         held = [b for b in pieces._PIECE.buffers if b is not None]
@@ -120,18 +120,22 @@ def test_pieces_read_ahead_restore_the_whole_restore(
     tokens = _tokens(10 * BLOCK + 5, seed=8)
     request = [*tokens, 7, 8, 9]
     with Runtime(cfg, cache_dir=tmp_path) as rt:
+        _two_readers(rt)
         store_prefill(rt, tokens)
         rt.session.in_pieces = False
         whole = _restored(rt, request, len(tokens))
         rt.session.in_pieces, rt.session._scratch = True, None
         per_token = len(whole[1]) // whole[0]
         monkeypatch.setattr(pieces, "PIECE_BYTES", 2 * BLOCK * per_token + BLOCK)
-        assert pieces.parallel_reads(rt.session) and pieces.read_ahead(per_token, BLOCK)
+        assert pieces.parallel_reads(rt.session)
+        # two blocks a piece, two readers: one piece is read while one loads
+        assert pieces.pieces_ahead(per_token, BLOCK, rt.cache.store.readers) == 1
         assert [len(g) for g in _groups(rt, request)] == [2] * 5 + [1]
         pieces._PIECE.__init__()
         ahead = _restored(rt, request, len(tokens))
         # the next piece went into the second buffer while one loaded
-        assert all(b is not None for b in pieces._PIECE.buffers)
+        buffers = pieces._PIECE.buffers
+        assert len(buffers) == 2 and all(b is not None for b in buffers)
     assert ahead[0] == whole[0] == len(tokens)
     assert ahead[1] == whole[1]
     assert np.array_equal(ahead[2], whole[2])
@@ -152,14 +156,16 @@ def _groups(rt: Runtime, request: list[int]) -> list[list[object]]:
             block_file.close()
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("blocks", [0, 1, 2])
 def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
-    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: bool
+    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: int
 ) -> None:
-    # ahead: two blocks a piece on two reader threads, the next piece read while one loads
-    cfg = tiny_config(tiny_models.base, block_size=BLOCK, n_threads=2 if ahead else 1)
+    # blocks: a block a piece read on this thread (0), or on two reader threads with the
+    # next pieces read while one loads, one block a piece (two read ahead) or two (one)
+    cfg = tiny_config(tiny_models.base, block_size=BLOCK, n_threads=2 if blocks else 1)
     tokens = _tokens(8 * BLOCK + 3, seed=4)
     with Runtime(cfg, cache_dir=tmp_path) as rt:
+        _two_readers(rt)
         store_prefill(rt, tokens)
         assert rt.cache is not None
         rows = sorted(rt.cache.store.all_blocks(), key=lambda r: r.start)
@@ -169,9 +175,10 @@ def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
         data[len(data) // 2] ^= 0x10  # in its rows: the checksum catches it as it is read
         path.write_bytes(bytes(data))
         per_token = len(rt.session.capture_state()) // max(1, rt.session.n_tokens)
-        piece = 2 * BLOCK * per_token if ahead else 1  # two blocks a piece, or one
-        monkeypatch.setattr(pieces, "PIECE_BYTES", piece)
-        assert pieces.read_ahead(per_token, BLOCK) == pieces.parallel_reads(rt.session) == ahead
+        monkeypatch.setattr(pieces, "PIECE_BYTES", max(1, blocks) * BLOCK * per_token)
+        assert pieces.parallel_reads(rt.session) == bool(blocks)
+        ahead = pieces.pieces_ahead(per_token, BLOCK, rt.cache.store.readers)
+        assert ahead == {0: 2, 1: 2, 2: 1}[blocks]  # (none read ahead without parallel reads)
         reused, state, logits = _restored(rt, [*tokens, 7], len(tokens))
         assert reused == 5 * BLOCK  # the blocks before the damaged one, verified again
         assert not rt.cache.store.has_block(bad.hash)  # quarantined
@@ -180,6 +187,73 @@ def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
         fresh_state, fresh_logits = _after(fresh, tokens[reused])
     assert fresh_state == state
     assert np.array_equal(fresh_logits, logits)
+
+
+@pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
+def test_pieces_of_one_block_are_read_ahead_on_the_readers(
+    tiny_models: TinyModels,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flash_attn: str,
+    kv: str,
+) -> None:
+    # a block that fills a piece alone (Llama 3.1 8B's: 32 MiB): two pieces are read, one
+    # on each reader, while one loads, each into a buffer of its own
+    cfg = tiny_config(
+        tiny_models.base,
+        block_size=BLOCK,
+        flash_attn=flash_attn,
+        type_k=kv,
+        type_v=kv,
+        n_threads=2,
+    )
+    tokens = _tokens(9 * BLOCK + 5, seed=9)
+    request = [*tokens, 7, 8]
+    with Runtime(cfg, cache_dir=tmp_path) as rt:
+        _two_readers(rt)
+        store_prefill(rt, tokens)
+        rt.session.in_pieces = False
+        whole = _restored(rt, request, len(tokens))
+        rt.session.in_pieces, rt.session._scratch = True, None
+        per_token = len(whole[1]) // whole[0]
+        monkeypatch.setattr(pieces, "PIECE_BYTES", BLOCK * per_token)
+        plan = [len(g) for g in _groups(rt, request)]
+        assert len(plan) >= 9 and set(plan) == {1}
+        assert pieces.pieces_ahead(per_token, BLOCK, rt.cache.store.readers) == 2
+        to_readers: list[int] = []
+        fill = rt.cache.store.start_fill_blocks
+
+        def noted(opened: list[object], *args: object, **kwargs: object) -> object:
+            to_readers.append(len(opened))
+            return fill(opened, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(rt.cache.store, "start_fill_blocks", noted)
+        pieces._PIECE.__init__()
+        ahead = _restored(rt, request, len(tokens))
+        buffers = pieces._PIECE.buffers
+        assert len(buffers) == 3 and all(b is not None for b in buffers)
+        # every piece went to the readers, one block each
+        assert len(to_readers) >= len(plan) and set(to_readers) == {1}
+    assert ahead[0] == whole[0] == len(tokens)
+    assert ahead[1] == whole[1]
+    assert np.array_equal(ahead[2], whole[2])
+
+
+def test_pieces_ahead_keep_every_reader_busy_within_a_bound() -> None:
+    block, per_token = 256, 1 << 10  # a piece of PIECE_BYTES holds 64 blocks of 256 KiB
+    many = pieces.PIECE_BYTES // (block * per_token)
+    assert pieces.pieces_ahead(per_token, block, 1) == 0  # one reader: none read ahead
+    assert pieces.pieces_ahead(per_token, block, 2) == 1
+    assert pieces.pieces_ahead(per_token * many, block, 2) == 2  # a block a piece
+    assert pieces.pieces_ahead(per_token * many * 4, block, 2) == 2  # a block over a piece
+    assert pieces.pieces_ahead(per_token * many, block, 8) == pieces.MAX_AHEAD
+    assert pieces.pieces_ahead(per_token * many // 2, block, 8) == min(pieces.MAX_AHEAD, 4)
+
+
+def _two_readers(rt: Runtime) -> None:
+    """Give the store two reader threads, whatever this machine's cores (before it reads)."""
+    assert rt.cache is not None
+    rt.cache.store._workers = 2  # the pool is made on the first read
 
 
 @pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)

@@ -21,7 +21,7 @@ import gc
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,9 @@ def _one(rt: Runtime, stored: Stored) -> dict[str, Any]:
 def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[str, Any]:
     n = len(stored.request.tokens)
     files = files_under(store)
-    with Runtime(session_config(model, n), cache_dir=store) as rt:
+    # the thread count a user gets (fitted to the free cores): the chain was made on one
+    config = replace(session_config(model, n), n_threads=None)
+    with Runtime(config, cache_dir=store) as rt:
         warm = [_one(rt, stored) for _ in range(repeats + 1)]
         dropped, drops = [], []
         for _ in range(repeats):
@@ -104,7 +106,16 @@ def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[st
             drop(files)
             drops.append(before - cached_bytes())
             dropped.append(_one(rt, stored))
-    return {"first": warm[0], "warm": warm[1:], "dropped": dropped, "dropped_bytes": drops}
+        threads = rt.session.threads.current
+        readers = rt.cache.store.readers if rt.cache is not None else 0
+    return {
+        "first": warm[0],
+        "warm": warm[1:],
+        "dropped": dropped,
+        "dropped_bytes": drops,
+        "threads": threads,
+        "readers": readers,
+    }
 
 
 def _floors(store: Path, needed: int, repeats: int) -> dict[str, Any]:
@@ -163,5 +174,7 @@ def measure_synthetic(model: Path, n: int, repeats: int, work: Path) -> dict[str
         "warm": _median_steps(runs["warm"]),
         "dropped": _median_steps(runs["dropped"]),
         "dropped_from_page_cache": min(runs["dropped_bytes"]),
+        "threads": runs["threads"],
+        "readers": runs["readers"],
         **floors,
     }

@@ -64,7 +64,7 @@ def _table(r: Mapping[str, Any]) -> list[str]:
         f"({f['needed']:,} bytes), store {f['disk']:,} bytes; {f['reused']:,} tokens "
         f"restored, {'every restore verified' if f['verified'] else 'NOT VERIFIED'}; "
         f"chain made in {f['build_s']:.1f} s, saved in {f['save_s']:.1f} s; "
-        f"load average before / after {r['load_before']} / {r['load_after']}.",
+        f"{_threads(f)}load average before / after {r['load_before']} / {r['load_after']}.",
         "",
         "| restore | without the probe | with it | steps (median) | over its floor "
         "(without / with the probe) |",
@@ -82,6 +82,13 @@ def _table(r: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _threads(f: Mapping[str, Any]) -> str:
+    """The restoring runtime's threads, where the run recorded them."""
+    if "threads" not in f:
+        return ""
+    return f"restored with {f['threads']} decode threads and {f['readers']} reader threads; "
+
+
 NOTES = (
     "The chain is synthetic (`localkv/bench/geometry/chain.py`): the request of N tokens "
     "of the bench text is put into llama.cpp in its canonical batches, but each batch of "
@@ -94,8 +101,11 @@ NOTES = (
     "them, and the probe verifies the same way.",
     "Restore: `RestoreResult.breakdown`, lookup + read + columns + load (without the "
     "probe) and the probe decode; throughput is the restored state's bytes "
-    "(`llama_state_seq_get_size`) over those seconds. A fresh `Runtime` on the store "
-    "restores first with the files in the page cache, then the repeats; then, each "
+    "(`llama_state_seq_get_size`) over those seconds. A fresh `Runtime` on the store, "
+    "with the thread count a user gets (fitted to the free cores; the store reads blocks "
+    "on its reader threads, the next pieces while one loads, only where that is more than "
+    "one: `localkv/cache/restore/pieces.py`), restores first with the files in the page "
+    "cache, then the repeats; then, each "
     "repeat, every file of the store is written back and dropped from the page cache "
     "(`posix_fadvise(DONTNEED)`) and restored again. Only a process's first restore of a "
     "chain must decode its probe (`localkv/cache/restore/probed.py`): a later one of the "

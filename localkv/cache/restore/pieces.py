@@ -14,10 +14,11 @@ sequence). The cells, and so the bits, are those a whole restore gives (tested).
 With transposed V (flash attention off) a piece's V rows are read token-major
 into a staging area of their own and go into llama.cpp's columns from there
 (``kv.columns``), a block at a time on the thread that read it, while its rows
-are still in the CPU's cache. Where the reader threads read a piece's blocks in
-parallel, the next piece is read into a second buffer while one loads
-(``read_ahead``): the copy into llama.cpp, on the model's thread, then overlaps
-the reads.
+are still in the CPU's cache. Where there are reader threads, the next pieces
+are read into buffers of their own while one loads (``pieces_ahead``): enough of
+them that every reader has a block to read, so the copy into llama.cpp, on the
+model's thread, overlaps the reads, and a model whose block fills a piece alone
+(Llama 3.1 8B: 32 MiB a block) still reads on every reader.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -43,17 +45,19 @@ from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block
 
 __all__ = [
+    "MAX_AHEAD",
     "PIECE_BYTES",
     "fill_targets",
     "groups",
+    "pieces_ahead",
     "prepare_buffers",
-    "read_ahead",
     "read_in_pieces",
     "token_rows",
     "transpose_v",
 ]
 
 PIECE_BYTES = 16 << 20
+MAX_AHEAD = 2  # pieces read while one loads, at most: each holds a piece's buffers
 
 
 def groups(opened: list[OpenedBlock], n: int, per_token: int) -> list[list[OpenedBlock]]:
@@ -74,34 +78,45 @@ def groups(opened: list[OpenedBlock], n: int, per_token: int) -> list[list[Opene
 
 
 class _Piece(threading.local):
-    """This thread's two piece buffers and V staging areas (slot 0 and 1), reused."""
+    """This thread's piece buffers and V staging areas, one of each a slot, reused."""
 
     def __init__(self) -> None:
-        self.buffers: list[np.ndarray | None] = [None, None]
-        self.staged: list[np.ndarray | None] = [None, None]
+        self.buffers: list[np.ndarray | None] = []
+        self.staged: list[np.ndarray | None] = []
 
 
 _PIECE = _Piece()
 
 
+def _slot(areas: list[np.ndarray | None], nbytes: int, slot: int) -> np.ndarray:
+    """``areas[slot]``, made (or grown to) ``nbytes`` at least."""
+    areas.extend([None] * (slot + 1 - len(areas)))
+    area = areas[slot]
+    if area is None or area.shape[0] < nbytes:
+        area = areas[slot] = large_buffer(nbytes)
+    return area
+
+
 def _buffer(nbytes: int, slot: int = 0) -> np.ndarray:
     """This thread's reused piece buffer ``slot``, of ``nbytes`` at least."""
-    buf = _PIECE.buffers[slot]
-    if buf is None or buf.shape[0] < nbytes:
-        buf = _PIECE.buffers[slot] = large_buffer(nbytes)
-    return buf
+    return _slot(_PIECE.buffers, nbytes, slot)
 
 
-def read_ahead(per_token: int, block_size: int) -> bool:
-    """Whether the next piece is read while one loads: where a piece holds two blocks at
-    least, so that the reader threads read in parallel; it then takes a second piece's
-    memory."""
-    return PIECE_BYTES // max(1, per_token) >= 2 * block_size
+def pieces_ahead(per_token: int, block_size: int, readers: int) -> int:
+    """How many pieces are read on ``readers`` reader threads while one loads (0: none
+    where there is one reader): enough that every reader has a block, a piece holding as
+    many blocks as fit in ``PIECE_BYTES`` (one at least), and ``MAX_AHEAD`` at most. Each
+    takes a piece's memory."""
+    if readers < 2:
+        return 0
+    blocks = max(1, PIECE_BYTES // max(1, per_token) // max(1, block_size))
+    return min(MAX_AHEAD, -(-readers // blocks))
 
 
-def prepare_buffers(session: ModelSession) -> int:
-    """Make this thread's piece buffer and V staging as large as a restore into ``session``
-    needs, and touch every page of them; the bytes made ready (0: it restores otherwise).
+def prepare_buffers(session: ModelSession, readers: int) -> int:
+    """Make this thread's piece buffers and V staging as large as a restore into ``session``
+    with ``readers`` reader threads needs, and touch every page of them; the bytes made
+    ready (0: it restores otherwise).
 
     A fresh process's first restore would otherwise fault in every page of them as it
     copies into them (on a machine whose host backs fresh memory lazily, as here, slower
@@ -118,7 +133,7 @@ def prepare_buffers(session: ModelSession) -> int:
     # the state's other fields: a cell, and per layer a few header words
     size = rows + tokens * _CELL_BOUND + _HEADER_BOUND
     ready = 0
-    for slot in range(2 if read_ahead(per_token, block) else 1):
+    for slot in range(1 + pieces_ahead(per_token, block, readers)):
         ready += _touch(_buffer(size, slot))
         if session.flash_attn_setting() != "on":  # V may be transposed: staged on its way
             ready += _touch(_staging(rows // 2 + _HEADER_BOUND, slot))
@@ -172,6 +187,8 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
     spent.setdefault("load", 0.0)
     n = opened[-1].row.end - (0 if whole else 1)
     per_token = sum(x[1] + x[3] for x in layout)
+    parallel = parallel_reads(session)
+    block = session.config.block_size
     into = _Into(
         store=store,
         session=session,
@@ -179,28 +196,31 @@ def read_in_pieces(  # noqa: PLR0913 - to take a value type
         v_trans=v_trans,
         n=n,
         spill=np.empty(per_token, dtype=np.uint8),
-        parallel=parallel_reads(session),
+        parallel=parallel,
+        ahead=pieces_ahead(per_token, block, store.readers) if parallel else 0,
     )
     plan = groups(opened, n, per_token)
-    ahead = into.parallel and read_ahead(per_token, session.config.block_size)
     blocks: list[Block] = []
-    next_piece: _Reading | None = into.start(plan[0], 0)
+    reading: deque[_Reading] = deque()  # pieces started, in order: the next to load first
+    started = 0
     try:
         for i in range(len(plan)):
-            piece = next_piece or into.start(plan[i], 0)
-            next_piece = None
+            # start the pieces up to ``ahead`` after this one: each into the slot of a
+            # piece already loaded (queued behind this one's blocks on the readers)
+            while started < min(len(plan), i + 1 + into.ahead):
+                reading.append(into.start(plan[started], started % (into.ahead + 1)))
+                started += 1
+            piece = reading.popleft()
             got = piece.wait(spent)
-            if ahead and i + 1 < len(plan):  # read the next piece while this one loads
-                next_piece = into.start(plan[i + 1], (i + 1) % 2)
             parent = check_chain(parent, [g.row for g in piece.group], got)
             tokens = np.concatenate([b.tokens for b in got])[: piece.stop - piece.first]
             t0 = time.perf_counter()
-            session.load_state(piece.buf, [int(t) for t in tokens], first=piece.first)
+            session.load_state(piece.buf, tokens.tolist(), first=piece.first)
             spent["load"] += time.perf_counter() - t0
             blocks.extend(got)
     finally:
-        if next_piece is not None:  # its readers write into a buffer: done before it is reused
-            next_piece.settle()
+        for left in reading:  # their readers write into buffers: done before they are reused
+            left.settle()
     return blocks
 
 
@@ -241,6 +261,7 @@ class _Into:
     n: int  # the tokens loaded: a token at ``n`` or after is read into ``spill``
     spill: np.ndarray
     parallel: bool  # read on the reader threads, else on this one
+    ahead: int  # pieces read while one loads (``pieces_ahead``)
 
     def start(self, group: list[OpenedBlock], slot: int) -> _Reading:
         """Start reading ``group`` into piece buffer ``slot`` (read at once, unless parallel)."""
@@ -261,7 +282,7 @@ class _Into:
         took: list[float] = []  # appended on each reader: one list.append is atomic
         then = _into_columns(group, v_places, v_rows, (first, n), took) if self.v_trans else None
         piece = _Reading(group=group, first=first, stop=stop, buf=buf, took=took)
-        if self.parallel and len(group) > 1:
+        if self.parallel and (len(group) > 1 or self.ahead):
             return replace(piece, pending=self.store.start_fill_blocks(group, targets, then=then))
         got = self.store.fill_blocks(
             group, targets, [set()] * len(group), parallel=False, then=then
@@ -355,7 +376,4 @@ def _staging(nbytes: int, slot: int = 0) -> np.ndarray:
     fault, and one that the host backs lazily (a virtual machine that hands
     freed memory back, as here) costs more than a copy.
     """
-    area = _PIECE.staged[slot]
-    if area is None or area.shape[0] < nbytes:
-        area = _PIECE.staged[slot] = large_buffer(nbytes)
-    return area
+    return _slot(_PIECE.staged, nbytes, slot)
