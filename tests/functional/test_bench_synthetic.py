@@ -69,6 +69,10 @@ def test_the_command_writes_its_own_section_and_key(llama_8b: Path, tmp_path: Pa
     assert row["figures"]["reused"] == row["figures"]["tokens"] > 300
     assert row["figures"]["verified"] is True
     assert row["figures"]["dropped_from_page_cache"] > 0
+    # a restore's time is its lookup, read and load: the columns are a part of its read
+    first = row["figures"]["first"]
+    assert first["restore_s"] == pytest.approx(first["lookup"] + first["read"] + first["load"])
+    assert first["with_probe_s"] == pytest.approx(first["restore_s"] + first["probe"])
 
 
 @pytest.mark.parametrize("lengths", ["10", "x", ","])

@@ -99,8 +99,9 @@ NOTES = (
     "probe. It is then saved by `Runtime.save_prefix` and restored by `Runtime.restore` "
     "as any prefill's chain. The values are random: a restore's time does not depend on "
     "them, and the probe verifies the same way.",
-    "Restore: `RestoreResult.breakdown`, lookup + read + columns + load (without the "
-    "probe) and the probe decode; throughput is the restored state's bytes "
+    "Restore: `RestoreResult.breakdown`, lookup + read + load (without the probe) and "
+    "the probe decode; columns (V into llama.cpp's columns, on the reader threads, summed "
+    "over them) is a part of read, shown apart; throughput is the restored state's bytes "
     "(`llama_state_seq_get_size`) over those seconds. A fresh `Runtime` on the store, "
     "with the thread count a user gets (fitted to the free cores; the store reads blocks "
     "on its reader threads, the next pieces while one loads, only where that is more than "
