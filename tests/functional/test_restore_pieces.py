@@ -101,6 +101,7 @@ def test_a_restore_in_pieces_is_the_whole_restore(
     assert np.array_equal(in_one[2], whole[2]) and np.array_equal(each_block[2], whole[2])
 
 
+@pytest.mark.parametrize("blocks", [2, 1])
 @pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
 def test_pieces_read_ahead_restore_the_whole_restore(
     tiny_models: TinyModels,
@@ -108,7 +109,11 @@ def test_pieces_read_ahead_restore_the_whole_restore(
     monkeypatch: pytest.MonkeyPatch,
     flash_attn: str,
     kv: str,
+    blocks: int,
 ) -> None:
+    # two readers; two blocks a piece: one piece is read (a block on each reader) while one
+    # loads; a block that fills a piece alone (Llama 3.1 8B's, 32 MiB): two pieces are
+    # read, one on each reader. Each piece read ahead has a buffer of its own.
     cfg = tiny_config(
         tiny_models.base,
         block_size=BLOCK,
@@ -126,16 +131,26 @@ def test_pieces_read_ahead_restore_the_whole_restore(
         whole = _restored(rt, request, len(tokens))
         rt.session.in_pieces, rt.session._scratch = True, None
         per_token = len(whole[1]) // whole[0]
-        monkeypatch.setattr(pieces, "PIECE_BYTES", 2 * BLOCK * per_token + BLOCK)
+        monkeypatch.setattr(pieces, "PIECE_BYTES", blocks * BLOCK * per_token + BLOCK)
         assert pieces.parallel_reads(rt.session)
-        # two blocks a piece, two readers: one piece is read while one loads
-        assert pieces.pieces_ahead(per_token, BLOCK, rt.cache.store.readers) == 1
-        assert [len(g) for g in _groups(rt, request)] == [2] * 5 + [1]
+        ahead_n = pieces.pieces_ahead(per_token, BLOCK, rt.cache.store.readers)
+        assert ahead_n == {2: 1, 1: 2}[blocks]
+        plan = [len(g) for g in _groups(rt, request)]
+        assert plan == ([2] * 5 + [1] if blocks == 2 else [1] * 11)
+        to_readers: list[int] = []
+        fill = rt.cache.store.start_fill_blocks
+
+        def noted(opened: list[object], *args: object, **kwargs: object) -> object:
+            to_readers.append(len(opened))
+            return fill(opened, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(rt.cache.store, "start_fill_blocks", noted)
         pieces._PIECE.__init__()
         ahead = _restored(rt, request, len(tokens))
-        # the next piece went into the second buffer while one loaded
+        # the pieces read ahead went into buffers of their own while one loaded
         buffers = pieces._PIECE.buffers
-        assert len(buffers) == 2 and all(b is not None for b in buffers)
+        assert len(buffers) == ahead_n + 1 and all(b is not None for b in buffers)
+        assert to_readers == plan  # every piece went to the readers, one block ones too
     assert ahead[0] == whole[0] == len(tokens)
     assert ahead[1] == whole[1]
     assert np.array_equal(ahead[2], whole[2])
@@ -187,56 +202,6 @@ def test_a_damaged_block_in_a_later_piece_leaves_the_prefix_before_it(
         fresh_state, fresh_logits = _after(fresh, tokens[reused])
     assert fresh_state == state
     assert np.array_equal(fresh_logits, logits)
-
-
-@pytest.mark.parametrize(("flash_attn", "kv"), KV_SETTINGS)
-def test_pieces_of_one_block_are_read_ahead_on_the_readers(
-    tiny_models: TinyModels,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    flash_attn: str,
-    kv: str,
-) -> None:
-    # a block that fills a piece alone (Llama 3.1 8B's: 32 MiB): two pieces are read, one
-    # on each reader, while one loads, each into a buffer of its own
-    cfg = tiny_config(
-        tiny_models.base,
-        block_size=BLOCK,
-        flash_attn=flash_attn,
-        type_k=kv,
-        type_v=kv,
-        n_threads=2,
-    )
-    tokens = _tokens(9 * BLOCK + 5, seed=9)
-    request = [*tokens, 7, 8]
-    with Runtime(cfg, cache_dir=tmp_path) as rt:
-        _two_readers(rt)
-        store_prefill(rt, tokens)
-        rt.session.in_pieces = False
-        whole = _restored(rt, request, len(tokens))
-        rt.session.in_pieces, rt.session._scratch = True, None
-        per_token = len(whole[1]) // whole[0]
-        monkeypatch.setattr(pieces, "PIECE_BYTES", BLOCK * per_token)
-        plan = [len(g) for g in _groups(rt, request)]
-        assert len(plan) >= 9 and set(plan) == {1}
-        assert pieces.pieces_ahead(per_token, BLOCK, rt.cache.store.readers) == 2
-        to_readers: list[int] = []
-        fill = rt.cache.store.start_fill_blocks
-
-        def noted(opened: list[object], *args: object, **kwargs: object) -> object:
-            to_readers.append(len(opened))
-            return fill(opened, *args, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(rt.cache.store, "start_fill_blocks", noted)
-        pieces._PIECE.__init__()
-        ahead = _restored(rt, request, len(tokens))
-        buffers = pieces._PIECE.buffers
-        assert len(buffers) == 3 and all(b is not None for b in buffers)
-        # every piece went to the readers, one block each
-        assert len(to_readers) >= len(plan) and set(to_readers) == {1}
-    assert ahead[0] == whole[0] == len(tokens)
-    assert ahead[1] == whole[1]
-    assert np.array_equal(ahead[2], whole[2])
 
 
 def test_pieces_ahead_keep_every_reader_busy_within_a_bound() -> None:
