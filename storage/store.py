@@ -161,7 +161,7 @@ class SnapshotStore:
             list(pool.map(lambda _: started.wait(), range(self._workers)))
         if not self.read_only:
             self._index.db  # noqa: B018 - loads the write path's module
-        return self._workers
+        return self.readers
 
     # ------------------------------------------------------------- identities
     def put_identity(self, digest: str, json_text: str) -> None:

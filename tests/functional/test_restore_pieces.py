@@ -112,7 +112,7 @@ def test_pieces_read_ahead_restore_the_whole_restore(
     blocks: int,
 ) -> None:
     # two readers; two blocks a piece: one piece is read (a block on each reader) while one
-    # loads; a block that fills a piece alone (Llama 3.1 8B's, 32 MiB): two pieces are
+    # loads; a block that fills a piece alone (a large model's): two pieces are
     # read, one on each reader. Each piece read ahead has a buffer of its own.
     cfg = tiny_config(
         tiny_models.base,

@@ -83,9 +83,7 @@ def _table(r: Mapping[str, Any]) -> list[str]:
 
 
 def _threads(f: Mapping[str, Any]) -> str:
-    """The restoring runtime's threads, where the run recorded them."""
-    if "threads" not in f:
-        return ""
+    """The restoring runtime's threads."""
     return f"restored with {f['threads']} decode threads and {f['readers']} reader threads; "
 
 

@@ -18,7 +18,7 @@ are still in the CPU's cache. Where there are reader threads, the next pieces
 are read into buffers of their own while one loads (``pieces_ahead``): enough of
 them that every reader has a block to read, so the copy into llama.cpp, on the
 model's thread, overlaps the reads, and a model whose block fills a piece alone
-(Llama 3.1 8B: 32 MiB a block) still reads on every reader.
+(a large model's) still reads on every reader.
 """
 
 from __future__ import annotations
