@@ -77,6 +77,7 @@ def _size_json(s: SizeResult) -> dict[str, object]:
         "floor_s": s.floor.read_set.as_json(),
         "set_data_s": s.floor.set_only.as_json(),
         "read_hash_s": s.floor.read_hash.as_json(),
+        "read_hash_placed_s": s.floor.read_hash_placed.as_json(),
         "llama_file": {
             "save_s": f.save.as_json(),
             "load_s": f.load.as_json(),
@@ -252,7 +253,13 @@ METHOD = [
     "`llama_state_seq_load_file` reads straight into the KV tensors, so it can beat this. "
     "**read + hash floor**: the saved chain's block files, the bytes a restore reads, read "
     "from the page cache into a ready buffer and hashed with the store's xxh3-128, one "
-    "file after another: reading and checking them, with nothing placed or loaded.",
+    "file after another: reading and checking them, with nothing placed or loaded: the "
+    "buffer stays in the CPU's cache. **each file into its own place**: the same into one "
+    "buffer as large as all the files, touched beforehand, a place of its own for each, as "
+    "a restore must put every byte where `llama_state_seq_set_data`'s one contiguous "
+    "buffer holds it: every byte is written out to memory. With the set_data row after "
+    "it, that is the floor of a restore that reads into the state buffer once, checks "
+    "every byte and loads once, the ratio's denominator.",
     "- **bytes on disk**: the saved chain's block files (their format: "
     "`storage/blockfile.py`); raw KV is the size of llama.cpp's sequence state for the N "
     "tokens.",

@@ -129,6 +129,8 @@ class SizeResult:
             "restore_over_floor": self.warm_steps[RESTORE].median / self.floor.read_set.median,
             "warm_over_floor": warm / self.floor.read_set.median,
             "restore_over_read_hash": self.warm_steps[RESTORE].median / self.floor.read_hash.median,
+            "restore_over_placed_set": self.warm_steps[RESTORE].median
+            / (self.floor.read_hash_placed.median + self.floor.set_only.median),
             "stored_over_raw": self.stored_bytes / self.raw_bytes,
             "compact_restore_over_load_file": self.compact_steps[RESTORE].median
             / self.llama_file.load.median,

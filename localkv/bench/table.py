@@ -188,6 +188,10 @@ CELLS: list[tuple[str, Cell]] = [
     ("LlamaDiskCache get + load_state", lambda s: fmt_stat(s.disk_cache.get_load)),
     ("floor (read raw state + set_data)", lambda s: fmt_stat(s.floor.read_set)),
     ("floor: block files read + xxh3-128", lambda s: fmt_stat(s.floor.read_hash)),
+    (
+        "floor: the same, each file into its own place",
+        lambda s: fmt_stat(s.floor.read_hash_placed),
+    ),
     ("llama_state_seq_get_data", lambda s: fmt_stat(s.get_data_s)),
     ("llama_state_seq_set_data", lambda s: fmt_stat(s.floor.set_only)),
     ("cold / warm", _ratio("cold_over_warm")),
@@ -198,6 +202,10 @@ CELLS: list[tuple[str, Cell]] = [
     ("  the same, each run / the load_file just before it", _paired),
     ("restore without the probe / floor", _ratio("restore_over_floor")),
     ("restore without the probe / read + hash floor", _ratio("restore_over_read_hash")),
+    (
+        "restore without the probe / (placed read + hash, then set_data)",
+        _ratio("restore_over_placed_set"),
+    ),
     ("bytes on disk", lambda s: fmt_bytes(s.stored_bytes)),
     ("  per token", lambda s: fmt_bytes(s.stored_bytes / s.tokens)),
     ("  per block / snapshot", _per_block),
