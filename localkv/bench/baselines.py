@@ -159,7 +159,7 @@ def get_data(session: ModelSession, repeats: int) -> Stat:
     return Stat.of(times)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FloorResult:
     read_set: Stat  # readinto a ready buffer + llama_state_seq_set_data
     set_only: Stat  # llama_state_seq_set_data alone
