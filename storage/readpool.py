@@ -20,7 +20,9 @@ from .values import Block, BlockCorrupt, BlockRow
 
 __all__ = ["BlockReader", "Drops", "Fills", "PendingFill", "Tails", "Then"]
 
-Fills = Sequence[Targets | None]  # per block, where its tensors go (``fill_block``'s ``targets``)
+# per block, where its tensors go (``fill_block``'s ``targets``), or what makes them on the
+# thread that reads the block, as its read starts (its own buffers: a per-reader area)
+Fills = Sequence[Targets | Callable[[], Targets] | None]
 # per block, the tensors a read checks or skips but does not keep (``fill_block``'s ``discard``)
 Drops = Sequence[Collection[str]] | None
 Tails = Sequence[int | None] | None  # per block, the first tail row wanted (``tail_from``)
@@ -33,7 +35,7 @@ class _Job:
 
     i: int
     opened: OpenedBlock
-    targets: Targets | None
+    targets: Targets | Callable[[], Targets] | None
     discard: Collection[str]
     tail_from: int | None
 
@@ -119,7 +121,8 @@ class BlockReader:
         """Read opened blocks in parallel (or, with ``parallel`` false, one after another on
         this thread), each one's tensors into its targets.
 
-        See ``formats.readinto.fill_block`` (``discard``: per block, the tensors
+        See ``formats.readinto.fill_block`` (``targets``: per block, or what makes them on
+        the thread that reads it; ``discard``: per block, the tensors
         read and checked but not kept; ``tails``: per block, the first tail row
         wanted). ``then(i, block)`` runs on the thread that read block ``i``, once
         it is read and checked (while its bytes are still in the CPU's cache).
@@ -171,7 +174,8 @@ class BlockReader:
 
     def _fill(self, job: _Job, *, then: Then | None = None) -> Block:
         try:
-            block = fill_block(job.opened, job.targets, job.discard, job.tail_from)
+            targets = job.targets() if callable(job.targets) else job.targets
+            block = fill_block(job.opened, targets, job.discard, job.tail_from)
             if then is not None:
                 then(job.i, block)
             return block

@@ -323,25 +323,37 @@ def test_bookkeeping_runs_off_the_restore_path(
         assert seen_texts and min(seen_texts) == len(texts) >= 1
 
 
-def test_a_transposed_v_is_staged_a_piece_at_a_time(
-    tiny_models: TinyModels, tmp_path: Path, doc: Document
+def test_a_transposed_v_is_staged_a_block_at_a_time(
+    tiny_models: TinyModels, tmp_path: Path, doc: Document, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from localkv.cache.restore import pieces
 
+    staging = pieces._Staging()
+    monkeypatch.setattr(pieces, "_STAGING", staging)
+    asked: list[int] = []
+    take = staging.take
+
+    def noted(nbytes: int) -> np.ndarray:
+        asked.append(nbytes)
+        return take(nbytes)
+
+    monkeypatch.setattr(staging, "take", noted)
     with _runtime(tiny_models.base, tmp_path) as rt:
         rt.prefill([doc], system=SYSTEM)
-        # the staging only grows, per thread: an earlier restore here may have left a longer one
-        pieces._PIECE.staged = [None, None]
         answer = rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)
         kv = rt.session.capture()
         assert answer.cache.hit and kv.v_trans  # flash attention off: the CPU default here
-        staged, second = pieces._PIECE.staged
-        assert staged is not None and second is None  # one piece: none read ahead
-        v_bytes = {layer.v_row_bytes for layer in kv.layers}
-        assert len(v_bytes) == 1 and len(kv.layers) >= 2
-        rows, left = divmod(staged.shape[0], v_bytes.pop() * len(kv.layers))
-        # the restored V rows of every layer (the chain's final token is probed, not loaded):
-        # the tiny model's whole chain is one piece (``cache.restore.pieces``), and a piece
-        # holds at most ``PIECE_BYTES`` of rows, so the staging is never the chain's
-        assert left == 0 and rows == answer.tokens.reused - 1
-        assert staged.shape[0] <= pieces.PIECE_BYTES
+        assert rt.cache is not None
+        readers, block = rt.cache.store.readers, rt.session.config.block_size
+    v_bytes = {layer.v_row_bytes for layer in kv.layers}
+    assert len(v_bytes) == 1 and len(kv.layers) >= 2
+    token_v = v_bytes.pop() * len(kv.layers)
+    # the restored V rows of every layer (the chain's final token is probed, not loaded),
+    # staged once each, a block's at a time: never the chain's, nor a piece's
+    loaded = answer.tokens.reused - 1
+    assert loaded > 2 * block
+    assert sum(asked) == loaded * token_v
+    assert len(asked) == -(-answer.tokens.reused // block)
+    assert max(asked) == block * token_v
+    # each given back: as many are held as were in use at once
+    assert 1 <= len(staging.held()) <= max(1, readers)

@@ -291,13 +291,29 @@ def test_buffers_made_ready_are_the_ones_a_restore_uses(
         assert rt.cache is not None
         pieces._PIECE.__init__()  # as in a fresh thread
         assert rt.prepare_restores() > 0
-        buffers, staged = list(pieces._PIECE.buffers), list(pieces._PIECE.staged)
-        assert all(b is not None for b in buffers[:1] + staged[:1])
+        buffers, staged = list(pieces._PIECE.buffers), pieces._STAGING.held()
+        assert buffers[:1] and buffers[0] is not None and staged
         reused, _, _ = _restored(rt, [*tokens, 7], len(tokens))
         assert reused == len(tokens)
-        # the restore grew neither: it used the pages made ready
+        # the restore grew no buffer: it used the pages made ready
         assert all(a is b for a, b in zip(pieces._PIECE.buffers, buffers, strict=True))
-        assert all(a is b for a, b in zip(pieces._PIECE.staged, staged, strict=True))
+        # and took no staging area but those, each given back
+        assert {id(a) for a in pieces._STAGING.held()} == {id(a) for a in staged}
+
+
+def test_staging_areas_are_reused_and_their_number_does_not_grow() -> None:
+    staging = pieces._Staging()
+    assert staging.ready(2, 100) == 200  # made, and touched
+    a, b = staging.take(50), staging.take(100)
+    assert {a.shape[0], b.shape[0]} == {100}
+    c = staging.take(10)  # none free: a new one
+    for area in (a, b, c):
+        staging.give(area)
+    assert len(staging.held()) == 3
+    big = staging.take(1000)  # none fits: made in place of the largest free one
+    assert big.shape[0] >= 1000 and len(staging.held()) == 2
+    staging.give(big)
+    assert staging.ready(1, 500) >= 1000 and [x is big for x in staging.held()] == [True]
 
 
 def test_a_restore_once_made_ready_starts_no_thread(

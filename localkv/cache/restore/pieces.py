@@ -11,24 +11,26 @@ piece buffer: each piece's checksums are checked as it is read, its chain hashes
 before it is loaded, and it goes in after the pieces before it
 (``ModelSession.load_state(first=...)``, through the context's second
 sequence). The cells, and so the bits, are those a whole restore gives (tested).
-With transposed V (flash attention off) a piece's V rows are read token-major
-into a staging area of their own and go into llama.cpp's columns from there
-(``kv.columns``), a block at a time on the thread that read it, while its rows
-are still in the CPU's cache. Where there are reader threads, the next pieces
-are read into buffers of their own while one loads (``pieces_ahead``): enough of
-them that every reader has a block to read, so the copy into llama.cpp, on the
-model's thread, overlaps the reads, and a model whose block fills a piece alone
-(a large model's) still reads on every reader.
+With transposed V (flash attention off) a block's V rows are read token-major
+into a staging area of one block's rows (``_STAGING``: taken by the thread that
+reads the block, given back once its rows are in; as many are held as readers
+read at once), and go into llama.cpp's columns from there (``kv.columns``) on
+that thread, while they are still in the CPU's cache. Where there are reader
+threads, the next pieces are read into buffers of their own while one loads
+(``pieces_ahead``): enough of them that every reader has a block to read, so
+the copy into llama.cpp, on the model's thread, overlaps the reads, and a model
+whose block fills a piece alone (a large model's) still reads on every reader.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,14 +41,15 @@ from localkv.kv.layout import LayerLayout, state_size
 from localkv.model.loading import kv_bytes_per_token
 from localkv.model.session import ModelSession
 from localkv.model.state import large_buffer
-from localkv.storage.formats.readinto import OpenedBlock
-from localkv.storage.readpool import PendingFill
+from localkv.storage.formats.readinto import OpenedBlock, Targets
+from localkv.storage.readpool import Fills, PendingFill, Then
 from localkv.storage.store import SnapshotStore
 from localkv.storage.values import Block
 
 __all__ = [
     "MAX_AHEAD",
     "PIECE_BYTES",
+    "block_targets",
     "fill_targets",
     "groups",
     "pieces_ahead",
@@ -66,8 +69,7 @@ def groups(opened: list[OpenedBlock], n: int, per_token: int) -> list[list[Opene
     out: list[list[OpenedBlock]] = []
     held = 0
     for block_file in opened:
-        start, end = block_file.row.start, min(block_file.row.end, n)
-        rows = max(0, end - start) * per_token
+        rows = _kept(block_file, n) * per_token
         if out and (rows == 0 or held + rows <= PIECE_BYTES):
             out[-1].append(block_file)
             held += rows
@@ -78,14 +80,55 @@ def groups(opened: list[OpenedBlock], n: int, per_token: int) -> list[list[Opene
 
 
 class _Piece(threading.local):
-    """This thread's piece buffers and V staging areas, one of each a slot, reused."""
+    """This thread's piece buffers, one a slot, reused."""
 
     def __init__(self) -> None:
         self.buffers: list[np.ndarray | None] = []
-        self.staged: list[np.ndarray | None] = []
 
 
 _PIECE = _Piece()
+
+
+class _Staging:
+    """Areas for V rows on their way into llama.cpp's columns: a block's rows (or, for
+    ``transpose_v``, a layer's), taken by the thread that reads them and given back once
+    they are in, so that as many are held as are in use at once."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A free area of ``nbytes`` at least; none: a new one, in place of the largest
+        free one (too small), so that their number does not grow."""
+        with self._lock:
+            fits = [i for i, area in enumerate(self._free) if area.shape[0] >= nbytes]
+            if fits:
+                return self._free.pop(fits[0])
+            if self._free:
+                self._free.remove(max(self._free, key=lambda area: area.shape[0]))
+        return large_buffer(nbytes)
+
+    def give(self, area: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(area)
+
+    def ready(self, count: int, nbytes: int) -> int:
+        """Hold ``count`` free areas of ``nbytes`` at least (others dropped), every page
+        touched; their bytes."""
+        with self._lock:
+            kept = [area for area in self._free if area.shape[0] >= nbytes][:count]
+            kept += [large_buffer(nbytes) for _ in range(count - len(kept))]
+            self._free = kept
+            return sum(_touch(area) for area in kept)
+
+    def held(self) -> list[np.ndarray]:
+        """The free areas (none is in use between restores)."""
+        with self._lock:
+            return list(self._free)
+
+
+_STAGING = _Staging()
 
 
 def _slot(areas: list[np.ndarray | None], nbytes: int, slot: int) -> np.ndarray:
@@ -114,9 +157,9 @@ def pieces_ahead(per_token: int, block_size: int, readers: int) -> int:
 
 
 def prepare_buffers(session: ModelSession, readers: int) -> int:
-    """Make this thread's piece buffers and V staging as large as a restore into ``session``
-    with ``readers`` reader threads needs, and touch every page of them; the bytes made
-    ready (0: it restores otherwise).
+    """Make this thread's piece buffers and the V staging areas as large as a restore into
+    ``session`` with ``readers`` reader threads needs, and touch every page of them; the
+    bytes made ready (0: it restores otherwise).
 
     A fresh process's first restore would otherwise fault in every page of them as it
     copies into them (on a machine whose host backs fresh memory lazily, as here, slower
@@ -129,15 +172,18 @@ def prepare_buffers(session: ModelSession, readers: int) -> int:
     per_token = max(1, kv_bytes_per_token(session.config, session.model))
     block = session.config.block_size
     tokens = min(session.n_ctx, max(PIECE_BYTES // per_token, block) + block)
-    rows = tokens * per_token
-    # the state's other fields: a cell, and per layer a few header words
-    size = rows + tokens * _CELL_BOUND + _HEADER_BOUND
     ready = 0
     for slot in range(1 + pieces_ahead(per_token, block, readers)):
-        ready += _touch(_buffer(size, slot))
-        if session.flash_attn_setting() != "on":  # V may be transposed: staged on its way
-            ready += _touch(_staging(rows // 2 + _HEADER_BOUND, slot))
+        ready += _touch(_buffer(_size_bound(tokens, per_token), slot))
+    if session.flash_attn_setting() != "on":  # V may be transposed: staged a block at a time
+        ready += _STAGING.ready(max(1, readers), block * per_token // 2 + _HEADER_BOUND)
     return ready
+
+
+def _size_bound(tokens: int, per_token: int) -> int:
+    """Bytes of a state of ``tokens``: their rows, and the other fields (a cell, and per
+    layer a few header words)."""
+    return tokens * (per_token + _CELL_BOUND) + _HEADER_BOUND
 
 
 _CELL_BOUND = 64  # bytes of a cell's fields in a state, at most (``kv.layout``)
@@ -276,11 +322,22 @@ class _Into:
             first=first,
             v_trans=self.v_trans,
         )
-        v_places = _staged(v_rows, stop - first, slot) if self.v_trans else v_rows
-        targets = fill_targets(group, layout, k_rows, v_places, n, spill=self.spill, first=first)
-        # a block's V rows go into the columns on its reader, while they are in the cache
         took: list[float] = []  # appended on each reader: one list.append is atomic
-        then = _into_columns(group, v_places, v_rows, (first, n), took) if self.v_trans else None
+        targets: Fills
+        then: Then | None = None
+        if self.v_trans:  # a block's V rows are staged on its reader, then put in columns
+            staged = _Staged(
+                group=group,
+                layout=layout,
+                k_rows=k_rows,
+                v_rows=v_rows,
+                span=(first, n),
+                spill=self.spill,
+                took=took,
+            )
+            targets, then = [staged.targets(i) for i in range(len(group))], staged.then
+        else:
+            targets = fill_targets(group, layout, k_rows, v_rows, n, spill=self.spill, first=first)
         piece = _Reading(group=group, first=first, stop=stop, buf=buf, took=took)
         if self.parallel and (len(group) > 1 or self.ahead):
             return replace(piece, pending=self.store.start_fill_blocks(group, targets, then=then))
@@ -290,37 +347,60 @@ class _Into:
         return replace(piece, done=got)
 
 
-def _into_columns(
-    group: list[OpenedBlock],
-    v_places: list[np.ndarray],
-    v_rows: list[np.ndarray],
-    span: tuple[int, int],
-    took: list[float],
-) -> Callable[[int, Block], None]:
-    """For ``fill_blocks``' ``then``: block ``i``'s staged V rows (tokens below ``n``) into
-    llama.cpp's columns of a piece starting at token ``first``; each call's seconds are
-    appended to ``took``."""
-    first, n = span
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Staged:
+    """A piece's blocks with transposed V: each block's V rows are read token-major into
+    a staging area (``_STAGING``, one block's) taken on its reader as its read starts,
+    and go into llama.cpp's columns from there once it is read and checked, on the same
+    thread, while they are still in the CPU's cache."""
 
-    def then(i: int, _block: Block) -> None:
+    group: list[OpenedBlock]
+    layout: tuple[LayerLayout, ...]
+    k_rows: list[np.ndarray]
+    v_rows: list[np.ndarray]  # the piece's columns, per layer
+    span: tuple[int, int]  # the piece's first token, and the tokens loaded (``n``)
+    spill: np.ndarray
+    took: list[float]  # the seconds of each block's columns
+    held: dict[int, tuple[np.ndarray, list[np.ndarray]]] = field(default_factory=dict)
+
+    def targets(self, i: int) -> Callable[[], Targets]:
+        """Block ``i``'s targets, made on the thread that reads it."""
+        return functools.partial(self._targets, i)
+
+    def _targets(self, i: int) -> Targets:
+        block_file, (first, n) = self.group[i], self.span
+        keep = _kept(block_file, n)
+        area = _STAGING.take(keep * sum(x[3] for x in self.layout))
+        rows, at = [], 0
+        for _, _, _, v_bytes in self.layout:
+            rows.append(area[at : at + keep * v_bytes].reshape(keep, v_bytes))
+            at += keep * v_bytes
+        self.held[i] = (area, rows)  # one block a reader: a dict's item set is atomic
+        return block_targets(
+            block_file,
+            self.layout,
+            self.k_rows,
+            rows,
+            n,
+            spill=self.spill,
+            first=first,
+            v_first=block_file.row.start,
+        )
+
+    def then(self, i: int, _block: Block) -> None:
+        """Block ``i``'s staged V rows into the columns; its staging area given back."""
         t0 = time.perf_counter()
-        row = group[i].row
-        start, keep = row.start - first, max(0, min(row.end, n) - row.start)
-        for rows, columns in zip(v_places, v_rows, strict=True):
-            to_columns(rows[start : start + keep].view(columns.dtype), columns, start)
-        took.append(time.perf_counter() - t0)
+        area, rows = self.held.pop(i)
+        start = self.group[i].row.start - self.span[0]
+        for staged, columns in zip(rows, self.v_rows, strict=True):
+            to_columns(staged.view(columns.dtype), columns, start)
+        _STAGING.give(area)
+        self.took.append(time.perf_counter() - t0)
 
-    return then
 
-
-def _staged(v_rows: list[np.ndarray], n: int, slot: int) -> list[np.ndarray]:
-    """Per layer, ``n`` token-major V rows in this thread's reused staging area ``slot``."""
-    area = _staging(sum(v.nbytes for v in v_rows), slot)
-    out, at = [], 0
-    for v in v_rows:
-        out.append(area[at : at + v.nbytes].reshape(n, -1))
-        at += v.nbytes
-    return out
+def _kept(block_file: OpenedBlock, n: int) -> int:
+    """How many of ``block_file``'s tokens are below ``n`` (loaded)."""
+    return max(0, min(block_file.row.end, n) - block_file.row.start)
 
 
 def fill_targets(  # noqa: PLR0913 - to take a value type
@@ -333,25 +413,36 @@ def fill_targets(  # noqa: PLR0913 - to take a value type
     spill: np.ndarray,
     first: int = 0,
 ) -> list[dict[str, list[np.ndarray]]]:
-    """Where each block's K and V rows go: rows ``first..`` of ``k_rows``/``v_places``;
-    a token at ``n`` or after (the chain's final one: read, not loaded) to ``spill``."""
-    targets = []
-    for block_file in opened:
-        start, end = block_file.row.start - first, block_file.row.end - first
-        keep = max(0, min(end, n - first) - start)
-        places: dict[str, list[np.ndarray]] = {}
-        spilled = 0
-        for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
-            places[f"k.{i}"] = [k_rows[i][start : start + keep]]
-            places[f"v.{i}"] = [v_places[i][start : start + keep]]
-            if end > n - first:
-                k_spill = spill[spilled : spilled + k_bytes]
-                v_spill = spill[spilled + k_bytes : spilled + k_bytes + v_bytes]
-                places[f"k.{i}"].append(k_spill)
-                places[f"v.{i}"].append(v_spill)
-                spilled += k_bytes + v_bytes
-        targets.append(places)
-    return targets
+    """Where each block's K and V rows go (``block_targets``)."""
+    return [block_targets(b, layout, k_rows, v_places, n, spill=spill, first=first) for b in opened]
+
+
+def block_targets(  # noqa: PLR0913 - to take a value type
+    block_file: OpenedBlock,
+    layout: tuple[LayerLayout, ...],
+    k_rows: list[np.ndarray],
+    v_places: list[np.ndarray],
+    n: int,
+    *,
+    spill: np.ndarray,
+    first: int = 0,
+    v_first: int | None = None,
+) -> dict[str, list[np.ndarray]]:
+    """Where a block's K and V rows go: its rows of ``k_rows`` (whose first row holds token
+    ``first``) and of ``v_places`` (token ``v_first``; ``first`` by default); a token at
+    ``n`` or after (the chain's final one: read, not loaded) to ``spill``."""
+    start, keep = block_file.row.start - first, _kept(block_file, n)
+    v_start = block_file.row.start - (first if v_first is None else v_first)
+    places: dict[str, list[np.ndarray]] = {}
+    spilled = 0
+    for i, (_, k_bytes, _, v_bytes) in enumerate(layout):
+        places[f"k.{i}"] = [k_rows[i][start : start + keep]]
+        places[f"v.{i}"] = [v_places[i][v_start : v_start + keep]]
+        if block_file.row.end > n:
+            places[f"k.{i}"].append(spill[spilled : spilled + k_bytes])
+            places[f"v.{i}"].append(spill[spilled + k_bytes : spilled + k_bytes + v_bytes])
+            spilled += k_bytes + v_bytes
+    return places
 
 
 def token_rows(columns: np.ndarray, n: int) -> np.ndarray:
@@ -361,19 +452,14 @@ def token_rows(columns: np.ndarray, n: int) -> np.ndarray:
 
 def transpose_v(v_places: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
     """Each layer's V rows, read token-major as stored into the columns' own bytes
-    (``token_rows``), into llama.cpp's columns, through one layer's staging rows."""
+    (``token_rows``), into llama.cpp's columns, through one layer's staging rows (a
+    ``_STAGING`` area: not the chain's, as every page a fresh process touches costs a page
+    fault, and one that the host backs lazily costs more than a copy)."""
     for rows, columns in zip(v_places, v_rows, strict=True):
-        staged = _staging(rows.nbytes)[: rows.nbytes].reshape(rows.shape)
-        staged[...] = rows
-        to_columns(staged.view(columns.dtype), columns)
-
-
-def _staging(nbytes: int, slot: int = 0) -> np.ndarray:
-    """This thread's reused staging bytes for V rows on their way into columns.
-
-    A piece's (at most ``PIECE_BYTES`` of rows), or one layer's for a whole
-    restore, not the chain's: every page a fresh process touches costs a page
-    fault, and one that the host backs lazily (a virtual machine that hands
-    freed memory back, as here) costs more than a copy.
-    """
-    return _slot(_PIECE.staged, nbytes, slot)
+        area = _STAGING.take(rows.nbytes)
+        try:
+            staged = area[: rows.nbytes].reshape(rows.shape)
+            staged[...] = rows
+            to_columns(staged.view(columns.dtype), columns)
+        finally:
+            _STAGING.give(area)
