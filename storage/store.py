@@ -36,6 +36,7 @@ from .formats.readinto import OpenedBlock
 from .index import events
 from .index.blockindex import BlockIndex
 from .opening import open_index
+from .packed import PackedStates
 from .paths import CacheLayout, default_root
 from .readpool import BlockReader, Drops, Fills, PendingFill, Tails, Then
 from .removal import budget, deletion, evict, forget, quarantine, reconcile
@@ -88,6 +89,7 @@ class SnapshotStore:
         read_only: str | None = None,
     ) -> None:
         self.layout = layout
+        self.packed = PackedStates(layout)  # chains' states as llama.cpp loads them
         # why nothing is saved (a root this process cannot write, a full disk), or None
         self.read_only_reason = read_only
         self.read_only = read_only is not None

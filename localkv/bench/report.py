@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from localkv.bench.results import BenchResult, SizeResult
+from localkv.bench.stats import Stat
 from localkv.bench.table import (
     CELLS,
     fmt_bytes,
@@ -51,6 +53,15 @@ NO_MATPLOTLIB = "matplotlib is not installed: no chart (pip install 'localkv[ben
 
 
 # --------------------------------------------------------------------- JSON
+def _warm_json(ttft: Stat, steps: dict[str, Stat], paired: Stat) -> dict[str, Any]:
+    """A warm restore's figures: its first token, its steps, each over its load_file."""
+    return {
+        "warm_ttft_s": ttft.as_json(),
+        "warm_steps_s": {k: v.as_json() for k, v in steps.items()},
+        "restore_over_load_file_paired": paired.as_json(),
+    }
+
+
 def _size_json(s: SizeResult) -> dict[str, object]:
     f, d, a, m = s.llama_file, s.disk_cache, s.ask, s.restore_memory
     return {
@@ -68,11 +79,10 @@ def _size_json(s: SizeResult) -> dict[str, object]:
         "partial_bytes": s.partial_bytes,
         "raw_kv_bytes": s.raw_bytes,
         "compact": {
-            "warm_ttft_s": s.compact_ttft.as_json(),
-            "warm_steps_s": {k: v.as_json() for k, v in s.compact_steps.items()},
+            **_warm_json(s.compact_ttft, s.compact_steps, s.compact_over_load_file),
             "stored_bytes": s.compact_bytes,
-            "restore_over_load_file_paired": s.compact_over_load_file.as_json(),
         },
+        "packed": _warm_json(s.packed_ttft, s.packed_steps, s.packed_over_load_file),
         "get_data_s": s.get_data_s.as_json(),
         "floor_s": s.floor.read_set.as_json(),
         "set_data_s": s.floor.set_only.as_json(),
@@ -270,6 +280,12 @@ METHOD = [
     "warm restore of **warm TTFT** from them, files in the page cache. Its read step reads "
     "each file whole, checks its xxh3-128 and decodes the two planes into the state buffer "
     "(compiled, AVX2 where the CPU has it).",
+    "- **packed state**: the warm restore of **warm TTFT** through the chain's packed state "
+    "(`localkv/cache/restore/packed.py`, `storage/packed.py`): llama.cpp's state stream in "
+    "one file, written from the blocks by one restore from them before these runs; its "
+    "read step maps the file and checks its xxh3-128, its load step hands the mapping to "
+    "`llama_state_seq_set_data`, and the probe then decodes the chain's last token as a "
+    "restore from the blocks does. The rows above it restore from the blocks.",
     "- **encoding rows** (`localkv.bench.codecs`): the N tokens' state, captured once after "
     "the cold prefill, cut into blocks and written as one file per block four ways: `raw` "
     "(the K and V rows as they are), `zstd-1` (one zstd level-1 frame per tensor), "

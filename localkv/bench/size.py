@@ -97,15 +97,17 @@ class _Restores:
     evicted: _Evicted
     compact: _Warm
     compact_bytes: int
+    packed: _Warm
     memory: PeakMemory
 
     @property
     def verified(self) -> bool:
-        return self.warm.verified and self.evicted.verified and self.compact.verified
+        done = (self.warm, self.compact, self.packed)
+        return self.evicted.verified and all(w.verified for w in done)
 
     @property
     def firsts(self) -> set[int]:
-        return {*self.warm.firsts, *self.evicted.firsts, *self.compact.firsts}
+        return {*self.warm.firsts, *self.evicted.firsts, *self.compact.firsts, *self.packed.firsts}
 
 
 class _Baselines(NamedTuple):
@@ -137,6 +139,7 @@ class _SizeBench:
         self.cache = PrefixCache(
             self.store, identity, "bench", cfg.block_size, defer=self.deferred.append
         )
+        self.cache.packing = False  # the blocks' restores; ``packed`` turns it on
 
     def close(self) -> None:
         self.store.close()
@@ -246,6 +249,18 @@ class _SizeBench:
             self.cache = plain
             store.close()
 
+    def packed(self, files: base.LlamaFiles) -> _Warm:
+        """``warm`` through the chain's packed state (``cache.restore.packed``), packed by
+        one restore from its blocks first."""
+        self.cache.packing = True
+        try:
+            self._restore_once()
+            if self.tip is None or not self.store.packed.listing():
+                raise RuntimeError("the chain was not packed")
+            return self.warm(files, ", packed state")
+        finally:
+            self.cache.packing = False
+
     def warm_evicted(self) -> _Evicted:
         """The warm restore with every block file of the chain evicted before each run."""
         if self.tip is None:
@@ -270,15 +285,18 @@ class _SizeBench:
 
 
 def _restores(sb: _SizeBench, files: base.LlamaFiles) -> _Restores:
-    """The verified restores, in order: page cache, evicted first, compact blocks, memory."""
+    """The verified restores, in order: page cache, evicted first, compact blocks, the
+    packed state, memory."""
     warm = sb.warm(files)
     evicted = sb.warm_evicted()
     compact, compact_bytes = sb.compact(files)
+    packed = sb.packed(files)
     return _Restores(
         warm=warm,
         evicted=evicted,
         compact=compact,
         compact_bytes=compact_bytes,
+        packed=packed,
         memory=sb.restore_memory(),
     )
 
@@ -426,6 +444,9 @@ def _size_result(  # noqa: PLR0913 - to take a value type
         compact_steps=compact.steps,
         compact_over_load_file=compact.over_load_file,
         compact_bytes=restores.compact_bytes,
+        packed_ttft=restores.packed.ttft,
+        packed_steps=restores.packed.steps,
+        packed_over_load_file=restores.packed.over_load_file,
         get_data_s=get_data,
         floor=baselines.floor,
         llama_file=baselines.llama_file,

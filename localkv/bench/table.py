@@ -124,8 +124,13 @@ def _ratio(name: str) -> Cell:
     return lambda s: fmt_ratio(s.ratios[name])
 
 
-def _paired(s: SizeResult, compact: bool = False) -> str:
+def _packed_step(name: str) -> Cell:
+    return lambda s: fmt_stat(s.packed_steps[name])
+
+
+def _paired(s: SizeResult, compact: bool = False, packed: bool = False) -> str:
     r = s.compact_over_load_file if compact else s.warm_over_load_file
+    r = s.packed_over_load_file if packed else r
     return f"{fmt_ratio(r.median)} ({fmt_ratio(r.min)} to {fmt_ratio(r.max)})"
 
 
@@ -221,6 +226,18 @@ CELLS: list[tuple[str, Cell]] = [
     ("  compact: each run / the load_file just before it", lambda s: _paired(s, compact=True)),
     ("  compact: bytes on disk", lambda s: fmt_bytes(s.compact_bytes)),
     ("  compact: on disk / raw", lambda s: f"{s.ratios['compact_over_raw']:.3f}"),
+    ("packed state: warm TTFT", lambda s: fmt_stat(s.packed_ttft)),
+    *[(f"  packed: {k}", _packed_step(k)) for k in ("read", "load", "probe")],
+    ("  packed: restore without the probe", _packed_step(RESTORE)),
+    (
+        "  packed restore without the probe / llama.cpp load_file",
+        _ratio("packed_restore_over_load_file"),
+    ),
+    ("  packed: each run / the load_file just before it", lambda s: _paired(s, packed=True)),
+    (
+        "  packed restore without the probe / read + hash floor",
+        _ratio("packed_restore_over_read_hash"),
+    ),
     *[(f"encoding {e.name}: on disk / raw | decode", _encoding(e.name)) for e in ENCODINGS],
     *[
         (

@@ -34,6 +34,7 @@ from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
 from localkv.cache.restore.ends import snapshot_cut
 from localkv.cache.restore.load import load_chain
+from localkv.cache.restore.packed import load_packed, pack_chain, packable
 from localkv.cache.restore.pieces import prepare_buffers
 from localkv.cache.restore.probed import ProbedChains
 from localkv.cache.restore.verify import probe_matches
@@ -43,9 +44,10 @@ from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_root
 from localkv.storage.filehash import FileHasher
 from localkv.storage.index.health import REPAIR_HINT, IndexDamaged, is_damage
+from localkv.storage.packed import BUDGET_SHARE
 from localkv.storage.paths import CacheDirError
 from localkv.storage.store import SnapshotStore
-from localkv.storage.values import Block, BlockCorrupt
+from localkv.storage.values import Block, BlockCorrupt, BlockRow
 
 __all__ = ["PrefixCache", "RestoreResult", "SaveResult", "open_prefix_cache"]
 
@@ -69,6 +71,8 @@ class RestoreResult:
     # tokens the stored chain has in common with the request; those after ``reused``
     # were computed there in other batches than this request's, so they are recomputed
     common: int = 0
+    # the state came from the chain's packed state (``restore.packed``), not its blocks
+    packed: bool = False
 
 
 def _guarded(fn: Callable[[], None]) -> Callable[[], None]:
@@ -93,6 +97,9 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 class PrefixCache:
     """A session's view of the store: one identity, one namespace, one block size."""
+
+    # restore through packed states, and write them (``restore.packed``)
+    packing: bool = True
 
     def __init__(
         self,
@@ -245,10 +252,15 @@ class PrefixCache:
         # probed before: load the final token's rows, unless its logits are the request's
         # last ones (a request ending where the chain ends), which the probe decodes
         probed = reuse < len(tokens) and self._probed.matched(plan.chain)
+        packs = self.packing and packable(session, plan.chain)
+        # a packed state, probed as it is loaded (``whole``: no probe after it), else blocks
+        stored = load_packed(self.store, session, plan.chain, marks) if packs else None
+        whole = from_packed = stored is not None
         try:
-            stored_tokens, whole = load_chain(
-                self.store, self.root, session, plan.chain, marks, spent=spent, whole=probed
-            )
+            if stored is None:
+                stored, whole = load_chain(
+                    self.store, self.root, session, plan.chain, marks, spent=spent, whole=probed
+                )
         except (BlockCorrupt, codec.StateFormatError) as exc:
             session.reset()
             bad = exc.block_hash if isinstance(exc, BlockCorrupt) else None
@@ -256,14 +268,35 @@ class PrefixCache:
             kind = "corrupt block" if isinstance(exc, BlockCorrupt) else "unreadable state"
             reasons.append(f"{kind}: {getattr(exc, 'reason', exc)}")
             return None
-        if not whole and not probe_matches(session, last, stored_tokens):
+        if not whole and not probe_matches(session, last, stored):
             session.reset()
             self._quarantine(plan.chain[0].hash, "probe mismatch")
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         self._probed.add(plan.chain)
         session.truncate(reuse)
         marks.append(time.perf_counter())
-        return self._hit(plan, reuse, (marks, spent), t0, list(tokens[:reuse]))
+        if packs and not from_packed:  # read from its blocks: packed for the next restore
+            self._pack_later(session, plan.chain)
+        hit = self._hit(plan, reuse, (marks, spent), t0, list(tokens[:reuse]))
+        return dataclasses.replace(hit, packed=from_packed)
+
+    def _pack_later(self, session: ModelSession, chain: list[BlockRow]) -> None:
+        """Write ``chain``'s packed state (``restore.packed``) off the restore's path."""
+        cell_ext, budget = session.cell_ext, self.budget_bytes or self.store.default_budget()
+
+        def pack() -> None:
+            try:
+                pack_chain(
+                    self.store,
+                    self.root,
+                    chain,
+                    cell_ext=cell_ext,
+                    max_bytes=budget // BUDGET_SHARE,
+                )
+            except (BlockCorrupt, codec.StateFormatError, ValueError) as exc:
+                log.info("chain not packed: %s", exc)
+
+        self.defer(pack)
 
     def _usable(
         self, plan: Plan, tokens: Sequence[int], n_ctx: int, reasons: list[str]

@@ -336,21 +336,29 @@ class ModelSession:
         return check_cells(attention_state(state, self.memory_kind), self.tokens, self.cell_ext)
 
     def load_state(
-        self, data: bytes | bytearray | np.ndarray, tokens: list[int], *, first: int = 0
+        self,
+        data: bytes | bytearray | np.ndarray,
+        tokens: list[int],
+        *,
+        first: int = 0,
+        named: bool = False,
     ) -> None:
-        """Sequence 0 := a raw state of ``tokens`` at 0..n-1 (``first``: added at ``first``..)."""
+        """Sequence 0 := a raw state of ``tokens`` at 0..n-1 (``first``: added at ``first``..).
+
+        Where cells name their tokens, they are written into ``data`` first, unless it
+        is ``named`` already (then it may be read-only: nothing is written into it)."""
         if first and (not self.in_pieces or first != len(self.tokens)):
             raise ValueError(f"cannot add a state at {first} to {len(self.tokens)} tokens")
         if not first:
             self.reset()
         if first + len(tokens) > self.n_ctx:
             raise ContextFullError(first + len(tokens), self.n_ctx)
-        named = tokens if self.cell_ext else None
+        cells = tokens if self.cell_ext and not named else None
         try:
             if first:
-                append_state(self.ctx, self.memory, data, named)  # type: ignore[arg-type]
+                append_state(self.ctx, self.memory, data, cells)  # type: ignore[arg-type]
             else:
-                write_state(self.ctx, data, named)
+                write_state(self.ctx, data, cells)
         except codec.StateFormatError:
             self.reset()
             raise

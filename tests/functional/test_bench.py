@@ -108,12 +108,16 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             s.ask.background_write,
             s.compact_ttft,
             *s.compact_steps.values(),
+            s.packed_ttft,
+            *s.packed_steps.values(),
         ]
         assert all(_positive(st) for st in stats)
         assert set(s.compact_steps) == {*STEPS, COLUMNS, RESTORE}
         # the tiny model's f16 K/V: the compact blocks are smaller than the plain ones
         assert 0 < s.compact_bytes < s.stored_bytes
         assert set(s.warm_steps) == {*STEPS, COLUMNS, RESTORE}
+        # through the packed state: mapped and checked (read), loaded, probed; no columns
+        assert s.packed_steps[COLUMNS].max == 0 and s.packed_steps["read"].min > 0
         assert s.warm_verified and s.first_token_agrees
         assert s.blocks == -(-s.tokens // result.config.block_size)
         assert s.stored_bytes > 0 and 0 < s.raw_bytes < s.llama_file.file_bytes + 1024
@@ -133,9 +137,12 @@ def test_every_measurement_of_every_size(result: BenchResult) -> None:
             "compact_over_raw",
             "restore_over_load_file_paired",
             "compact_restore_over_load_file_paired",
+            "packed_restore_over_load_file",
+            "packed_restore_over_read_hash",
+            "packed_restore_over_load_file_paired",
         }
         # run by run: one ratio per warm restore, each over its own load_file
-        for paired in (s.warm_over_load_file, s.compact_over_load_file):
+        for paired in (s.warm_over_load_file, s.compact_over_load_file, s.packed_over_load_file):
             assert paired.n == result.config.repeats
             assert 0 < paired.min <= paired.median <= paired.max
         restore = s.warm_steps[RESTORE]

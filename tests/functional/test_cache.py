@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from support.tinymodels import TinyModels, tiny_config
 
-from localkv.cache.prefix import RestoreResult
+from localkv.cache.prefix import PrefixCache, RestoreResult
 from localkv.model.sampling import SamplingParams
 from localkv.model.session import LoraSpec
 from localkv.prompt.request import Document, Request
@@ -338,6 +338,7 @@ def test_a_transposed_v_is_staged_a_block_at_a_time(
         return take(nbytes)
 
     monkeypatch.setattr(staging, "take", noted)
+    monkeypatch.setattr(PrefixCache, "packing", False)  # the restore reads the blocks
     with _runtime(tiny_models.base, tmp_path) as rt:
         rt.prefill([doc], system=SYSTEM)
         answer = rt.ask([doc], "Why?", system=SYSTEM, params=GREEDY)

@@ -16,6 +16,7 @@ from support.stored import store_prefill
 from support.tinyarch import build
 from support.tinymodels import TinyModels, tiny_config
 
+from localkv.cache.prefix import PrefixCache
 from localkv.cache.restore import pieces
 from localkv.model import loading
 from localkv.model.native import llama_cpp
@@ -25,6 +26,12 @@ from localkv.runtime import Runtime
 
 BLOCK = 16
 KV_SETTINGS = [("off", "f16"), ("on", "f16"), ("on", "q8_0")]  # a quantized V needs it on
+
+
+@pytest.fixture(autouse=True)
+def _no_packed_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every restore here reads its blocks: none goes through a packed state."""
+    monkeypatch.setattr(PrefixCache, "packing", False)
 
 
 def _tokens(n: int, seed: int = 3) -> list[int]:

@@ -18,11 +18,19 @@ import pytest
 from support.stored import store_prefill
 from support.tinymodels import TinyModels, tiny_config
 
+from localkv.cache.prefix import PrefixCache
 from localkv.cache.restore.probed import ProbedChains
 from localkv.model.session import ModelSession, SessionConfig
 from localkv.runtime import Runtime
 
 BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _no_packed_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every restore here reads its blocks (a packed state is probed as it loads:
+    ``test_packed_states``)."""
+    monkeypatch.setattr(PrefixCache, "packing", False)
 
 
 def _tokens(n: int, seed: int = 11) -> list[int]:

@@ -106,6 +106,10 @@ def length_figures(length: Mapping[str, Any]) -> list[Figure]:
     back, slot = restart["runs"]["localkv"], restart["runs"]["llama-server slot"]
     disk = restart["disk"]
     per_token = _one(disk["block_bytes"] / max(1, disk["localkv_tokens"]))
+    # with the packed state (older runs have none)
+    held = _one(
+        (disk["block_bytes"] + disk.get("packed_bytes", 0)) / max(1, disk["localkv_tokens"])
+    )
     slot_token = _one(disk["slot_file_bytes"] / max(1, disk["slot_tokens"]))
     return [
         _figure("cold: first token", "llama-server", "s", _stat(lk, "ttft_s"), _stat(ls, "ttft_s")),
@@ -146,6 +150,9 @@ def length_figures(length: Mapping[str, Any]) -> list[Figure]:
             _stat(ls, "ttft_s"),
         ),
         _figure("bytes on disk per token", "slot file", "B/token", per_token, slot_token),
+        _figure(
+            "bytes on disk per token, packed state too", "slot file", "B/token", held, slot_token
+        ),
     ]
 
 

@@ -19,6 +19,7 @@ from localkv.bench.peer.client import get_json, post_json, stream_chat
 from localkv.bench.peer.documents import ASK, messages
 from localkv.bench.peer.plan import Plan, say
 from localkv.bench.peer.servers import Server, llama_server, localkv_server
+from localkv.storage.packed import SUFFIX as PACKED
 from localkv.storage.paths import BLOCK_SUFFIX
 
 __all__ = ["PARTS", "SLOT_FILE", "parts", "restart"]
@@ -49,10 +50,13 @@ def _block_bytes(home: Path) -> int:
 
 
 def _fill(lk: Server, ls: Server, plan: Plan, chat: list[dict[str, str]]) -> dict[str, Any]:
-    """Each server answers once and keeps the prompt on disk; what that took on disk."""
+    """Each server answers once and keeps the prompt on disk (localkv once more after a
+    restart, which packs its chain); what that took on disk."""
     with lk:
         stream_chat(lk.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
         listed = get_json(lk.port, "/v1/localkv/cache", timeout_s=plan.timeout_s)  # saves done
+    with lk:  # restored from its blocks once, the chain is packed (before the server stops)
+        stream_chat(lk.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
     with ls:
         stream_chat(ls.port, chat, max_tokens=plan.max_tokens, timeout_s=plan.timeout_s)
         saved = post_json(
@@ -96,6 +100,7 @@ def restart(plan: Plan, n_tokens: int, document: str) -> dict[str, Any]:
     chat = messages(document, ASK)
     disk = _fill(lk, ls, plan, chat)
     disk["block_bytes"] = _block_bytes(where / "localkv")
+    disk["packed_bytes"] = sum(p.stat().st_size for p in (where / "localkv").rglob(f"*{PACKED}"))
     runs: dict[str, list[dict[str, Any]]] = {"localkv": [], "llama-server slot": []}
     for r in range(plan.repeats):
         first_localkv = r % 2 == 0

@@ -1,0 +1,197 @@
+"""Packed states: a chain's state as llama.cpp loads it, whole, in one file.
+
+A chain's blocks hold its K/V rows a block at a time; llama.cpp takes a state
+only as one contiguous stream, layer after layer. A packed state is that
+stream, written once from the blocks, so a restore maps the file and hands
+the mapping to llama.cpp: the bytes go from the page cache into the KV cells
+in one copy, where a restore from the blocks first copies them into a buffer.
+
+It is a copy of what the blocks hold, never the only one: a file that fails a
+check is removed, and the restore goes on from the blocks. The file is
+``packed/HEX.state`` (the chain's tip block hash); after the stream comes a
+trailer: a magic, the stream's length, the tokens it holds, the tip hash, and
+the xxh3-128 of everything before the digest. The store keeps a few, the
+most recently used (``KEEP``, and ``budget // BUDGET_SHARE`` bytes at most);
+the caller decides which chains to pack (``localkv.cache.restore.packed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from .chain import HASH_PREFIX, digest_bytes
+from .disk import check_free_space, locked_temp_file, remove_file
+from .paths import CacheLayout, ensure_private_dir, fsync_dir
+
+__all__ = ["BUDGET_SHARE", "KEEP", "SUFFIX", "PackedEntry", "PackedState", "PackedStates"]
+
+KEEP = 4  # packed states kept, the most recently used
+BUDGET_SHARE = 4  # they hold at most this fraction (1/BUDGET_SHARE) of the cache's budget
+SUFFIX = ".state"
+_MAGIC = b"LKVPACK1"
+_HEAD = struct.Struct("<8sQQ32s")  # magic, stream bytes, tokens, tip block digest
+_DIGEST = 16  # xxh3-128
+_TRAILER = _HEAD.size + _DIGEST
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class PackedEntry(NamedTuple):
+    """A packed state file: its chain's tip, its bytes, when it was last used."""
+
+    tip: str
+    size: int
+    used: float
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class PackedState:
+    """A packed state file mapped read-only; ``close()`` when done with ``stream``."""
+
+    path: Path
+    stream: np.ndarray  # llama.cpp's state stream, read-only, on the mapping
+    tokens: int
+    tip: str
+    _mapping: mmap.mmap
+    _fd: int
+
+    def check(self) -> str | None:
+        """Why the file cannot be used (its digest differs), or None."""
+        size = self.stream.shape[0] + _HEAD.size
+        digest = xxhash.xxh3_128(memoryview(self._mapping)[:size]).digest()
+        if digest != self._mapping[size : size + _DIGEST]:
+            return "packed state checksum differs"
+        return None
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.stream = np.empty(0, dtype=np.uint8)  # the mapping's last view
+        self._mapping.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+class PackedStates:
+    """The packed states of one store (thread-safe: each file is written whole, then
+    renamed into place)."""
+
+    def __init__(self, layout: CacheLayout) -> None:
+        self.layout = layout
+        self.dir = layout.root / "packed"
+
+    def path(self, tip: str) -> Path:
+        return self.dir / f"{digest_bytes(tip).hex()}{SUFFIX}"
+
+    def has(self, tip: str) -> bool:
+        return os.path.lexists(self.path(tip))
+
+    def open(self, tip: str, tokens: int) -> PackedState | str | None:
+        """The packed state of the chain ending at block ``tip`` holding ``tokens``,
+        mapped (its digest not yet checked: ``PackedState.check``); None where there is
+        none; why not, where the file is not one (the caller removes it)."""
+        path = self.path(tip)
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"packed state cannot be opened: {exc.strerror}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < _TRAILER:
+                raise ValueError("packed state is not a regular file of a trailer at least")
+            mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ, flags=_populate())
+        except (ValueError, OSError) as exc:
+            os.close(fd)
+            return str(exc)
+        at = st.st_size - _TRAILER
+        magic, size, held, tip_digest = _HEAD.unpack_from(mapping, at)
+        why = None
+        if magic != _MAGIC or size != at:
+            why = "packed state's trailer does not describe the file"
+        elif tip_digest != digest_bytes(tip) or held != tokens:
+            why = "packed state is another chain's"
+        if why is not None:
+            mapping.close()
+            os.close(fd)
+            return why
+        stream = np.frombuffer(mapping, dtype=np.uint8, count=size)
+        return PackedState(path=path, stream=stream, tokens=held, tip=tip, _mapping=mapping, _fd=fd)
+
+    def write(self, tip: str, tokens: int, size: int, fill: Callable[[np.ndarray], None]) -> Path:
+        """Write the packed state of the chain ending at ``tip`` (``tokens``): ``fill``
+        writes its ``size`` stream bytes into the array it is given (the new file,
+        mapped); the file goes into place once whole and flushed."""
+        ensure_private_dir(self.dir)
+        check_free_space(self.layout.root, size + _TRAILER)
+        final = self.path(tip)
+        with locked_temp_file(self.layout, final.name) as (tmp, _locked):
+            fd = os.open(tmp, os.O_RDWR | _O_NOFOLLOW)
+            try:
+                os.ftruncate(fd, size + _TRAILER)
+                with mmap.mmap(fd, size + _TRAILER) as mapping:
+                    view = np.frombuffer(mapping, dtype=np.uint8, count=size)
+                    try:
+                        fill(view)
+                    finally:
+                        del view
+                    _HEAD.pack_into(mapping, size, _MAGIC, size, tokens, digest_bytes(tip))
+                    head = size + _HEAD.size
+                    mapping[head:] = xxhash.xxh3_128(memoryview(mapping)[:head]).digest()
+                    mapping.flush()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        fsync_dir(self.dir)
+        return final
+
+    def used(self, tip: str) -> None:
+        """Mark the packed state of ``tip`` used now (kept before older ones)."""
+        with contextlib.suppress(OSError):
+            os.utime(self.path(tip))
+
+    def remove(self, tip: str) -> int:
+        """Remove the packed state of ``tip``; the bytes freed."""
+        return remove_file(self.path(tip))
+
+    def listing(self) -> list[PackedEntry]:
+        """Every packed state, the most recently used first."""
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.dir):
+                name = entry.name
+                if not name.endswith(SUFFIX) or not entry.is_file(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    tip = HASH_PREFIX + name[: -len(SUFFIX)]
+                    out.append(PackedEntry(tip=tip, size=st.st_size, used=st.st_mtime))
+        return sorted(out, key=lambda entry: -entry.used)
+
+    def prune(self, max_bytes: int, keep: int = KEEP) -> int:
+        """Keep the ``keep`` most recently used, ``max_bytes`` together at most; the
+        bytes freed."""
+        freed = held = 0
+        for i, (tip, size, _) in enumerate(self.listing()):
+            if i < keep and held + size <= max_bytes:
+                held += size
+            else:
+                freed += self.remove(tip)
+        return freed
+
+
+def _populate() -> int:
+    """A shared mapping, its pages mapped at once where the system can."""
+    return mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
