@@ -77,7 +77,7 @@ class PackedState:
         if self._fd < 0:
             return
         self.stream = np.empty(0, dtype=np.uint8)  # the mapping's last view
-        self._mapping.close()
+        _close(self._mapping)
         os.close(self._fd)
         self._fd = -1
 
@@ -140,16 +140,15 @@ class PackedStates:
             fd = os.open(tmp, os.O_RDWR | _O_NOFOLLOW)
             try:
                 os.ftruncate(fd, size + _TRAILER)
-                with mmap.mmap(fd, size + _TRAILER) as mapping:
-                    view = np.frombuffer(mapping, dtype=np.uint8, count=size)
-                    try:
-                        fill(view)
-                    finally:
-                        del view
+                mapping = mmap.mmap(fd, size + _TRAILER)
+                try:
+                    fill(np.frombuffer(mapping, dtype=np.uint8, count=size))
                     _HEAD.pack_into(mapping, size, _MAGIC, size, tokens, digest_bytes(tip))
                     head = size + _HEAD.size
                     mapping[head:] = xxhash.xxh3_128(memoryview(mapping)[:head]).digest()
                     mapping.flush()
+                finally:
+                    _close(mapping)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -190,6 +189,13 @@ class PackedStates:
             else:
                 freed += self.remove(tip)
         return freed
+
+
+def _close(mapping: mmap.mmap) -> None:
+    """Unmap ``mapping``; where views of it are still held (a traceback's, after a failed
+    fill), it is unmapped once they are freed."""
+    with contextlib.suppress(BufferError):
+        mapping.close()
 
 
 def _populate() -> int:

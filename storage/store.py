@@ -315,6 +315,7 @@ class SnapshotStore:
         """
         gone = quarantine.quarantine(self._index, self.layout, block_hash, reason)
         self._catalogue.prune()
+        self._sweep_packed()
         return gone
 
     def touch(self, hashes: Sequence[str]) -> None:
@@ -390,7 +391,9 @@ class SnapshotStore:
 
     def remove_snapshot(self, snapshot_id: str, heir: str | None = None) -> int:
         """Delete a snapshot and the blocks only it needed (its hits go to ``heir``)."""
-        return self._catalogue.remove(snapshot_id, heir)
+        freed = self._catalogue.remove(snapshot_id, heir)
+        self._sweep_packed()
+        return freed
 
     def space(self, namespace: str | None = None) -> Space:
         """What removing each snapshot (of one namespace, or all) frees now, and the stored
@@ -403,6 +406,7 @@ class SnapshotStore:
         """Remove every trace of one document (see ``forget.forget``)."""
         report = forget.forget(self._index, self.layout, source_path, source_sha256, runs)
         self._catalogue.prune(report.snapshots)  # their manifests name the document
+        self._sweep_packed()
         return report
 
     def scrub(self) -> bool:
@@ -417,6 +421,7 @@ class SnapshotStore:
         """
         freed = evict.evict(self._index, self.layout, budget_bytes)
         self._catalogue.prune()
+        self._sweep_packed()
         return freed
 
     def default_budget(self) -> int:
@@ -444,6 +449,7 @@ class SnapshotStore:
             return GcReport(temp_files=0, orphan_files=0, missing_files=0, bytes_freed=0)
         report = reconcile.gc(self.layout, self._index, grace_seconds)
         self._catalogue.prune()
+        self._sweep_packed()
         return report
 
     def verify(self, repair: bool = False) -> list[tuple[str, str]]:
@@ -451,4 +457,12 @@ class SnapshotStore:
         bad = reconcile.verify(self._index, self.layout, self._reader, self._executor(), repair)
         if repair:
             self._catalogue.prune()
+            self._sweep_packed()
         return bad
+
+    def _sweep_packed(self) -> None:
+        """Remove the packed states (``packed``) of chains whose tip block is gone: what
+        was forgotten, evicted or found bad is not kept in one."""
+        for entry in self.packed.listing():
+            if not self.has_block(entry.tip):
+                self.packed.remove(entry.tip)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from localkv.storage import NewSnapshot
 from localkv.storage.packed import KEEP, PackedStates
 from localkv.storage.paths import prepare_root
 from support.stored import store_prefill
@@ -233,3 +234,32 @@ def test_a_state_over_the_share_of_the_budget_is_not_packed(
         rt.work.wait()
         assert rt.cache.store.packed.listing() == []
         assert not _restore(rt, [*tokens, 7], len(tokens))[0].packed
+
+
+@pytest.mark.parametrize("how", ["quarantine", "evict", "forget the snapshot"])
+def test_a_chain_that_leaves_the_store_takes_its_packed_state(
+    tiny_models: TinyModels, tmp_path: Path, how: str
+) -> None:
+    tokens = _tokens(6 * BLOCK + 3, seed=8)
+    with Runtime(_config(tiny_models), cache_dir=tmp_path) as rt:
+        store_prefill(rt, tokens)
+        assert rt.cache is not None
+        store = rt.cache.store
+        path = _packed_once(rt, [*tokens, 7], len(tokens))
+        tip = _packed_tip(rt)
+        if how == "quarantine":
+            store.quarantine(tip, "a test")
+        elif how == "evict":
+            store.evict(0)
+        else:
+            row = store.get_blocks([tip])[tip]
+            named = NewSnapshot(
+                tip=tip,
+                label="a document",
+                n_tokens=row.end,
+                identity=row.identity,
+                namespace=row.namespace,
+            )
+            store.remove_snapshot(store.put_snapshot(named))
+        assert not store.has_block(tip)
+        assert not path.exists() and store.packed.listing() == []

@@ -83,6 +83,9 @@ def pack_chain(
                 name_cell_tokens(buf, tokens)
 
         store.packed.write(tip.hash, n, size, fill)
+        if not store.has_block(tip.hash):  # removed meanwhile (forgotten, evicted)
+            store.packed.remove(tip.hash)
+            return False
     finally:
         for block_file in opened:
             block_file.close()
