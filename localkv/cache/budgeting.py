@@ -63,6 +63,7 @@ def namespace_stats(store: SnapshotStore, namespace: str) -> dict[str, object]:
     """
     budget = store.default_budget()
     whole = store.usage()
+    packed = store.packed.listing()
     return {
         "namespace": namespace,
         **store.stats(namespace),
@@ -73,6 +74,9 @@ def namespace_stats(store: SnapshotStore, namespace: str) -> dict[str, object]:
             "pinned_bytes": whole.pinned_bytes,
             "over_budget": whole.stored_bytes > budget,
             "pinned_over_budget": whole.pinned_bytes > budget,
+            # copies of chains' states beside the blocks (``storage.packed``), the whole cache's
+            "packed_states": len(packed),
+            "packed_bytes": sum(entry.size for entry in packed),
         },
     }
 
@@ -86,6 +90,11 @@ def stats_lines(stats: dict[str, object]) -> list[str]:
             f"{'budget':>22}: {human_size(budget['budget_bytes'])} for the whole cache; "
             f"{human_size(budget['stored_bytes'])} used, "
             f"{human_size(budget['pinned_bytes'])} pinned"
+        )
+        lines.append(
+            f"{'packed states':>22}: {budget['packed_states']} beside it, "
+            f"{human_size(budget['packed_bytes'])} (the most recently used chains' states, "
+            "one file each)"
         )
     return lines
 

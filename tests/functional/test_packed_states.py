@@ -20,6 +20,7 @@ from localkv.storage.paths import prepare_root
 from support.stored import store_prefill
 from support.tinymodels import TinyModels, tiny_config
 
+from localkv.cache.budgeting import namespace_stats, stats_lines
 from localkv.cache.prefix import RestoreResult
 from localkv.model.session import ModelSession, SessionConfig
 from localkv.runtime import Runtime
@@ -263,3 +264,19 @@ def test_a_chain_that_leaves_the_store_takes_its_packed_state(
             store.remove_snapshot(store.put_snapshot(named))
         assert not store.has_block(tip)
         assert not path.exists() and store.packed.listing() == []
+
+
+def test_cache_stats_count_the_packed_states_beside_the_budget(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    tokens = _tokens(6 * BLOCK + 3, seed=9)
+    with Runtime(_config(tiny_models), cache_dir=tmp_path) as rt:
+        store_prefill(rt, tokens)
+        assert rt.cache is not None
+        path = _packed_once(rt, [*tokens, 7], len(tokens))
+        stats = namespace_stats(rt.cache.store, rt.namespace)
+    budget = stats["budget"]
+    assert isinstance(budget, dict)
+    assert budget["packed_states"] == 1 and budget["packed_bytes"] == path.stat().st_size
+    (line,) = [x for x in stats_lines(stats) if "packed states" in x]
+    assert line.split(": ", 1)[1].startswith("1 beside it, ")
