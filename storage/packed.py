@@ -32,7 +32,7 @@ import xxhash
 
 from .chain import HASH_PREFIX, digest_bytes
 from .disk import check_free_space, locked_temp_file, remove_file
-from .paths import CacheLayout, ensure_private_dir, fsync_dir
+from .paths import CacheLayout, ensure_private_dir
 
 __all__ = ["BUDGET_SHARE", "KEEP", "SUFFIX", "PackedEntry", "PackedState", "PackedStates"]
 
@@ -132,7 +132,7 @@ class PackedStates:
     def write(self, tip: str, tokens: int, size: int, fill: Callable[[np.ndarray], None]) -> Path:
         """Write the packed state of the chain ending at ``tip`` (``tokens``): ``fill``
         writes its ``size`` stream bytes into the array it is given (the new file,
-        mapped); the file goes into place once whole and flushed."""
+        mapped); the file goes into place once whole."""
         ensure_private_dir(self.dir)
         check_free_space(self.layout.root, size + _TRAILER)
         final = self.path(tip)
@@ -146,14 +146,13 @@ class PackedStates:
                     _HEAD.pack_into(mapping, size, _MAGIC, size, tokens, digest_bytes(tip))
                     head = size + _HEAD.size
                     mapping[head:] = xxhash.xxh3_128(memoryview(mapping)[:head]).digest()
-                    mapping.flush()
                 finally:
                     _close(mapping)
-                os.fsync(fd)
             finally:
                 os.close(fd)
+            # not flushed to the disk: a copy, checked by its digest before every use, so
+            # one a crash left torn is removed then; the page cache holds it for the next
             os.replace(tmp, final)
-        fsync_dir(self.dir)
         return final
 
     def used(self, tip: str) -> None:
