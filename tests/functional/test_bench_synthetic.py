@@ -73,6 +73,9 @@ def test_the_command_writes_its_own_section_and_key(llama_8b: Path, tmp_path: Pa
     first = row["figures"]["first"]
     assert first["restore_s"] == pytest.approx(first["lookup"] + first["read"] + first["load"])
     assert first["with_probe_s"] == pytest.approx(first["restore_s"] + first["probe"])
+    # the first restore read the blocks (V into columns); the repeats, the packed state
+    assert first["columns"] > 0 and "columns" not in row["figures"]["warm"]
+    assert row["figures"]["warm"]["probe"] > 0
 
 
 @pytest.mark.parametrize("lengths", ["10", "x", ","])

@@ -69,7 +69,7 @@ def _table(r: Mapping[str, Any]) -> list[str]:
         "| restore | without the probe | with it | steps (median) | over its floor "
         "(without / with the probe) |",
         "|---|---|---|---|---|",
-        _row("first in the process, warm", "first", f, d),
+        _row("first in the process, warm (blocks)", "first", f, d),
         _row(f"warm, median of {r['repeats']}", "warm", f, d),
         _row(f"dropped, median of {r['repeats']}", "dropped", f, d),
         "",
@@ -104,15 +104,20 @@ NOTES = (
     "with the thread count a user gets (fitted to the free cores; the store reads blocks "
     "on its reader threads, the next pieces while one loads, only where that is more than "
     "one: `localkv/cache/restore/pieces.py`), restores first with the files in the page "
-    "cache, then the repeats; then, each "
+    "cache, from the blocks, which packs the chain after it (`localkv/cache/restore/"
+    "packed.py`: llama.cpp's state stream in one file; its budget is set to hold it, "
+    "four times the state at least, as a user's `LOCALKV_BUDGET` may); the repeats then "
+    "restore through the packed state where it was written (a packed restore has no "
+    "columns step: its read maps the file and checks its checksum, its load hands the "
+    "mapping to llama.cpp, and it decodes its probe); then, each "
     "repeat, every file of the store is written back and dropped from the page cache "
-    "(`posix_fadvise(DONTNEED)`) and restored again. Only a process's first restore of a "
-    "chain must decode its probe (`localkv/cache/restore/probed.py`): a later one of the "
-    "same chain decodes the request's last token only where the chain ends with the "
-    "request, as here.",
+    "(`posix_fadvise(DONTNEED)`) and restored again. A restore from the blocks decodes "
+    "its probe only the first time in a process (`localkv/cache/restore/probed.py`); "
+    "a packed one always does.",
     f"Floors, with the runtime closed: a numpy copy of as many bytes as the state between "
-    f"two ready buffers; the store's files read one after another in 64 MiB chunks into "
-    f"one ready buffer, after the same drop, and again from the page cache. Targets: "
+    f"two ready buffers; the store's block files (not the packed state) read one after "
+    f"another in 64 MiB chunks into one ready buffer, after the same drop, and again from "
+    f"the page cache. Targets: "
     f"warm restore >= {TARGET:.0%} of memcpy, dropped >= {TARGET:.0%} of the dropped read.",
 )
 
