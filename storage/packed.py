@@ -111,7 +111,8 @@ class PackedStates:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < _TRAILER:
                 raise ValueError("packed state is not a regular file of a trailer at least")
-            mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ, flags=_populate())
+            # pages mapped as they are first read: by the digest's thread and llama.cpp's copy
+            mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
         except (ValueError, OSError) as exc:
             os.close(fd)
             return str(exc)
@@ -195,8 +196,3 @@ def _close(mapping: mmap.mmap) -> None:
     fill), it is unmapped once they are freed."""
     with contextlib.suppress(BufferError):
         mapping.close()
-
-
-def _populate() -> int:
-    """A shared mapping, its pages mapped at once where the system can."""
-    return mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)

@@ -23,11 +23,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .chain import chain_next, chain_root
 from .disk import check_free_space, link_into_place, replace_into_place, staged_block_file
@@ -73,6 +73,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _THREAD_START_LIMIT_S = 30.0  # ``prepare``: a thread not started by then is started on use
 
 
@@ -151,6 +152,10 @@ class SnapshotStore:
     def readers(self) -> int:
         """How many threads read block files in parallel."""
         return self._workers
+
+    def on_reader(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on a reader thread (a packed state's digest, read beside its load)."""
+        return self._executor().submit(fn)
 
     def prepare(self) -> int:
         """Start every reader thread and load what a save needs, for a process that serves

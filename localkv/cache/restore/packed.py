@@ -100,7 +100,8 @@ def load_packed(
     the probe; the chain's tokens if the probe matched, else None (no packed state, or
     one that failed a check: removed, the session emptied, ``marks`` as they were).
 
-    ``marks`` gets the times the file was mapped and checked and the state loaded.
+    ``marks`` gets the times the file was mapped (the read) and the state loaded and its
+    digest checked (the load: the two run side by side).
     """
     tip, n = chain[-1], chain[-1].end - 1
     found = store.packed.open(tip.hash, n)
@@ -111,16 +112,20 @@ def load_packed(
         return None
     held = len(marks)
     tokens = np.concatenate([row.tokens for row in chain])
+    marks.append(time.perf_counter())
+    # the digest is read on a reader thread while llama.cpp copies the state in: the state
+    # is used only once both are done, and emptied if the digest differs
+    checked = store.on_reader(found.check)
+    why = None
     try:
-        why = found.check()
-        marks.append(time.perf_counter())
-        if why is None:
-            try:
-                session.load_state(found.stream, [int(t) for t in tokens[:n]], named=True)
-            except codec.StateFormatError as exc:
-                why = f"llama.cpp refused the packed state: {exc}"
+        session.load_state(found.stream, [int(t) for t in tokens[:n]], named=True)
+    except codec.StateFormatError as exc:
+        why = f"llama.cpp refused the packed state: {exc}"
     finally:
-        found.close()
+        try:
+            why = checked.result() or why  # the mapping is read until the digest is done
+        finally:
+            found.close()
     if why is None:
         ends = [e for row in chain for e in (row.start + row.ends).tolist() if e <= n]
         session.batch_ends = ends if ends[-1:] == [n] else [*ends, n]
