@@ -283,9 +283,11 @@ METHOD = [
     "- **packed state**: the warm restore of **warm TTFT** through the chain's packed state "
     "(`localkv/cache/restore/packed.py`, `storage/packed.py`): llama.cpp's state stream in "
     "one file, written from the blocks by one restore from them before these runs; its "
-    "read step maps the file and checks its xxh3-128, its load step hands the mapping to "
-    "`llama_state_seq_set_data`, and the probe then decodes the chain's last token as a "
-    "restore from the blocks does. The rows above it restore from the blocks.",
+    "read step maps the file, its load step hands the mapping to "
+    "`llama_state_seq_set_data` while a reader thread checks the file's xxh3-128 beside "
+    "it (the state is used once both are done), and the probe then decodes the chain's "
+    "last token as a restore from the blocks does. The rows above it restore from the "
+    "blocks.",
     "- **encoding rows** (`localkv.bench.codecs`): the N tokens' state, captured once after "
     "the cold prefill, cut into blocks and written as one file per block four ways: `raw` "
     "(the K and V rows as they are), `zstd-1` (one zstd level-1 frame per tensor), "
