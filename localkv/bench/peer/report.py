@@ -214,7 +214,9 @@ METHOD = [
     "- **bytes on disk per token**: localkv's block files (`*.lkv`) after the first request "
     "over the tokens its longest snapshot holds (`GET /v1/localkv/cache`); the slot file's "
     "bytes over the tokens llama-server saved in it (`n_written` / `n_saved`); both hold the "
-    "prompt and the answer.",
+    "prompt and the answer. **packed state too**: the same with localkv's packed state "
+    "(`packed/*.state`, written by the fill's restore from the blocks) added to its block "
+    "files.",
     "- **two documents in turn**: three servers running side by side: localkv, llama-server "
     "with one slot and its RAM prompt cache (`--cache-ram` at its default size), and "
     "llama-server with two slots (`-np 2`, each of the full context). Turns alternate "
