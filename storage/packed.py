@@ -102,7 +102,9 @@ class PackedStates:
         none; why not, where the file is not one (the caller removes it)."""
         path = self.path(tip)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: a FIFO put in its place must not block the open
+            flags = _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+            fd = os.open(path, os.O_RDONLY | flags)
         except FileNotFoundError:
             return None
         except OSError as exc:
