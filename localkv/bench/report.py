@@ -82,7 +82,9 @@ def _size_json(s: SizeResult) -> dict[str, object]:
             **_warm_json(s.compact_ttft, s.compact_steps, s.compact_over_load_file),
             "stored_bytes": s.compact_bytes,
         },
-        "packed": _warm_json(s.packed_ttft, s.packed_steps, s.packed_over_load_file),
+        "packed": _warm_json(s.packed_ttft, s.packed_steps, s.packed_over_load_file)
+        if s.packed_ttft and s.packed_steps and s.packed_over_load_file
+        else None,
         "get_data_s": s.get_data_s.as_json(),
         "floor_s": s.floor.read_set.as_json(),
         "set_data_s": s.floor.set_only.as_json(),

@@ -111,9 +111,11 @@ class SizeResult:
     compact_steps: dict[str, Stat]
     compact_over_load_file: Stat  # as warm_over_load_file, from the compact blocks
     compact_bytes: int
-    packed_ttft: Stat  # warm TTFT through the chain's packed state (``cache.restore.packed``)
-    packed_steps: dict[str, Stat]
-    packed_over_load_file: Stat  # as warm_over_load_file, through the packed state
+    # warm TTFT through the chain's packed state (``cache.restore.packed``), its steps, and
+    # as warm_over_load_file; None for memory that is not plain KV (not packed)
+    packed_ttft: Stat | None
+    packed_steps: dict[str, Stat] | None
+    packed_over_load_file: Stat | None
     get_data_s: Stat  # llama_state_seq_get_data into a ready buffer
     floor: FloorResult
     llama_file: LlamaFileResult
@@ -140,6 +142,13 @@ class SizeResult:
             "compact_over_raw": self.compact_bytes / self.raw_bytes,
             "restore_over_load_file_paired": self.warm_over_load_file.median,
             "compact_restore_over_load_file_paired": self.compact_over_load_file.median,
+            **self._packed_ratios(),
+        }
+
+    def _packed_ratios(self) -> dict[str, float]:
+        if self.packed_steps is None or self.packed_over_load_file is None:
+            return {}
+        return {
             "packed_restore_over_load_file": self.packed_steps[RESTORE].median
             / self.llama_file.load.median,
             "packed_restore_over_read_hash": self.packed_steps[RESTORE].median

@@ -97,17 +97,18 @@ class _Restores:
     evicted: _Evicted
     compact: _Warm
     compact_bytes: int
-    packed: _Warm
+    packed: _Warm | None  # None: the memory restores otherwise (``cache.restore.packed``)
     memory: PeakMemory
 
     @property
     def verified(self) -> bool:
-        done = (self.warm, self.compact, self.packed)
+        done = [w for w in (self.warm, self.compact, self.packed) if w is not None]
         return self.evicted.verified and all(w.verified for w in done)
 
     @property
     def firsts(self) -> set[int]:
-        return {*self.warm.firsts, *self.evicted.firsts, *self.compact.firsts, *self.packed.firsts}
+        packed = self.packed.firsts if self.packed is not None else []
+        return {*self.warm.firsts, *self.evicted.firsts, *self.compact.firsts, *packed}
 
 
 class _Baselines(NamedTuple):
@@ -249,9 +250,12 @@ class _SizeBench:
             self.cache = plain
             store.close()
 
-    def packed(self, files: base.LlamaFiles) -> _Warm:
+    def packed(self, files: base.LlamaFiles) -> _Warm | None:
         """``warm`` through the chain's packed state (``cache.restore.packed``), packed by
-        one restore from its blocks first."""
+        one restore from its blocks first; None for memory that is not plain KV (its
+        chains are not packed)."""
+        if self.session.memory_kind != "kv":
+            return None
         self.cache.packing = True
         try:
             self._restore_once()
@@ -444,9 +448,9 @@ def _size_result(  # noqa: PLR0913 - to take a value type
         compact_steps=compact.steps,
         compact_over_load_file=compact.over_load_file,
         compact_bytes=restores.compact_bytes,
-        packed_ttft=restores.packed.ttft,
-        packed_steps=restores.packed.steps,
-        packed_over_load_file=restores.packed.over_load_file,
+        packed_ttft=restores.packed.ttft if restores.packed else None,
+        packed_steps=restores.packed.steps if restores.packed else None,
+        packed_over_load_file=restores.packed.over_load_file if restores.packed else None,
         get_data_s=get_data,
         floor=baselines.floor,
         llama_file=baselines.llama_file,

@@ -120,17 +120,23 @@ def _compact_step(name: str) -> Cell:
     return lambda s: fmt_stat(s.compact_steps[name])
 
 
+NOT_PACKED = "not packed"  # a packed-state cell for memory that is not plain KV
+
+
 def _ratio(name: str) -> Cell:
-    return lambda s: fmt_ratio(s.ratios[name])
+    return lambda s: fmt_ratio(s.ratios[name]) if name in s.ratios else NOT_PACKED
 
 
 def _packed_step(name: str) -> Cell:
-    return lambda s: fmt_stat(s.packed_steps[name])
+    return lambda s: fmt_stat(s.packed_steps[name]) if s.packed_steps else NOT_PACKED
 
 
 def _paired(s: SizeResult, compact: bool = False, packed: bool = False) -> str:
     r = s.compact_over_load_file if compact else s.warm_over_load_file
-    r = s.packed_over_load_file if packed else r
+    if packed:
+        if s.packed_over_load_file is None:
+            return NOT_PACKED
+        r = s.packed_over_load_file
     return f"{fmt_ratio(r.median)} ({fmt_ratio(r.min)} to {fmt_ratio(r.max)})"
 
 
@@ -226,7 +232,7 @@ CELLS: list[tuple[str, Cell]] = [
     ("  compact: each run / the load_file just before it", lambda s: _paired(s, compact=True)),
     ("  compact: bytes on disk", lambda s: fmt_bytes(s.compact_bytes)),
     ("  compact: on disk / raw", lambda s: f"{s.ratios['compact_over_raw']:.3f}"),
-    ("packed state: warm TTFT", lambda s: fmt_stat(s.packed_ttft)),
+    ("packed state: warm TTFT", lambda s: fmt_stat(s.packed_ttft) if s.packed_ttft else NOT_PACKED),
     *[(f"  packed: {k}", _packed_step(k)) for k in ("read", "load", "probe")],
     ("  packed: restore without the probe", _packed_step(RESTORE)),
     (
