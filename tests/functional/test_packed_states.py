@@ -285,3 +285,27 @@ def test_cache_stats_count_the_packed_states_beside_the_budget(
     assert budget["packed_states"] == 1 and budget["packed_bytes"] == path.stat().st_size
     (line,) = [x for x in stats_lines(stats) if "packed states" in x]
     assert line.split(": ", 1)[1].startswith("1 beside it, ")
+
+
+def test_a_packed_state_is_not_used_under_another_kv_type_or_after_other_tokens(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    tokens = _tokens(6 * BLOCK + 3, seed=10)
+    with Runtime(_config(tiny_models, "on", "f16"), cache_dir=tmp_path) as rt:
+        store_prefill(rt, tokens)
+        path = _packed_once(rt, [*tokens, 7], len(tokens))
+    packed = path.read_bytes()
+    # another KV type: another identity, so another chain; the packed file is not reached
+    with Runtime(_config(tiny_models, "on", "q8_0"), cache_dir=tmp_path) as rt:
+        assert rt.cache is not None
+        ends = rt.session.schedule(len(tokens) + 1, [len(tokens), len(tokens) + 1])
+        result = rt.cache.restore(rt.session, [*tokens, 7], ends)
+        assert result.reused == 0 and not result.packed
+    # the same tokens after another first one: another chain, not this packed state
+    with Runtime(_config(tiny_models, "on", "f16"), cache_dir=tmp_path) as rt:
+        assert rt.cache is not None
+        shifted = [tokens[0] + 1, *tokens[1:], 7]
+        ends = rt.session.schedule(len(shifted), [len(tokens), len(shifted)])
+        result = rt.cache.restore(rt.session, shifted, ends)
+        assert result.reused == 0 and not result.packed
+    assert path.read_bytes() == packed  # untouched: neither request could name it
