@@ -5,19 +5,24 @@ tokens of the bench text as a synthetic chain (``chain.synthetic_prefill``,
 then ``Runtime.save_prefix``), then in a fresh ``Runtime`` on that store:
 
 1. restores it (``Runtime.restore``, verified) with the block files in the page
-   cache: the first restore of the process, then ``repeats`` more;
+   cache: the first restore of the process, then ``repeats`` more; then times
+   llama.cpp's own load of the packed stream alone (``_llama_loads``);
 2. ``repeats`` times, drops every file of the store from the page cache
    (``floors.drop``) and restores it again;
 
-then, with the runtime closed, measures the floors: a copy of as many bytes as
-the restored state (``llama_state_seq_get_size``), and a sequential read of the
-store's files, dropped and in the page cache. Every restore's seconds are
+Before each warm step the store's files are written to the disk (``os.sync``):
+the kernel writing back the gigabytes the bench has just written would be timed
+with the restores otherwise. Then, with the runtime closed, it measures the
+floors: a copy of as many bytes as the restored state
+(``llama_state_seq_get_size``), and a sequential read of the store's files,
+dropped and in the page cache. Every restore's seconds are
 ``RestoreResult.breakdown``'s steps.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import statistics
 import time
@@ -108,7 +113,9 @@ def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[st
             rt.cache.budget_bytes = max(rt.cache.store.default_budget(), BUDGET_SHARE * held)
         warm = [_one(rt, stored)]
         rt.work.wait()  # the chain packed, from its blocks, before the repeats
+        os.sync()  # and on the disk: the kernel's writeback is not timed with the repeats
         warm += [_one(rt, stored) for _ in range(repeats)]
+        llama_load = _llama_loads(rt, stored, repeats)
         files = files_under(store)  # with the packed state: dropped too
         dropped, drops = [], []
         for _ in range(repeats):
@@ -124,9 +131,35 @@ def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[st
         "warm": warm[1:],
         "dropped": dropped,
         "dropped_bytes": drops,
+        "llama_load": llama_load,
         "threads": threads,
         "readers": readers,
     }
+
+
+def _llama_loads(rt: Runtime, stored: Stored, repeats: int) -> dict[str, float]:
+    """llama.cpp's own load of the chain's packed stream alone (no lookup, digest or
+    probe): once from a new mapping (its pages faulted in), then ``repeats`` times with
+    them mapped (the median); empty where the chain was not packed."""
+    if rt.cache is None:
+        return {}
+    tip = rt.cache.plan(stored.request.tokens, stored.ends).chain[-1]
+    n = tip.end - 1
+    found = rt.cache.store.packed.open(tip.hash, n)
+    if found is None or isinstance(found, str):
+        return {}
+    tokens = [int(t) for t in stored.request.tokens[:n]]
+    seconds = []
+    try:
+        for _ in range(repeats + 1):
+            rt.session.reset()
+            t0 = time.perf_counter()
+            rt.session.load_state(found.stream, tokens, named=True)
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        found.close()
+        rt.session.reset()
+    return {"first_s": seconds[0], "mapped_s": statistics.median(seconds[1:])}
 
 
 def _floors(store: Path, needed: int, repeats: int) -> dict[str, Any]:
@@ -165,6 +198,7 @@ def measure_synthetic(model: Path, n: int, repeats: int, work: Path) -> dict[str
     try:
         stored = store_synthetic(model, n, store)
         gc.collect()
+        os.sync()  # the store on the disk before it is restored, as minutes after a save
         runs = _restores(model, store, stored, repeats)
         gc.collect()
         every = [runs["first"], *runs["warm"], *runs["dropped"]]
@@ -187,5 +221,6 @@ def measure_synthetic(model: Path, n: int, repeats: int, work: Path) -> dict[str
         "dropped_from_page_cache": min(runs["dropped_bytes"]),
         "threads": runs["threads"],
         "readers": runs["readers"],
+        "llama_load": runs["llama_load"],
         **floors,
     }

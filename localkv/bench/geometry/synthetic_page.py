@@ -32,6 +32,10 @@ def derived(f: Mapping[str, Any]) -> dict[str, float]:
     for case in ("first", "warm", "dropped"):
         out[f"{case}_gb_s"] = needed / f[case]["restore_s"] / 1e9
         out[f"{case}_with_probe_gb_s"] = needed / f[case]["with_probe_s"] / 1e9
+    load = f.get("llama_load") or {}
+    if load:
+        out["llama_load_over_memcpy"] = f["memcpy_s"] / load["mapped_s"]
+        out["warm_over_llama_load"] = f["warm"]["restore_s"] / load["mapped_s"]
     for case, floor in (("first", "memcpy_s"), ("warm", "memcpy_s"), ("dropped", "read_dropped_s")):
         out[f"{case}_over_floor"] = f[floor] / f[case]["restore_s"]
         out[f"{case}_with_probe_over_floor"] = f[floor] / f[case]["with_probe_s"]
@@ -79,6 +83,24 @@ def _table(r: Mapping[str, Any]) -> list[str]:
         f"{_ms(f['read_warm_s'])} ({d['read_warm_gb_s']:.2f} GB/s). Dropping took "
         f"{f['dropped_from_page_cache'] / 2**30:.2f} GiB out of the page cache (`Cached`).",
         "",
+        *_llama_load(f, d),
+    ]
+
+
+def _llama_load(f: Mapping[str, Any], d: Mapping[str, float]) -> list[str]:
+    """Where a warm restore's time goes beside llama.cpp's own load of the same stream."""
+    load = f.get("llama_load") or {}
+    if not load:
+        return []
+    rest = f["warm"]["restore_s"] - load["mapped_s"]
+    return [
+        f"llama.cpp's own load of the packed stream (`llama_state_seq_set_data` from the "
+        f"mapped file, with no lookup, digest or probe): {_ms(load['first_s'])} from a new "
+        f"mapping (its pages faulted in), {_ms(load['mapped_s'])} with them mapped "
+        f"({d['llama_load_over_memcpy']:.2f} of memcpy). The warm restore takes "
+        f"{d['warm_over_llama_load']:.2f}x the latter: {_ms(rest)} more, for the lookup, "
+        f"the digest read beside the load and the mapping's page faults.",
+        "",
     ]
 
 
@@ -104,7 +126,10 @@ NOTES = (
     "with the thread count a user gets (fitted to the free cores; the store reads blocks "
     "on its reader threads, the next pieces while one loads, only where that is more than "
     "one: `localkv/cache/restore/pieces.py`), restores first with the files in the page "
-    "cache, from the blocks, which packs the chain after it (`localkv/cache/restore/"
+    "cache and on the disk (the store, and later the packed state, are written to the "
+    "disk, `os.sync`, before the restores that read them: a restore minutes after a "
+    "save finds no writeback in flight), from the blocks, which packs the chain after "
+    "it (`localkv/cache/restore/"
     "packed.py`: llama.cpp's state stream in one file; its budget is set to hold it, "
     "four times the state at least, as a user's `LOCALKV_BUDGET` may); the repeats then "
     "restore through the packed state where it was written (a packed restore has no "
