@@ -33,6 +33,7 @@ from localkv.cache.identity import Identity, identity_of
 from localkv.cache.lookup import Plan, is_not_cached, miss_reason, plan_chain
 from localkv.cache.naming import covering
 from localkv.cache.restore.ends import snapshot_cut
+from localkv.cache.restore.held import HELD_SHARE, UNCUT, HeldStates
 from localkv.cache.restore.load import load_chain
 from localkv.cache.restore.packed import load_packed, pack_chain, packable
 from localkv.cache.restore.pieces import prepare_buffers
@@ -40,6 +41,7 @@ from localkv.cache.restore.probed import ProbedChains
 from localkv.cache.restore.verify import probe_matches
 from localkv.cache.save import BlockScope, SaveResult, prepare_blocks, write_blocks
 from localkv.kv import codec
+from localkv.model.context import available_memory
 from localkv.model.session import ModelSession
 from localkv.storage.chain import chain_root
 from localkv.storage.filehash import FileHasher
@@ -73,6 +75,8 @@ class RestoreResult:
     common: int = 0
     # the state came from the chain's packed state (``restore.packed``), not its blocks
     packed: bool = False
+    # the state was resumed from one held in memory (``restore.held``): no read, no probe
+    held: bool = False
 
 
 def _guarded(fn: Callable[[], None]) -> Callable[[], None]:
@@ -127,6 +131,8 @@ class PrefixCache:
         self._index_id = _file_id(store.layout.index)
         self._writing: set[str] = set()  # prepared blocks whose write is queued
         self._probed = ProbedChains()  # chains whose probe matched in this process
+        # memory that cannot be cut back: its recent verified states (``restore.held``)
+        self.held = HeldStates(max_bytes=(available_memory() or 0) // HELD_SHARE)
         if not store.read_only:
             store.put_identity(identity.digest, json.dumps(identity.as_dict(), sort_keys=True))
 
@@ -248,6 +254,9 @@ class PrefixCache:
         if refusal is not None:  # memory with a partial part: restore at a snapshot only
             return self._miss(tokens, refusal, t0, plan.common)
         last = plan.chain[-1]
+        resumed = self._resume_held(session, plan, (tokens, reuse), marks, t0)
+        if resumed is not None:
+            return resumed
         spent: dict[str, float] = {}
         # probed before: load the final token's rows, unless its logits are the request's
         # last ones (a request ending where the chain ends), which the probe decodes
@@ -273,12 +282,50 @@ class PrefixCache:
             self._quarantine(plan.chain[0].hash, "probe mismatch")
             return self._miss(tokens, "probe mismatch: stored state does not reproduce", t0)
         self._probed.add(plan.chain)
+        self._hold(session, last, reuse)
         session.truncate(reuse)
         marks.append(time.perf_counter())
         if packs and not from_packed:  # read from its blocks: packed for the next restore
             self._pack_later(session, plan.chain)
         hit = self._hit(plan, reuse, (marks, spent), t0, list(tokens[:reuse]))
         return dataclasses.replace(hit, packed=from_packed)
+
+    def _hold(self, session: ModelSession, last: BlockRow, reuse: int) -> None:
+        """Keep a checkpoint of ``session``, just restored and verified up to ``last``, for
+        the next restore of that chain (``restore.held``): memory that cannot be cut back,
+        restored whole, and a state that could be held (else none is taken)."""
+        whole = session.memory_kind in UNCUT and session.n_tokens == reuse == last.end
+        if whole and self.held.fits(session.state_bytes()):
+            self.held.put(last.hash, session.checkpoint())
+
+    def _resume_held(
+        self,
+        session: ModelSession,
+        plan: Plan,
+        asked: tuple[Sequence[int], int],
+        marks: list[float],
+        t0: float,
+    ) -> RestoreResult | None:
+        """The restore of ``plan`` from the state held for its tip (``restore.held``):
+        the session resumed where the verified restore of that chain left it; None where
+        none is held for all ``asked`` tokens to reuse (then ``marks`` are as they were)."""
+        tokens, reuse = asked
+        last = plan.chain[-1]
+        found = self.held.get(last.hash) if session.memory_kind in UNCUT else None
+        if found is None or reuse != last.end or found.tokens != tuple(tokens[:reuse]):
+            return None
+        marks.append(time.perf_counter())
+        try:
+            session.resume(found)
+        except (codec.StateFormatError, ValueError) as exc:  # another context's, refused
+            session.reset()
+            self.held.drop(last.hash)
+            del marks[2:]
+            log.info("held state of %s not resumed (%s); restoring from the disk", last.hash, exc)
+            return None
+        marks += [time.perf_counter()] * 2  # loaded, and no probe to decode
+        hit = self._hit(plan, reuse, (marks, {}), t0, list(found.tokens))
+        return dataclasses.replace(hit, held=True)
 
     def _pack_later(self, session: ModelSession, chain: list[BlockRow]) -> None:
         """Write ``chain``'s packed state (``restore.packed``) off the restore's path."""

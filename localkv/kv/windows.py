@@ -17,6 +17,7 @@ when the window is narrower than a block — a capture right after that token).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +99,17 @@ class WindowLog:
             filled=np.zeros(n, dtype=bool),
         )
         self.harvest(window)
+
+    def copy(self) -> WindowLog:
+        """Another log holding copies of the rows collected so far."""
+        other = WindowLog()
+        other.pending = {end: copy.deepcopy(rows) for end, rows in self.pending.items()}
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        """The rows it holds."""
+        return sum(a.nbytes for rows in self.pending.values() for a in (*rows.k, *rows.v))
 
     def harvest(self, window: codec.KVState) -> None:
         """Give every block still collecting the rows ``window`` holds."""

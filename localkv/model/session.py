@@ -23,6 +23,7 @@ import numpy as np
 
 from localkv.kv import codec
 from localkv.kv.windows import WindowLog
+from localkv.model.checkpoint import Checkpoint
 from localkv.model.config import LoraSpec, SessionConfig
 from localkv.model.loading import ModelLoadError, Native, open_native
 from localkv.model.native import ensure_backend, llama_cpp
@@ -364,6 +365,37 @@ class ModelSession:
             raise
         self.tokens = [*self.tokens[:first], *tokens]
         self.batch_ends = [len(self.tokens)]  # as far as this process knows
+
+    def state_bytes(self) -> int:
+        """The size of sequence 0's raw state (what ``capture_array`` would write)."""
+        return int(llama_cpp.llama_state_seq_get_size(self.ctx, 0))
+
+    def checkpoint(self) -> Checkpoint:
+        """Sequence 0 as it stands now, to ``resume`` (``model.checkpoint``)."""
+        return Checkpoint(
+            context=int(ctypes.cast(self.ctx, ctypes.c_void_p).value or 0),
+            state=self.capture_array(),
+            tokens=tuple(self.tokens),
+            batch_ends=tuple(self.batch_ends),
+            probes=dict(self.probes),
+            partials=dict(self.partials),
+            windows=self.windows.copy(),
+            settled_at=self.settled_at,
+            last_logits=None if self._last_logits is None else self._last_logits.copy(),
+        )
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Put sequence 0 back as ``checkpoint`` (taken from this context) found it.
+        ``StateFormatError`` (the sequence emptied) where llama.cpp refuses its state."""
+        if checkpoint.context != int(ctypes.cast(self.ctx, ctypes.c_void_p).value or 0):
+            raise ValueError("a checkpoint resumes only in the context that took it")
+        self.load_state(checkpoint.state, list(checkpoint.tokens), named=True)
+        self.batch_ends = list(checkpoint.batch_ends)
+        self.probes, self.partials = dict(checkpoint.probes), dict(checkpoint.partials)
+        self.windows = checkpoint.windows.copy()
+        self.settled_at = checkpoint.settled_at
+        last = checkpoint.last_logits
+        self._last_logits = None if last is None else last.copy()
 
     def restore(self, state: codec.KVState | Sequence[codec.KVState], tokens: list[int]) -> None:
         """Load a parsed state, or consecutive pieces of one, holding ``tokens`` at 0..n-1."""

@@ -48,6 +48,8 @@ class CacheReport:
     # a restore's seconds by step (``RestoreResult.breakdown``: lookup, read, columns,
     # part of read, load, probe); empty when nothing was restored
     steps: Mapping[str, float] = field(default_factory=dict)
+    # the state was resumed from one held in memory (``cache.restore.held``), not read
+    held: bool = False
 
     @property
     def first_run(self) -> bool:

@@ -252,6 +252,7 @@ class Runtime:
             saved_s=result.saved_seconds,
             common=result.common,
             steps=dict(result.breakdown) if result.reused > 0 else {},
+            held=result.held,
         )
         return result, report
 

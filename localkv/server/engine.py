@@ -27,6 +27,7 @@ from localkv.prompt.template import Message
 from localkv.runtime import Runtime
 from localkv.runtime.callbacks import TextFn
 from localkv.runtime.chatsession import ChatSession, ChatState, SyncReport
+from localkv.runtime.reports import CacheReport
 from localkv.server.conversation import (
     AnswerMemory,
     MessageMemory,
@@ -351,7 +352,7 @@ class Engine:
                 or len(prompt) + len(ids) >= self.runtime.session.n_ctx
             )
             finish = "length" if full else "stop"
-        source = "none" if cached == 0 else "live" if report is None else "disk"
+        source = "none" if cached == 0 else "live" if report is None else _source(report)
         return Outcome(
             text=stops.text,
             finish_reason=finish,
@@ -442,6 +443,11 @@ def _in_order(steps: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
     """A restore's steps in the order they run (``RESTORE_STEPS``), any other after them."""
     known = [(name, steps[name]) for name in RESTORE_STEPS if name in steps]
     return (*known, *((k, v) for k, v in steps.items() if k not in RESTORE_STEPS))
+
+
+def _source(report: CacheReport) -> str:
+    """Where a restore took the reused tokens from: a state held in memory, or the disk."""
+    return "memory" if report.held else "disk"
 
 
 def _sender(stops: StopText, emit: TextFn) -> TextFn:

@@ -96,7 +96,9 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     generated: int
-    source: str  # where the reused tokens came from: "live", "disk" or "none"
+    # where the reused tokens came from: "live", "disk", "memory" (a state a restore from
+    # the disk left held, ``cache.restore.held``) or "none"
+    source: str
     verified: bool | None
     restore_ms: float
     miss_reason: str | None
@@ -139,7 +141,7 @@ class Outcome:
         }
 
     def _restore_steps(self) -> dict[str, object]:
-        if self.source != "disk" or not self.restore_steps:
+        if self.source not in ("disk", "memory") or not self.restore_steps:
             return {}
         return {"restore_steps": {k: round(v * 1000, 3) for k, v in self.restore_steps}}
 
