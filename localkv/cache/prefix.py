@@ -341,7 +341,7 @@ class PrefixCache:
                     max_bytes=budget // BUDGET_SHARE,
                 )
             except (BlockCorrupt, codec.StateFormatError, ValueError) as exc:
-                log.info("chain not packed: %s", exc)
+                log.warning("chain not packed: %s", exc)  # its blocks restore as before
 
         self.defer(pack)
 

@@ -323,6 +323,17 @@ def test_staging_areas_are_reused_and_their_number_does_not_grow() -> None:
     assert staging.ready(1, 500) >= 1000 and [x is big for x in staging.held()] == [True]
 
 
+def test_a_staging_area_too_small_everywhere_replaces_the_largest_wherever_it_is() -> None:
+    # areas of other sizes, the largest not first: a larger take (a longer chain's layer
+    # after a shorter one's) drops that one, and no other (compared as arrays, they differ)
+    staging = pieces._Staging()
+    small, large = staging.take(10), staging.take(100)
+    staging.give(small)
+    staging.give(large)
+    big = staging.take(1000)
+    assert big.shape[0] >= 1000 and [x is small for x in staging.held()] == [True]
+
+
 def test_a_restore_once_made_ready_starts_no_thread(
     tiny_models: TinyModels, tmp_path: Path
 ) -> None:

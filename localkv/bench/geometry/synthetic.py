@@ -99,6 +99,7 @@ def _one(rt: Runtime, stored: Stored) -> dict[str, Any]:
         "reused": report.reused,
         "verified": bool(report.verified),
         "needed": int(llama_cpp.llama_state_seq_get_size(rt.session.ctx, 0)),
+        "packed": bool(result is not None and result.packed),
     }
 
 
@@ -115,6 +116,10 @@ def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[st
         rt.work.wait()  # the chain packed, from its blocks, before the repeats
         os.sync()  # and on the disk: the kernel's writeback is not timed with the repeats
         warm += [_one(rt, stored) for _ in range(repeats)]
+        rt.work.wait()  # nothing written while the files are listed and dropped
+        unpacked = sum(not r["packed"] for r in warm[1:])
+        if unpacked:  # the repeats are the packed state's figures: none may be the blocks'
+            raise RuntimeError(f"{unpacked} of {repeats} warm restores read the blocks")
         llama_load = _llama_loads(rt, stored, repeats)
         files = files_under(store)  # with the packed state: dropped too
         dropped, drops = [], []

@@ -105,8 +105,8 @@ class _Staging:
             fits = [i for i, area in enumerate(self._free) if area.shape[0] >= nbytes]
             if fits:
                 return self._free.pop(fits[0])
-            if self._free:
-                self._free.remove(max(self._free, key=lambda area: area.shape[0]))
+            if self._free:  # by position: arrays compare element by element, not as items
+                del self._free[max(range(len(self._free)), key=lambda i: self._free[i].shape[0])]
         return large_buffer(nbytes)
 
     def give(self, area: np.ndarray) -> None:
