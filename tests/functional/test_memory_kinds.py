@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from localkv.storage import SnapshotStore
-from support.tinyarch import TinyArchModels, build_tiny_arch_models
+from support.tinyarch import TinyArchModels
 from support.tinymodels import tiny_config
 
 from localkv.kv.blocks import PARTIAL
@@ -34,13 +34,6 @@ TEXT = (
     "Alice was beginning to get very tired of sitting by her sister on the bank, and of "
     "having nothing to do: once or twice she had peeped into the book her sister was reading. "
 )
-
-
-@pytest.fixture(scope="module")
-def arch_models(
-    tmp_path_factory: pytest.TempPathFactory, default_model_path: Path
-) -> TinyArchModels:
-    return build_tiny_arch_models(tmp_path_factory.mktemp("arch"), default_model_path)
 
 
 def _doc(n_chapters: int = 52, changed_at: int | None = None) -> Document:
