@@ -366,6 +366,11 @@ class ModelSession:
         self.tokens = [*self.tokens[:first], *tokens]
         self.batch_ends = [len(self.tokens)]  # as far as this process knows
 
+    @property
+    def _context_id(self) -> int:
+        """The llama.cpp context's address: which context a checkpoint came from."""
+        return int(ctypes.cast(self.ctx, ctypes.c_void_p).value or 0)
+
     def state_bytes(self) -> int:
         """The size of sequence 0's raw state (what ``capture_array`` would write)."""
         return int(llama_cpp.llama_state_seq_get_size(self.ctx, 0))
@@ -373,7 +378,7 @@ class ModelSession:
     def checkpoint(self) -> Checkpoint:
         """Sequence 0 as it stands now, to ``resume`` (``model.checkpoint``)."""
         return Checkpoint(
-            context=int(ctypes.cast(self.ctx, ctypes.c_void_p).value or 0),
+            context=self._context_id,
             state=self.capture_array(),
             tokens=tuple(self.tokens),
             batch_ends=tuple(self.batch_ends),
@@ -387,7 +392,7 @@ class ModelSession:
     def resume(self, checkpoint: Checkpoint) -> None:
         """Put sequence 0 back as ``checkpoint`` (taken from this context) found it.
         ``StateFormatError`` (the sequence emptied) where llama.cpp refuses its state."""
-        if checkpoint.context != int(ctypes.cast(self.ctx, ctypes.c_void_p).value or 0):
+        if checkpoint.context != self._context_id:
             raise ValueError("a checkpoint resumes only in the context that took it")
         self.load_state(checkpoint.state, list(checkpoint.tokens), named=True)
         self.batch_ends = list(checkpoint.batch_ends)

@@ -50,6 +50,7 @@ def test_a_document_asked_again_resumes_its_held_state_bit_for_bit(
     doc = _doc()
     with Runtime(tiny_config(path, n_ctx=2048), cache_dir=tmp_path) as rt:
         assert rt.cache is not None
+        rt.cache.held.max_bytes = 1 << 30  # room for them, whatever this machine has free
         n_doc = rt.prefill([doc]).tokens
         got = []
         for question in QUESTIONS:

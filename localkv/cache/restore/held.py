@@ -67,10 +67,6 @@ class HeldStates:
         with self._lock:
             self._held.pop(tip, None)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._held.clear()
-
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._held.values())
