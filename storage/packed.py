@@ -22,8 +22,9 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ import xxhash
 
 from .chain import HASH_PREFIX, digest_bytes
 from .disk import check_free_space, locked_temp_file, remove_file
+from .frontier import Frontier
 from .paths import CacheLayout, ensure_private_dir
 
 __all__ = ["BUDGET_SHARE", "KEEP", "SUFFIX", "PackedEntry", "PackedState", "PackedStates"]
@@ -44,6 +46,12 @@ _HEAD = struct.Struct("<8sQQ32s")  # magic, stream bytes, tokens, tip block dige
 _DIGEST = 16  # xxh3-128
 _TRAILER = _HEAD.size + _DIGEST
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# the digest reads this far ahead of llama.cpp's load at most: what it brings from memory
+# is still in its core's cache when the load comes to it (a core's L2 on the machines the
+# performance pages measure), in steps of _CHUNK, waiting _PAUSE_S for the load between
+_LEAD = 2 << 20
+_CHUNK = 1 << 20
+_PAUSE_S = 50e-6
 
 
 class PackedEntry(NamedTuple):
@@ -64,14 +72,34 @@ class PackedState:
     tip: str
     _mapping: mmap.mmap
     _fd: int
+    _loaded: threading.Event = field(default_factory=threading.Event)
 
     def check(self) -> str | None:
-        """Why the file cannot be used (its digest differs), or None."""
+        """Why the file cannot be used (its digest differs), or None.
+
+        Run beside llama.cpp's load of ``stream`` (then ``loaded()`` once it returns), it
+        reads the file through a mapping of its own, a little ahead of the load: each
+        byte then comes from memory once, for the digest, and the load finds it in the
+        cache (``storage.frontier``). Where the load cannot be followed, or once it is
+        done, it reads at its own pace."""
         size = self.stream.shape[0] + _HEAD.size
-        digest = xxhash.xxh3_128(memoryview(self._mapping)[:size]).digest()
-        if digest != self._mapping[size : size + _DIGEST]:
-            return "packed state checksum differs"
-        return None
+        own = mmap.mmap(self._fd, len(self._mapping), prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+        _in_large_pages(own)
+        view = memoryview(own)
+        frontier = Frontier.open(self.stream.__array_interface__["data"][0], size)
+        try:
+            digest = _digest_ahead(view, size, frontier, self._loaded)
+            same = digest == bytes(view[size : size + _DIGEST])
+        finally:
+            if frontier is not None:
+                frontier.close()
+            view.release()
+            _close(own)
+        return None if same else "packed state checksum differs"
+
+    def loaded(self) -> None:
+        """Say that the load of ``stream`` returned: ``check`` goes on at its own pace."""
+        self._loaded.set()
 
     def close(self) -> None:
         if self._fd < 0:
@@ -115,6 +143,7 @@ class PackedStates:
                 raise ValueError("packed state is not a regular file of a trailer at least")
             # pages mapped as they are first read: by the digest's thread and llama.cpp's copy
             mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+            _in_large_pages(mapping)
         except (ValueError, OSError) as exc:
             os.close(fd)
             return str(exc)
@@ -144,6 +173,7 @@ class PackedStates:
             try:
                 os.ftruncate(fd, size + _TRAILER)
                 mapping = mmap.mmap(fd, size + _TRAILER)
+                _in_large_pages(mapping)
                 try:
                     fill(np.frombuffer(mapping, dtype=np.uint8, count=size))
                     _HEAD.pack_into(mapping, size, _MAGIC, size, tokens, digest_bytes(tip))
@@ -191,6 +221,36 @@ class PackedStates:
             else:
                 freed += self.remove(tip)
         return freed
+
+
+def _digest_ahead(
+    view: memoryview, size: int, frontier: Frontier | None, loaded: threading.Event
+) -> bytes:
+    """The xxh3-128 of ``view[:size]``, read ``_LEAD`` bytes ahead of ``frontier`` at most
+    until ``loaded`` is set."""
+    digest = xxhash.xxh3_128()
+    at = 0
+    while at < size:
+        end = size
+        if frontier is not None and not loaded.is_set():
+            end = min(size, frontier.reach() + _LEAD)
+            if end < size and end - at < _CHUNK:
+                loaded.wait(_PAUSE_S)  # the load is not far enough yet
+                continue
+        digest.update(view[at:end])
+        at = end
+    return digest.digest()
+
+
+def _in_large_pages(mapping: mmap.mmap) -> None:
+    """Ask for the file's pages in the cache in huge pages, where the kernel keeps file
+    pages so: a new mapping of a file written or read so is mapped a huge page at a time,
+    where one of small pages is mapped a few of them at a time, and mapping them was the
+    larger part of the time a restore took beyond llama.cpp's copy (``docs/performance``)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            mapping.madvise(advice)
 
 
 def _close(mapping: mmap.mmap) -> None:

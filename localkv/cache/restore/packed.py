@@ -113,8 +113,8 @@ def load_packed(
     held = len(marks)
     tokens = np.concatenate([row.tokens for row in chain])
     marks.append(time.perf_counter())
-    # the digest is read on a reader thread while llama.cpp copies the state in: the state
-    # is used only once both are done, and emptied if the digest differs
+    # the digest is read on a reader thread while llama.cpp copies the state in, a little
+    # ahead of it: the state is used only once both are done, and emptied if it differs
     checked = store.on_reader(found.check)
     why = None
     try:
@@ -122,6 +122,7 @@ def load_packed(
     except codec.StateFormatError as exc:
         why = f"llama.cpp refused the packed state: {exc}"
     finally:
+        found.loaded()
         try:
             why = checked.result() or why  # the mapping is read until the digest is done
         finally:
