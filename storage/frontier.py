@@ -17,12 +17,12 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["Frontier"]
+__all__ = ["Frontier", "mapped_in_huge_pages"]
 
 _PAGEMAP = "/proc/self/pagemap"
 _ENTRY = 8  # bytes of one page's entry
 _PRESENT = 63  # the entry's bit set where the page is mapped
-_STEP = 2 << 20  # the frontier is looked for this many bytes at a time
+_STEP = 2 << 20  # the frontier is looked for a huge page (x86-64, arm64) at a time
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -70,3 +70,17 @@ class Frontier:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def mapped_in_huge_pages(address: int) -> bool:
+    """Whether the page at ``address``, the first of a new mapping, read once, was
+    mapped with a whole huge page around it: so the kernel maps a file whose pages it
+    keeps in huge pages, in one step for each, where small pages are mapped a few at a
+    time, and mapping them can take longer than reading them."""
+    frontier = Frontier.open(address, _STEP)
+    if frontier is None:
+        return False
+    try:
+        return frontier.reach() >= _STEP
+    finally:
+        frontier.close()

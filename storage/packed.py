@@ -33,7 +33,7 @@ import xxhash
 
 from .chain import HASH_PREFIX, digest_bytes
 from .disk import check_free_space, locked_temp_file, remove_file
-from .frontier import Frontier
+from .frontier import Frontier, mapped_in_huge_pages
 from .paths import CacheLayout, ensure_private_dir
 
 __all__ = ["BUDGET_SHARE", "KEEP", "SUFFIX", "PackedEntry", "PackedState", "PackedStates"]
@@ -52,6 +52,7 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _LEAD = 2 << 20
 _CHUNK = 1 << 20
 _PAUSE_S = 50e-6
+_DIFFERS = "packed state checksum differs"
 
 
 class PackedEntry(NamedTuple):
@@ -70,6 +71,7 @@ class PackedState:
     stream: np.ndarray  # llama.cpp's state stream, read-only, on the mapping
     tokens: int
     tip: str
+    huge_pages: bool  # the mapping's first page came in a huge page (``storage.frontier``)
     _mapping: mmap.mmap
     _fd: int
     _loaded: threading.Event = field(default_factory=threading.Event)
@@ -77,25 +79,28 @@ class PackedState:
     def check(self) -> str | None:
         """Why the file cannot be used (its digest differs), or None.
 
-        Run beside llama.cpp's load of ``stream`` (then ``loaded()`` once it returns), it
-        reads the file through a mapping of its own, a little ahead of the load: each
-        byte then comes from memory once, for the digest, and the load finds it in the
-        cache (``storage.frontier``). Where the load cannot be followed, or once it is
-        done, it reads at its own pace."""
+        Run beside llama.cpp's load of ``stream`` (then ``loaded()`` once it returns).
+        Where the file is mapped in huge pages (``huge_pages``), it reads the file through
+        a mapping of its own, a little ahead of the load: each byte then comes from memory
+        once, for the digest, and the load finds it in the cache (``storage.frontier``).
+        Elsewhere (small pages: mapping them can cost more than reading them) it reads
+        the load's own mapping at its own pace, and so takes a share of its page faults."""
         size = self.stream.shape[0] + _HEAD.size
+        frontier = Frontier.open(_address(self.stream), size) if self.huge_pages else None
+        if frontier is None:
+            digest = xxhash.xxh3_128(memoryview(self._mapping)[:size]).digest()
+            return None if digest == self._mapping[size : size + _DIGEST] else _DIFFERS
         own = mmap.mmap(self._fd, len(self._mapping), prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-        _in_large_pages(own)
+        _ask_huge_pages(own)
         view = memoryview(own)
-        frontier = Frontier.open(self.stream.__array_interface__["data"][0], size)
         try:
             digest = _digest_ahead(view, size, frontier, self._loaded)
             same = digest == bytes(view[size : size + _DIGEST])
         finally:
-            if frontier is not None:
-                frontier.close()
+            frontier.close()
             view.release()
             _close(own)
-        return None if same else "packed state checksum differs"
+        return None if same else _DIFFERS
 
     def loaded(self) -> None:
         """Say that the load of ``stream`` returned: ``check`` goes on at its own pace."""
@@ -143,7 +148,7 @@ class PackedStates:
                 raise ValueError("packed state is not a regular file of a trailer at least")
             # pages mapped as they are first read: by the digest's thread and llama.cpp's copy
             mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-            _in_large_pages(mapping)
+            _ask_huge_pages(mapping)
         except (ValueError, OSError) as exc:
             os.close(fd)
             return str(exc)
@@ -159,7 +164,15 @@ class PackedStates:
             os.close(fd)
             return why
         stream = np.frombuffer(mapping, dtype=np.uint8, count=size)
-        return PackedState(path=path, stream=stream, tokens=held, tip=tip, _mapping=mapping, _fd=fd)
+        return PackedState(
+            path=path,
+            stream=stream,
+            tokens=held,
+            tip=tip,
+            huge_pages=_in_huge_pages(stream),
+            _mapping=mapping,
+            _fd=fd,
+        )
 
     def write(self, tip: str, tokens: int, size: int, fill: Callable[[np.ndarray], None]) -> Path:
         """Write the packed state of the chain ending at ``tip`` (``tokens``): ``fill``
@@ -173,7 +186,7 @@ class PackedStates:
             try:
                 os.ftruncate(fd, size + _TRAILER)
                 mapping = mmap.mmap(fd, size + _TRAILER)
-                _in_large_pages(mapping)
+                _ask_huge_pages(mapping)
                 try:
                     fill(np.frombuffer(mapping, dtype=np.uint8, count=size))
                     _HEAD.pack_into(mapping, size, _MAGIC, size, tokens, digest_bytes(tip))
@@ -224,7 +237,7 @@ class PackedStates:
 
 
 def _digest_ahead(
-    view: memoryview, size: int, frontier: Frontier | None, loaded: threading.Event
+    view: memoryview, size: int, frontier: Frontier, loaded: threading.Event
 ) -> bytes:
     """The xxh3-128 of ``view[:size]``, read ``_LEAD`` bytes ahead of ``frontier`` at most
     until ``loaded`` is set."""
@@ -232,7 +245,7 @@ def _digest_ahead(
     at = 0
     while at < size:
         end = size
-        if frontier is not None and not loaded.is_set():
+        if not loaded.is_set():
             end = min(size, frontier.reach() + _LEAD)
             if end < size and end - at < _CHUNK:
                 loaded.wait(_PAUSE_S)  # the load is not far enough yet
@@ -242,7 +255,20 @@ def _digest_ahead(
     return digest.digest()
 
 
-def _in_large_pages(mapping: mmap.mmap) -> None:
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _in_huge_pages(stream: np.ndarray) -> bool:
+    """Whether a new mapping of a stream is mapped in huge pages: its first byte read (its
+    first page mapped, as the load maps it), then asked of the page table."""
+    if not stream.shape[0]:
+        return False
+    _ = int(stream[0])
+    return mapped_in_huge_pages(_address(stream))
+
+
+def _ask_huge_pages(mapping: mmap.mmap) -> None:
     """Ask for the file's pages in the cache in huge pages, where the kernel keeps file
     pages so: a new mapping of a file written or read so is mapped a huge page at a time,
     where one of small pages is mapped a few of them at a time, and mapping them was the

@@ -78,7 +78,8 @@ def test_the_command_writes_its_own_section_and_key(llama_8b: Path, tmp_path: Pa
     assert row["figures"]["warm"]["probe"] > 0
     # llama.cpp's own load of the packed stream, from new mappings and a mapped one, on the page
     load = row["figures"]["llama_load"]
-    assert load["new_s"] > 0 and load["mapped_s"] > 0
+    assert load["new_s"] > 0 and load["mapped_s"] > 0 and load["own_pace_digest_s"] > 0
+    assert 0 <= load["huge_page_bytes"] <= load["packed_bytes"]
     assert row["derived"]["warm_over_llama_load"] == pytest.approx(
         row["figures"]["warm"]["restore_s"] / load["new_s"]
     )

@@ -87,19 +87,49 @@ def test_a_frontier_needs_an_address_on_a_page() -> None:
     assert Frontier.open(mmap.PAGESIZE + 1, MIB) is None
 
 
-@pytest.mark.parametrize("reader", ["reads it all", "stops part way"])
-def test_the_digest_read_beside_a_load_is_the_files(packed: PackedStates, reader: str) -> None:
+def _smaps_huge(address: int) -> bool:
+    """Whether the kernel's own account of the mapping at ``address`` has it in huge pages."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            field = line.split()
+            if not field[0].endswith(":"):
+                inside = int(field[0].split("-")[0], 16) == address
+            elif inside and field[0] == "FilePmdMapped:":
+                return int(field[1]) > 0
+    return False
+
+
+def test_a_mapping_is_in_huge_pages_as_the_kernel_accounts_it(packed: PackedStates) -> None:
     found = _opened(packed)
+    address = found.stream.__array_interface__["data"][0]
+    assert found.huge_pages == _smaps_huge(address)
+    found.close()
+
+
+@pytest.mark.parametrize("huge_pages", [True, False], ids=["ahead", "own pace"])
+def test_the_digest_read_beside_a_load_is_the_files(packed: PackedStates, huge_pages: bool) -> None:
+    found = _opened(packed)
+    found.huge_pages = huge_pages  # each way of reading it, whatever this kernel maps
     with ThreadPoolExecutor(1) as pool:
         checked = pool.submit(found.check)
-        if reader == "reads it all":
-            _read(found.stream, found.stream.shape[0])
-        else:
-            _read(found.stream, 5 * MIB)
-            # the digest cannot end before the load says it returned: it waits at the lead
-            assert not checked.done()
-            time.sleep(0.2)
-            assert not checked.done()
+        _read(found.stream, found.stream.shape[0])
+        found.loaded()
+        assert checked.result() is None
+    found.close()
+
+
+def test_the_digest_read_ahead_waits_for_a_load_that_stops_part_way(
+    packed: PackedStates,
+) -> None:
+    found = _opened(packed)
+    found.huge_pages = True
+    with ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(found.check)
+        _read(found.stream, 5 * MIB)
+        # it cannot end before the load says it returned: it waits at the lead
+        time.sleep(0.2)
+        assert not checked.done()
         found.loaded()
         assert checked.result() is None
     found.close()
@@ -107,11 +137,13 @@ def test_the_digest_read_beside_a_load_is_the_files(packed: PackedStates, reader
 
 # in the stream past the lead, its last byte, the digest the file keeps
 @pytest.mark.parametrize("at", [3 * MIB, SIZE - 1, -1])
+@pytest.mark.parametrize("huge_pages", [True, False], ids=["ahead", "own pace"])
 def test_a_byte_changed_anywhere_fails_the_digest_read_beside_a_load(
-    packed: PackedStates, at: int
+    packed: PackedStates, at: int, huge_pages: bool
 ) -> None:
     _flip(packed.path(TIP), at)
     found = _opened(packed)
+    found.huge_pages = huge_pages
     with ThreadPoolExecutor(1) as pool:
         checked = pool.submit(found.check)
         _read(found.stream, found.stream.shape[0])

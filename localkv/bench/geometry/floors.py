@@ -3,6 +3,7 @@
 - ``drop(paths)``: each file flushed and dropped from the page cache
   (``posix_fadvise(DONTNEED)``; no root needed), so the next read comes from storage;
 - ``cached_bytes()``: the page cache's size (``Cached`` in /proc/meminfo), to check a drop;
+- ``huge_mapped_bytes(address)``: how much of a file mapping the kernel maps in huge pages;
 - ``read_seconds(paths, into)``: the files read one after another, in large
   chunks, into one ready buffer;
 - ``memcpy_seconds``: a numpy copy between two ready buffers (``measure``).
@@ -19,10 +20,18 @@ import numpy as np
 
 from localkv.bench.geometry.measure import memcpy_seconds
 
-__all__ = ["cached_bytes", "drop", "files_under", "memcpy_seconds", "read_seconds"]
+__all__ = [
+    "cached_bytes",
+    "drop",
+    "files_under",
+    "huge_mapped_bytes",
+    "memcpy_seconds",
+    "read_seconds",
+]
 
 CHUNK = 64 << 20
 _MEMINFO = Path("/proc/meminfo")
+_SMAPS = Path("/proc/self/smaps")
 
 
 def files_under(root: Path) -> list[Path]:
@@ -47,6 +56,19 @@ def cached_bytes() -> int:
         if line.startswith("Cached:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no Cached line in /proc/meminfo")
+
+
+def huge_mapped_bytes(address: int) -> int:
+    """Bytes of the file mapping that starts at ``address`` the kernel maps in huge pages
+    (``FilePmdMapped`` of its entry in /proc/self/smaps), 0 where it has none."""
+    inside = False
+    for line in _SMAPS.read_text().splitlines():
+        field = line.split()
+        if field and not field[0].endswith(":"):
+            inside = int(field[0].split("-")[0], 16) == address
+        elif inside and field[0] == "FilePmdMapped:":
+            return int(field[1]) * 1024
+    return 0
 
 
 def read_seconds(paths: Sequence[Path], into: np.ndarray) -> float:

@@ -26,12 +26,14 @@ import gc
 import os
 import shutil
 import statistics
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from localkv.bench.geometry.chain import synthetic_prefill
 from localkv.bench.geometry.counters import tree_bytes
@@ -39,6 +41,7 @@ from localkv.bench.geometry.floors import (
     cached_bytes,
     drop,
     files_under,
+    huge_mapped_bytes,
     memcpy_seconds,
     read_seconds,
 )
@@ -144,10 +147,13 @@ def _restores(model: Path, store: Path, stored: Stored, repeats: int) -> dict[st
 
 
 def _llama_loads(rt: Runtime, stored: Stored, repeats: int) -> dict[str, float]:
-    """llama.cpp's own load of the chain's packed stream alone (no lookup, digest or
-    probe), ``repeats`` times each (medians): from a new mapping of the file, as a restore
-    maps it (its pages mapped as the load reads them), and from one mapping whose pages
-    are all mapped already; empty where the chain was not packed."""
+    """llama.cpp's own load of the chain's packed stream (no lookup or probe),
+    ``repeats`` times each (medians): from a new mapping of the file, as a restore maps
+    it (its pages mapped as the load reads them), alone and with the stream's xxh3-128
+    read at its own pace on another thread (how a restore read the checksum before it
+    read it just ahead of the load: ``storage/packed.py``); and from one mapping whose
+    pages are all mapped already, and how much of it the kernel mapped in huge pages.
+    Empty where the chain was not packed."""
     if rt.cache is None:
         return {}
     tip = rt.cache.plan(stored.request.tokens, stored.ends).chain[-1]
@@ -155,33 +161,45 @@ def _llama_loads(rt: Runtime, stored: Stored, repeats: int) -> dict[str, float]:
     tokens = [int(t) for t in stored.request.tokens[:n]]
     packed = rt.cache.store.packed
 
-    def load(found: PackedState) -> float:
+    def load(found: PackedState, *, digest: bool = False) -> float:
         rt.session.reset()
+        beside = threading.Thread(target=xxhash.xxh3_128, args=(found.stream,))
         t0 = time.perf_counter()
+        if digest:
+            beside.start()
         rt.session.load_state(found.stream, tokens, named=True)
+        if digest:
+            beside.join()
         return time.perf_counter() - t0
 
-    def opened() -> PackedState | None:
+    def opened() -> PackedState:
         found = packed.open(tip.hash, n)
-        return None if isinstance(found, str) else found
+        if found is None or isinstance(found, str):
+            raise LookupError(f"packed state of {tip.hash} is gone")
+        return found
 
-    new = []
+    new: list[float] = []
+    own_pace: list[float] = []
     try:
         for _ in range(repeats):
-            found = opened()
-            if found is None:
-                return {}
-            with contextlib.closing(found):
-                new.append(load(found))
-        found = opened()
-        if found is None:
-            return {}
-        with contextlib.closing(found):
+            for digest, seconds in ((False, new), (True, own_pace)):
+                with contextlib.closing(opened()) as found:
+                    seconds.append(load(found, digest=digest))
+        with contextlib.closing(opened()) as found:
             load(found)  # maps every page
+            huge = huge_mapped_bytes(found.stream.__array_interface__["data"][0])
             mapped = [load(found) for _ in range(repeats)]
+    except LookupError:
+        return {}
     finally:
         rt.session.reset()
-    return {"new_s": statistics.median(new), "mapped_s": statistics.median(mapped)}
+    return {
+        "new_s": statistics.median(new),
+        "own_pace_digest_s": statistics.median(own_pace),
+        "mapped_s": statistics.median(mapped),
+        "huge_page_bytes": huge,
+        "packed_bytes": rt.cache.store.packed.path(tip.hash).stat().st_size,
+    }
 
 
 def _floors(store: Path, needed: int, repeats: int) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def derived(f: Mapping[str, Any]) -> dict[str, float]:
     if load:
         out["llama_load_over_memcpy"] = f["memcpy_s"] / load["mapped_s"]
         out["warm_over_llama_load"] = f["warm"]["restore_s"] / load["new_s"]
+        out["own_pace_over_memcpy"] = f["memcpy_s"] / load["own_pace_digest_s"]
     for case, floor in (("first", "memcpy_s"), ("warm", "memcpy_s"), ("dropped", "read_dropped_s")):
         out[f"{case}_over_floor"] = f[floor] / f[case]["restore_s"]
         out[f"{case}_with_probe_over_floor"] = f[floor] / f[case]["with_probe_s"]
@@ -96,13 +97,19 @@ def _llama_load(f: Mapping[str, Any], d: Mapping[str, float]) -> list[str]:
     beside = f"{_ms(rest)} more" if rest >= 0 else f"{_ms(-rest)} less"
     return [
         f"llama.cpp's own load of the packed stream (`llama_state_seq_set_data` from the "
-        f"mapped file, with no lookup, digest or probe; medians): {_ms(load['new_s'])} from "
-        f"a new mapping, as a restore maps the file (its pages mapped as the load reads "
-        f"them), {_ms(load['mapped_s'])} from one whose pages are all mapped "
-        f"({d['llama_load_over_memcpy']:.2f} of memcpy). The warm restore, which also looks "
-        f"the chain up and reads the file's digest beside the load, a little ahead of it "
-        f"(`storage/packed.py`), takes {d['warm_over_llama_load']:.2f}x the load from a new "
-        f"mapping: {beside}.",
+        f"mapped file, with no lookup or probe; medians): {_ms(load['new_s'])} from a new "
+        f"mapping, as a restore maps the file (its pages mapped as the load reads them), "
+        f"{_ms(load['mapped_s'])} from one whose pages are all mapped "
+        f"({d['llama_load_over_memcpy']:.2f} of memcpy; the kernel mapped "
+        f"{load['huge_page_bytes'] / load['packed_bytes']:.0%} of the file in huge pages); "
+        f"from a new mapping with the "
+        f"stream's xxh3-128 read beside it at its own pace, as a restore read its "
+        f"checksum before, {_ms(load['own_pace_digest_s'])} "
+        f"({d['own_pace_over_memcpy']:.2f} of memcpy: the two reads share the memory's "
+        f"bandwidth). A restore reads the checksum at most a couple of MiB ahead of the "
+        f"load instead (`storage/frontier.py`), so the load finds each byte in the "
+        f"cache: the warm restore, its lookup too, takes "
+        f"{d['warm_over_llama_load']:.2f}x the load alone from a new mapping: {beside}.",
         "",
     ]
 
@@ -137,7 +144,8 @@ NOTES = (
     "four times the state at least, as a user's `LOCALKV_BUDGET` may); the repeats then "
     "restore through the packed state where it was written (a packed restore has no "
     "columns step: its read maps the file, its load hands the mapping to llama.cpp while "
-    "a reader thread checks the file's checksum beside it, and it decodes its probe; the "
+    "a reader thread checks the file's checksum a little ahead of it, and it decodes its "
+    "probe; the "
     "store's bytes count the packed state too); then, each "
     "repeat, every file of the store is written back and dropped from the page cache "
     "(`posix_fadvise(DONTNEED)`) and restored again. A restore from the blocks decodes "
