@@ -23,6 +23,9 @@ from localkv.storage.packed import PackedState, PackedStates
 from localkv.storage.paths import prepare_root
 
 TIP = "sha256:" + "ab" * 32
+needs_pagemap = pytest.mark.skipif(
+    not os.access("/proc/self/pagemap", os.R_OK), reason="no page table to read here"
+)
 MIB = 1 << 20
 SIZE = 24 * MIB  # several times the digest's lead
 
@@ -58,6 +61,7 @@ def _flip(path: Path, at: int) -> None:
         f.write(bytes([byte[0] ^ 1]))
 
 
+@needs_pagemap
 def test_a_new_mapping_has_read_nothing_and_the_frontier_grows_from_its_start(
     tmp_path: Path,
 ) -> None:
@@ -119,6 +123,7 @@ def test_the_digest_read_beside_a_load_is_the_files(packed: PackedStates, huge_p
     found.close()
 
 
+@needs_pagemap
 def test_the_digest_read_ahead_waits_for_a_load_that_stops_part_way(
     packed: PackedStates,
 ) -> None:
