@@ -22,6 +22,8 @@ from localkv.storage.frontier import Frontier
 from localkv.storage.packed import PackedState, PackedStates
 from localkv.storage.paths import prepare_root
 
+from localkv.bench.geometry.floors import huge_mapped_bytes
+
 TIP = "sha256:" + "ab" * 32
 needs_pagemap = pytest.mark.skipif(
     not os.access("/proc/self/pagemap", os.R_OK), reason="no page table to read here"
@@ -91,23 +93,10 @@ def test_a_frontier_needs_an_address_on_a_page() -> None:
     assert Frontier.open(mmap.PAGESIZE + 1, MIB) is None
 
 
-def _smaps_huge(address: int) -> bool:
-    """Whether the kernel's own account of the mapping at ``address`` has it in huge pages."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            field = line.split()
-            if not field[0].endswith(":"):
-                inside = int(field[0].split("-")[0], 16) == address
-            elif inside and field[0] == "FilePmdMapped:":
-                return int(field[1]) > 0
-    return False
-
-
 def test_a_mapping_is_in_huge_pages_as_the_kernel_accounts_it(packed: PackedStates) -> None:
     found = _opened(packed)
     address = found.stream.__array_interface__["data"][0]
-    assert found.huge_pages == _smaps_huge(address)
+    assert found.huge_pages == (huge_mapped_bytes(address) > 0)
     found.close()
 
 
